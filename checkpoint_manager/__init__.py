@@ -1,0 +1,45 @@
+"""checkpoint-manager: pluggable, fast, crash-proof checkpointing for PyTorch training runs."""
+
+from checkpoint_manager.config import CheckpointConfig, LoadMode
+from checkpoint_manager.errors import (
+    AsyncSaveError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    ManagerClosedError,
+    UnsafeCheckpointError,
+)
+from checkpoint_manager.protocol import (
+    CheckpointManager,
+    LoadContext,
+    LoadResult,
+    SaveContext,
+    SaveResult,
+    Stateful,
+)
+from checkpoint_manager.train_state import TrainState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncSaveError",
+    "CheckpointConfig",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointVersionError",
+    "LoadContext",
+    "LoadMode",
+    "LoadResult",
+    "ManagerClosedError",
+    "SaveContext",
+    "SaveResult",
+    "Stateful",
+    "TrainState",
+    "UnsafeCheckpointError",
+    "__version__",
+]

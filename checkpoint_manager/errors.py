@@ -1,0 +1,46 @@
+"""Typed errors, so callers can tell a missing checkpoint from a corrupt one from a bug."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncSaveError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointVersionError",
+    "ManagerClosedError",
+    "UnsafeCheckpointError",
+]
+
+
+class CheckpointError(Exception):
+    """Base of every error this library raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint matches what was asked for."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's files are missing, truncated or fail their checks; the message names the file."""
+
+
+class CheckpointVersionError(CheckpointCorruptError):
+    """A checkpoint written by an unknown (newer) format version."""
+
+
+class UnsafeCheckpointError(CheckpointCorruptError):
+    """A file tried something that loading must never do (run code, escape a directory)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint and the live objects disagree (keys, shapes, dtypes)."""
+
+
+class AsyncSaveError(CheckpointError):
+    """A background save failed; the original exception is chained as ``__cause__``."""
+
+
+class ManagerClosedError(CheckpointError, RuntimeError):
+    """The manager was terminated and accepts no more saves."""

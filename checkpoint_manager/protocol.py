@@ -1,0 +1,164 @@
+"""The contract between a training loop and any checkpoint manager.
+
+A trainer talks to checkpointing only through :class:`CheckpointManager` and the two context
+dataclasses, so a team can swap in its own save/load code without forking the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from torch import nn
+from torch.optim import Optimizer
+
+from checkpoint_manager.train_state import TrainState
+
+__all__ = [
+    "CheckpointManager",
+    "LoadContext",
+    "LoadResult",
+    "SaveContext",
+    "SaveResult",
+    "Stateful",
+]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything whose state can be captured and restored (dataloaders, samplers, EMA, ...)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+Models = nn.Module | Sequence[nn.Module]
+Optimizers = Optimizer | Sequence[Optimizer]
+
+
+@dataclass
+class _Context:
+    """Fields shared by save and load: the live objects whose state is checkpointed."""
+
+    model: Models | None = None
+    optimizer: Optimizers | None = None
+    scheduler: Any | None = None
+    dataloader: Any | None = None
+    train_state: TrainState | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def models(self) -> list[nn.Module]:
+        """The model(s) as a list, whatever form the caller gave."""
+        return _as_list(self.model)
+
+    def optimizers(self) -> list[Optimizer]:
+        """The optimizer(s) as a list, whatever form the caller gave."""
+        return _as_list(self.optimizer)
+
+    def schedulers(self) -> list[Any]:
+        """The LR scheduler(s) as a list."""
+        return _as_list(self.scheduler)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+@dataclass
+class SaveContext(_Context):
+    """What the loop hands to ``save``: live objects plus this step's metrics and intent.
+
+    ``force`` saves now whatever the policy says; ``final`` marks the end of training (saved
+    unless this very step was just saved, and always committed before ``save`` returns).
+    """
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    force: bool = False
+    final: bool = False
+
+
+@dataclass
+class LoadContext(_Context):
+    """What the loop hands to ``should_load`` / ``load``.
+
+    ``step`` or ``path`` pins one checkpoint; the ``load_*`` switches let fine-tuning take the
+    weights but start a fresh optimizer, RNG or data order.
+    """
+
+    strict: bool = True
+    step: int | None = None
+    path: str | Path | None = None
+    load_optimizer: bool = True
+    load_scheduler: bool = True
+    load_rng: bool = True
+    load_dataloader: bool = True
+    load_train_state: bool = True
+    load_extra: bool = True
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one save produced. ``committed`` is False while an async save is still in flight."""
+
+    path: str
+    step: int
+    bytes: int = 0
+    seconds: float = 0.0
+    stall_seconds: float = 0.0
+    committed: bool = True
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (10**9 bytes per second)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What one load restored, so a trainer can log it or assert on it."""
+
+    path: str
+    step: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    restored: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+    bytes: int = 0
+    seconds: float = 0.0
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+    def replace(self, **changes: Any) -> LoadResult:
+        return dataclasses.replace(self, **changes)
+
+
+@runtime_checkable
+class CheckpointManager(Protocol):
+    """The four calls a training loop makes. Implement them to plug in your own checkpointing.
+
+    ``runtime_checkable`` only checks names; :func:`create_checkpoint_manager` also checks that each
+    method's signature accepts the calls below.
+    """
+
+    def should_load(self, ctx: LoadContext) -> bool:
+        """Whether ``load`` would restore something for this context (per the config's load mode)."""
+        ...
+
+    def load(self, ctx: LoadContext) -> LoadResult:
+        """Restore the objects in ``ctx`` in place and say what was restored."""
+        ...
+
+    def save(self, ctx: SaveContext) -> SaveResult | None:
+        """Save if the policy (or ``force`` / ``final``) says so; ``None`` when skipped."""
+        ...
+
+    def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None:
+        """Commit finished background saves; ``blocking`` waits; ``terminate`` also shuts down."""
+        ...
