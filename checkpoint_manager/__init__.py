@@ -1,5 +1,6 @@
 """checkpoint-manager: pluggable, fast, crash-proof checkpointing for PyTorch training runs."""
 
+from checkpoint_manager._version import __version__
 from checkpoint_manager.config import CheckpointConfig, LoadMode
 from checkpoint_manager.errors import (
     AsyncSaveError,
@@ -11,6 +12,8 @@ from checkpoint_manager.errors import (
     ManagerClosedError,
     UnsafeCheckpointError,
 )
+from checkpoint_manager.layout import CheckpointInfo
+from checkpoint_manager.manager import DefaultCheckpointManager
 from checkpoint_manager.protocol import (
     CheckpointManager,
     LoadContext,
@@ -21,17 +24,17 @@ from checkpoint_manager.protocol import (
 )
 from checkpoint_manager.train_state import TrainState
 
-__version__ = "0.1.0"
-
 __all__ = [
     "AsyncSaveError",
     "CheckpointConfig",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointInfo",
     "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointVersionError",
+    "DefaultCheckpointManager",
     "LoadContext",
     "LoadMode",
     "LoadResult",

@@ -25,9 +25,7 @@ class CheckpointConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
     save_dir: str = Field(description="Directory (or fsspec URL) that receives checkpoints.")
-    load_dir: str | None = Field(
-        default=None, description="Where to resume from; defaults to save_dir."
-    )
+    load_dir: str | None = Field(default=None, description="Where to resume from; defaults to save_dir.")
     manager: str | None = Field(
         default=None,
         description="None for the default DCP manager, an entry-point name registered in group "

@@ -1,0 +1,233 @@
+"""Lossless JSON encoding of state dicts, so nothing we write needs pickle.
+
+State dicts mix tensors with Python values (tuples, ints vs floats, NaN, non-string keys). Tensors
+either travel to DCP (``split_tensors``) or, when small (RNG, dataloader positions), inline as base64.
+Every other value is tagged so it comes back as the same type, not merely an equal-looking one.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+try:  # numpy is optional: only needed to checkpoint numpy values (e.g. numpy's RNG state)
+    import numpy as np
+except ImportError:  # pragma: no cover - depends on the environment
+    np = None  # type: ignore[assignment]
+
+__all__ = ["decode", "encode", "merge_tensors", "split_tensors", "tensor_placeholders"]
+
+_TAG = "__cm__"
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown tensor dtype {name!r}") from None
+
+
+def encode(obj: Any, *, tensor_hook: Callable[[str, torch.Tensor], Any] | None = None, path: str = "") -> Any:
+    """Turn ``obj`` into JSON-safe data; ``tensor_hook(path, t)`` may replace tensors (e.g. to send them to DCP)."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        return {_TAG: "float", "v": repr(obj)}
+    if isinstance(obj, torch.Tensor):
+        if tensor_hook is not None:
+            return tensor_hook(path, obj)
+        return _encode_tensor(obj)
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and _TAG not in obj:
+            return {k: encode(v, tensor_hook=tensor_hook, path=_join(path, k)) for k, v in obj.items()}
+        return {
+            _TAG: "dict",
+            "items": [
+                [encode(k, path=path), encode(v, tensor_hook=tensor_hook, path=_join(path, str(k)))]
+                for k, v in obj.items()
+            ],
+        }
+    if isinstance(obj, list):
+        return [encode(v, tensor_hook=tensor_hook, path=_join(path, str(i))) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        items = [encode(v, tensor_hook=tensor_hook, path=_join(path, str(i))) for i, v in enumerate(obj)]
+        return {_TAG: "tuple", "items": items}
+    if isinstance(obj, (bytes, bytearray)):
+        return {_TAG: "bytes", "b64": base64.b64encode(bytes(obj)).decode("ascii")}
+    if np is not None and isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        return {
+            _TAG: "ndarray",
+            "dtype": arr.dtype.str,
+            "shape": list(arr.shape),
+            "b64": base64.b64encode(arr.tobytes()).decode("ascii"),
+        }
+    if np is not None and isinstance(obj, np.generic):
+        return encode(obj.item(), tensor_hook=tensor_hook, path=path)
+    if isinstance(obj, torch.dtype):
+        return {_TAG: "dtype", "v": dtype_name(obj)}
+    if isinstance(obj, (set, frozenset)):
+        raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path or '<root>'}: use a list")
+    raise TypeError(
+        f"cannot checkpoint value of type {type(obj).__module__}.{type(obj).__qualname__} at "
+        f"{path or '<root>'}: state dicts may hold tensors, numbers, strings, bytes, None, lists, "
+        "tuples, dicts and numpy arrays"
+    )
+
+
+def decode(data: Any, *, tensor_hook: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+    """Invert :func:`encode`; ``tensor_hook`` resolves placeholders that ``split_tensors`` left."""
+    if isinstance(data, list):
+        return [decode(v, tensor_hook=tensor_hook) for v in data]
+    if not isinstance(data, dict):
+        return data
+    tag = data.get(_TAG)
+    if tag is None:
+        return {k: decode(v, tensor_hook=tensor_hook) for k, v in data.items()}
+    if tag == "float":
+        return float(data["v"])
+    if tag == "tuple":
+        return tuple(decode(v, tensor_hook=tensor_hook) for v in data["items"])
+    if tag == "dict":
+        return {_hashable(decode(k)): decode(v, tensor_hook=tensor_hook) for k, v in data["items"]}
+    if tag == "bytes":
+        return base64.b64decode(data["b64"])
+    if tag == "ndarray":
+        if np is None:
+            raise ValueError("checkpoint holds a numpy array but numpy is not installed")
+        raw = base64.b64decode(data["b64"])
+        return np.frombuffer(raw, dtype=np.dtype(data["dtype"])).reshape(data["shape"]).copy()
+    if tag == "dtype":
+        return dtype_from_name(data["v"])
+    if tag == "tensor":
+        return _decode_tensor(data)
+    if tag == "dcp":
+        if tensor_hook is None:
+            raise ValueError(f"tensor placeholder {data.get('key')!r} found but no tensors were given")
+        return tensor_hook(data)
+    raise ValueError(f"unknown encoded value tag {tag!r}")
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _encode_tensor(t: torch.Tensor) -> dict[str, Any]:
+    t = t.detach().to("cpu").contiguous()
+    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return {
+        _TAG: "tensor",
+        "dtype": dtype_name(t.dtype),
+        "shape": list(t.shape),
+        "b64": base64.b64encode(raw).decode("ascii"),
+    }
+
+
+def _decode_tensor(data: dict[str, Any]) -> torch.Tensor:
+    dtype = dtype_from_name(data["dtype"])
+    shape = [int(s) for s in data["shape"]]
+    raw = bytearray(base64.b64decode(data["b64"]))
+    out = torch.empty(shape, dtype=dtype)
+    expected = out.numel() * out.element_size()
+    if len(raw) != expected:
+        raise ValueError(f"inline tensor has {len(raw)} bytes, expected {expected} for {shape} {dtype}")
+    if expected:
+        out.view(-1).view(torch.uint8).copy_(torch.frombuffer(raw, dtype=torch.uint8))
+    return out
+
+
+def split_tensors(tree: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """Pull every tensor out of ``tree`` into a flat dict keyed ``prefix.path``; leave JSON placeholders."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def hook(path: str, t: torch.Tensor) -> dict[str, Any]:
+        key = _join(prefix, path)
+        tensors[key] = t
+        return {_TAG: "dcp", "key": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+
+    return tensors, encode(tree, tensor_hook=hook)
+
+
+def tensor_placeholders(skeleton: Any) -> dict[str, torch.Tensor]:
+    """Allocate empty tensors for every placeholder in ``skeleton``: the targets DCP loads into."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, dict):
+            if node.get(_TAG) == "dcp":
+                out[node["key"]] = torch.empty(node["shape"], dtype=dtype_from_name(node["dtype"]))
+                return
+            for v in node.values():
+                walk(v)
+
+    walk(skeleton)
+    return out
+
+
+_MISSING = object()
+
+
+def merge_tensors(skeleton: Any, tensors: dict[str, torch.Tensor], *, drop_missing: bool = False) -> Any:
+    """Invert :func:`split_tensors`; with ``drop_missing``, dict entries whose tensor is absent vanish."""
+
+    def hook(node: dict[str, Any]) -> Any:
+        try:
+            return tensors[node["key"]]
+        except KeyError:
+            if drop_missing:
+                return _MISSING
+            raise KeyError(f"tensor {node['key']!r} is missing from the checkpoint") from None
+
+    merged = decode(skeleton, tensor_hook=hook)
+    return _prune(merged) if drop_missing else merged
+
+
+def _prune(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _prune(v) for k, v in node.items() if v is not _MISSING}
+    if isinstance(node, list):
+        return [_prune(v) for v in node if v is not _MISSING]
+    if isinstance(node, tuple):
+        return tuple(_prune(v) for v in node if v is not _MISSING)
+    return node

@@ -1,0 +1,155 @@
+"""What a committed checkpoint looks like on disk, and how the committed ones are found.
+
+``checkpoint.json`` is written last inside the pending directory and is the source of truth:
+a directory without a valid one is not a checkpoint. Names are for people; steps come from the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import string
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointVersionError
+
+__all__ = [
+    "CHECKPOINT_JSON",
+    "FORMAT_VERSION",
+    "CheckpointInfo",
+    "format_name",
+    "read_checkpoint_json",
+    "scan_checkpoints",
+]
+
+CHECKPOINT_JSON = "checkpoint.json"
+STATE_JSON = "state.json"
+LATEST_POINTER = "latest"
+FORMAT_NAME = "checkpoint-manager"
+FORMAT_VERSION = 1
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=+\-]")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint as discovery sees it."""
+
+    name: str
+    path: Path
+    step: int
+    created: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sort_key(self) -> tuple[int, float, str]:
+        return (self.step, self.created, self.name)
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+def format_name(template: str, *, step: int, metrics: dict[str, float], fields: dict[str, Any]) -> str:
+    """Fill the name template; characters unsafe in paths become ``_``."""
+    values: dict[str, Any] = {**metrics, **fields, "step": step}
+    try:
+        name = template.format(**values)
+    except KeyError as exc:
+        raise ValueError(
+            f"name_template {template!r} uses {exc.args[0]!r}, which is neither a metric of this save "
+            f"nor a train-state field (available: {sorted(values)})"
+        ) from None
+    except (ValueError, IndexError) as exc:
+        raise ValueError(f"name_template {template!r} cannot be formatted: {exc}") from None
+    name = _UNSAFE.sub("_", name).strip(".")
+    if not name:
+        raise ValueError(f"name_template {template!r} produced an empty name")
+    return name
+
+
+def validate_template(template: str) -> None:
+    """Reject templates that cannot produce a name (checked when the config is built)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"name_template {template!r} is malformed: {exc}") from None
+    if not any(field_name for _, field_name, _, _ in parsed if field_name is not None):
+        raise ValueError(f"name_template {template!r} must contain a field such as {{step}}")
+    for _, field_name, _, _ in parsed:
+        if field_name is not None and (field_name == "" or field_name.isdigit()):
+            raise ValueError(f"name_template {template!r}: positional fields are not allowed, name them")
+    if "/" in template or "\\" in template:
+        raise ValueError(f"name_template {template!r} must not contain path separators")
+
+
+def read_checkpoint_json(path: Path) -> dict[str, Any]:
+    """Read and check a checkpoint's ``checkpoint.json``; typed errors name the file."""
+    file = path / CHECKPOINT_JSON
+    try:
+        raw = file.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{file}: missing (not a committed checkpoint)") from None
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointCorruptError(f"{file}: not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise CheckpointCorruptError(f"{file}: not a {FORMAT_NAME} checkpoint description")
+    version = meta.get("format_version")
+    if not isinstance(version, int):
+        raise CheckpointCorruptError(f"{file}: format_version missing or not an integer")
+    if version > FORMAT_VERSION:
+        raise CheckpointVersionError(
+            f"{file}: format_version {version} is newer than this library supports ({FORMAT_VERSION}); "
+            "upgrade checkpoint-manager"
+        )
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointCorruptError(f"{file}: step missing or not a non-negative integer")
+    return meta
+
+
+def info_from_meta(path: Path, meta: dict[str, Any]) -> CheckpointInfo:
+    metrics = meta.get("metrics") or {}
+    return CheckpointInfo(
+        name=path.name,
+        path=path,
+        step=int(meta["step"]),
+        created=float(meta.get("created_unix", 0.0)),
+        metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+        meta=meta,
+    )
+
+
+def scan_checkpoints(root: Path, names: list[str]) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
+    """Committed checkpoints sorted oldest → newest by step, and the (name, problem) of broken ones."""
+    good: list[CheckpointInfo] = []
+    bad: list[tuple[str, str]] = []
+    for name in names:
+        path = root / name
+        if not (path / CHECKPOINT_JSON).exists():
+            continue  # not ours (or a user directory): ignore silently
+        try:
+            good.append(info_from_meta(path, read_checkpoint_json(path)))
+        except CheckpointCorruptError as exc:
+            bad.append((name, str(exc)))
+    good.sort(key=lambda i: i.sort_key)
+    return good, bad
+
+
+def metric_value(value: Any) -> float | None:
+    """A metric usable for ranking (None for NaN, inf or non-numbers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def now() -> tuple[float, str]:
+    t = time.time()
+    return t, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))

@@ -1,0 +1,396 @@
+"""The default manager: wires policy, state, DCP I/O and storage; holds no I/O detail itself.
+
+Save: policy → gather → DCP write into a pending directory → per-rank JSON → vote → rank 0 writes
+``checkpoint.json`` and commits with one rename → pointer. Load: discover → check → DCP read → apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, ClassVar
+
+import torch
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from checkpoint_manager._version import __version__
+from checkpoint_manager.codec import encode
+from checkpoint_manager.config import CheckpointConfig
+from checkpoint_manager.dcp_io import CheckpointReader, CheckpointWriter, read_dcp_metadata
+from checkpoint_manager.dist import DistContext
+from checkpoint_manager.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ManagerClosedError,
+)
+from checkpoint_manager.layout import (
+    CHECKPOINT_JSON,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST_POINTER,
+    STATE_JSON,
+    CheckpointInfo,
+    format_name,
+    info_from_meta,
+    now,
+    rank_file,
+    read_checkpoint_json,
+    scan_checkpoints,
+    validate_template,
+)
+from checkpoint_manager.policy import build_save_policy
+from checkpoint_manager.protocol import LoadContext, LoadResult, SaveContext, SaveResult
+from checkpoint_manager.state import GatheredState, StateLoader, gather_state
+from checkpoint_manager.storage import LocalStorage
+
+__all__ = ["DefaultCheckpointManager"]
+
+log = logging.getLogger("checkpoint_manager")
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every single-process call that it assumes one process; that is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+@dataclass
+class _SaveJob:
+    """Everything one save needs after gathering, so the write can run now or in the background."""
+
+    step: int
+    name: str
+    pending: Path
+    state: GatheredState
+    metrics: dict[str, float]
+    started: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class DefaultCheckpointManager:
+    """Saves and restores the whole training state with torch.distributed.checkpoint, atomically."""
+
+    config_class: ClassVar[type[CheckpointConfig]] = CheckpointConfig
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        if not isinstance(config, CheckpointConfig):
+            raise TypeError(f"DefaultCheckpointManager needs a CheckpointConfig, got {type(config).__name__}")
+        validate_template(config.name_template)
+        self.config = config
+        self._dist = DistContext()
+        self._storage = LocalStorage(config.save_dir, fsync=config.fsync)
+        self._load_storage = (
+            self._storage
+            if config.resolved_load_dir == config.save_dir
+            else LocalStorage(config.resolved_load_dir, fsync=config.fsync)
+        )
+        self._policy = build_save_policy(config)
+        self._closed = False
+        self._last_saved_step: int | None = None
+        self._last_saved_known = False
+        if config.sweep_pending_on_start and self._dist.is_coordinator:
+            removed = self._storage.sweep_pending()
+            if removed:
+                log.warning(
+                    "removed %d leftover(s) of interrupted saves in %s", len(removed), config.save_dir
+                )
+        self._dist.barrier("start")
+
+    # -- context manager --------------------------------------------------------------------------
+    def __enter__(self) -> DefaultCheckpointManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.finalize_async_saves(blocking=True, terminate=True)
+            return
+        try:
+            self.finalize_async_saves(blocking=True, terminate=True)
+        except Exception as final_exc:  # keep the user's exception primary, but never lose ours
+            log.error("finalizing checkpoints failed while handling another error: %r", final_exc)
+            exc.add_note(f"checkpoint_manager: finalizing pending saves also failed: {final_exc!r}")
+
+    # -- discovery --------------------------------------------------------------------------------
+    def list_checkpoints(self, *, load_dir: bool = False) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest → newest by step (rank 0 lists; every rank gets the answer)."""
+        storage = self._load_storage if load_dir else self._storage
+        infos, bad = scan_checkpoints(storage.root, storage.list_names())
+        for name, problem in bad:
+            log.warning("ignoring broken checkpoint %s: %s", name, problem)
+        return infos
+
+    def latest_checkpoint(self, *, load_dir: bool = False) -> CheckpointInfo | None:
+        infos = self.list_checkpoints(load_dir=load_dir)
+        return infos[-1] if infos else None
+
+    def _resolve(self, ctx: LoadContext) -> tuple[Path | None, bool]:
+        """The checkpoint to load (or None) and whether it is model-only initial weights."""
+        if self._dist.is_coordinator:
+            path, model_only = self._resolve_local(ctx)
+            answer: Any = [str(path) if path is not None else None, model_only]
+        else:
+            answer = None
+        answer = self._dist.broadcast_json(answer, "resolve checkpoint")
+        return (Path(answer[0]) if answer[0] is not None else None), bool(answer[1])
+
+    def _resolve_local(self, ctx: LoadContext) -> tuple[Path | None, bool]:
+        if ctx.path is not None:
+            path = Path(ctx.path)
+            read_checkpoint_json(path)  # a typed error if it is not a committed checkpoint
+            return path, False
+        step = ctx.step if ctx.step is not None else self.config.load_step
+        if step is not None:
+            infos = self.list_checkpoints(load_dir=True)
+            matches = [i for i in infos if i.step == step]
+            if not matches:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint at step {step} in {self.config.resolved_load_dir}; "
+                    f"available steps: {[i.step for i in infos]}"
+                )
+            return matches[-1].path, False
+        if self.config.load_mode == "never":
+            return None, False
+        latest = self.latest_checkpoint(load_dir=True)
+        if latest is not None:
+            return latest.path, False
+        if self.config.initial_load_path is not None:
+            return Path(self.config.initial_load_path), True
+        if self.config.load_mode == "required":
+            raise CheckpointNotFoundError(
+                f"load_mode='required' but {self.config.resolved_load_dir} holds no committed checkpoint"
+            )
+        return None, False
+
+    # -- protocol ---------------------------------------------------------------------------------
+    def should_load(self, ctx: LoadContext) -> bool:
+        path, _ = self._resolve(ctx)
+        return path is not None
+
+    def load(self, ctx: LoadContext) -> LoadResult:
+        t0 = time.perf_counter()
+        path, model_only = self._resolve(ctx)
+        if path is None:
+            reason = (
+                "load_mode='never'"
+                if self.config.load_mode == "never"
+                else f"{self.config.resolved_load_dir} holds no committed checkpoint"
+            )
+            raise CheckpointNotFoundError(f"nothing to load: {reason}")
+        meta = read_checkpoint_json(path)
+        self._check_files(path, meta)
+        global_json = LocalStorage.read_json(path / STATE_JSON) if (path / STATE_JSON).exists() else {}
+        rank_json = self._read_rank_json(path, meta)
+        loader = StateLoader(
+            ctx, global_json, rank_json, meta.get("train_state"), source=str(path), model_only=model_only
+        )
+        metadata = read_dcp_metadata(path)
+        targets = loader.targets(metadata)
+        t_plan = time.perf_counter()
+        if targets:
+            with _quiet_single_process():
+                dcp_load(
+                    targets,
+                    storage_reader=CheckpointReader(path),
+                    process_group=self._dist.group,
+                    no_dist=self._dist.world_size == 1,
+                )
+        t_read = time.perf_counter()
+        loader.apply(targets)
+        t_end = time.perf_counter()
+        if not model_only:
+            self._last_saved_step = int(meta["step"])
+            self._last_saved_known = True
+        nbytes = sum(int(t.numel() * t.element_size()) for t in targets.values())
+        seconds = t_end - t0
+        log.info(
+            "loaded %s (step %d): %.3f GB in %.2fs (%.2f GB/s)%s",
+            path,
+            meta["step"],
+            nbytes / 1e9,
+            seconds,
+            nbytes / 1e9 / max(seconds, 1e-9),
+            " [model weights only]" if model_only else "",
+        )
+        return LoadResult(
+            path=str(path),
+            step=int(meta["step"]),
+            metrics=dict(meta.get("metrics") or {}),
+            restored=tuple(loader.restored),
+            skipped=tuple(loader.skipped),
+            bytes=nbytes,
+            seconds=seconds,
+            timings={"plan": t_plan - t0, "read": t_read - t_plan, "apply": t_end - t_read},
+        )
+
+    def save(self, ctx: SaveContext) -> SaveResult | None:
+        self._check_open()
+        if ctx.train_state is None:
+            raise ValueError("SaveContext.train_state is required: it carries the step being saved")
+        step = ctx.train_state.step
+        if not self._decide(step, ctx):
+            return None
+        job = self._prepare(ctx, step)
+        return self._write_and_commit(job)
+
+    def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None:
+        if terminate:
+            self._closed = True
+
+    # -- save internals ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ManagerClosedError(
+                "this checkpoint manager was terminated (finalize_async_saves(terminate=True)); "
+                "create a new one to save again"
+            )
+
+    def _last_saved(self) -> int | None:
+        if not self._last_saved_known:
+            latest = self.latest_checkpoint() if self._dist.is_coordinator else None
+            step = self._dist.broadcast_json(latest.step if latest else None, "last saved step")
+            self._last_saved_step, self._last_saved_known = step, True
+        return self._last_saved_step
+
+    def _decide(self, step: int, ctx: SaveContext) -> bool:
+        """One decision for all ranks: rank 0's."""
+        if self._dist.is_coordinator:
+            last = self._last_saved()
+            if ctx.force:
+                decision = True
+            elif step == last:
+                decision = False  # this very step is already saved (e.g. a final save right after one)
+            else:
+                decision = ctx.final or self._policy.should_save(step, last)
+        else:
+            self._last_saved()
+            decision = None
+        return bool(self._dist.broadcast_json(decision, "save decision"))
+
+    def _prepare(self, ctx: SaveContext, step: int) -> _SaveJob:
+        started = time.perf_counter()
+        assert ctx.train_state is not None
+        fields = {k: v for k, v in ctx.train_state.state_dict().items() if k != "counters"}
+        fields.update(ctx.train_state.counters)
+        name = format_name(self.config.name_template, step=step, metrics=dict(ctx.metrics), fields=fields)
+        pending = str(self._storage.new_pending(name)) if self._dist.is_coordinator else None
+        pending = self._dist.broadcast_json(pending, "create pending directory")
+        state = gather_state(ctx)
+        job = _SaveJob(step, name, Path(pending), state, dict(ctx.metrics), started)
+        job.timings["gather"] = time.perf_counter() - started
+        return job
+
+    def _write_and_commit(self, job: _SaveJob) -> SaveResult:
+        try:
+            t0 = time.perf_counter()
+            with _quiet_single_process():
+                dcp_save(
+                    job.state.tensors,
+                    storage_writer=CheckpointWriter(job.pending, fsync=self.config.fsync),
+                    process_group=self._dist.group,
+                    no_dist=self._dist.world_size == 1,
+                )
+            self._storage.write_json(job.pending / rank_file(self._dist.rank), job.state.rank_json)
+            t1 = time.perf_counter()
+            job.timings["write"] = t1 - t0
+            ok = self._dist.all_ok(True, "all ranks written")
+            final = self._commit(job) if self._dist.is_coordinator and ok else None
+            final = self._dist.broadcast_json(final, "commit")
+            job.timings["commit"] = time.perf_counter() - t1
+        except BaseException:
+            if self._dist.is_coordinator:
+                self._storage.remove_tree(job.pending)
+            raise
+        self._last_saved_step, self._last_saved_known = job.step, True
+        seconds = time.perf_counter() - job.started
+        nbytes = job.state.nbytes
+        log.info(
+            "saved %s (step %d): %.3f GB in %.2fs (%.2f GB/s)",
+            final,
+            job.step,
+            nbytes / 1e9,
+            seconds,
+            nbytes / 1e9 / max(seconds, 1e-9),
+        )
+        return SaveResult(
+            path=str(final),
+            step=job.step,
+            bytes=nbytes,
+            seconds=seconds,
+            stall_seconds=seconds,
+            committed=True,
+            timings=dict(job.timings),
+        )
+
+    def _commit(self, job: _SaveJob) -> str:
+        """Rank 0: describe the pending directory in checkpoint.json, rename it into place, move pointers."""
+        pending = job.pending
+        self._storage.write_json(pending / STATE_JSON, job.state.global_json)
+        files = {
+            entry.name: {"size": entry.stat().st_size}
+            for entry in sorted(os.scandir(pending), key=lambda e: e.name)
+            if entry.is_file()
+        }
+        created_unix, created = now()
+        meta = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "library_version": __version__,
+            "torch_version": torch.__version__,
+            "engine": "dcp",
+            "step": job.step,
+            "name": job.name,
+            "created": created,
+            "created_unix": created_unix,
+            "world_size": self._dist.world_size,
+            "train_state": job.state.train_state,
+            "metrics": encode(job.metrics),
+            "bytes": job.state.nbytes,
+            "files": files,
+        }
+        self._storage.write_json(pending / CHECKPOINT_JSON, meta)
+        final = self._storage.commit(pending, job.name)
+        self._storage.write_json_atomic(
+            self._storage.root / LATEST_POINTER, {"name": final.name, "step": job.step}
+        )
+        info_from_meta(final, meta)
+        return str(final)
+
+    # -- load internals ---------------------------------------------------------------------------
+    def _check_files(self, path: Path, meta: dict[str, Any]) -> None:
+        """Cheap integrity: every recorded file exists with its recorded size."""
+        files = meta.get("files")
+        if not isinstance(files, dict):
+            raise CheckpointCorruptError(f"{path / CHECKPOINT_JSON}: 'files' missing or malformed")
+        for name, desc in files.items():
+            file = path / name
+            try:
+                size = file.stat().st_size
+            except FileNotFoundError:
+                raise CheckpointCorruptError(f"{file}: missing (listed in {CHECKPOINT_JSON})") from None
+            expected = desc.get("size") if isinstance(desc, dict) else None
+            if expected is not None and size != expected:
+                raise CheckpointCorruptError(
+                    f"{file}: size {size} bytes, {CHECKPOINT_JSON} records {expected} (truncated or altered)"
+                )
+
+    def _read_rank_json(self, path: Path, meta: dict[str, Any]) -> dict[str, Any] | None:
+        file = path / rank_file(self._dist.rank)
+        if not file.exists():
+            return None
+        try:
+            data = LocalStorage.read_json(file)
+        except ValueError as exc:
+            raise CheckpointCorruptError(f"{file}: not valid JSON ({exc})") from exc
+        return data if isinstance(data, dict) else None

@@ -1,0 +1,291 @@
+"""Gathering the whole training state from live objects, and putting it back.
+
+Tensors go to DCP (large, shardable, reshardable); everything else becomes JSON through
+:mod:`checkpoint_manager.codec`. Per-rank state (RNG, dataloader position) is kept per rank.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from checkpoint_manager.codec import (
+    decode,
+    dtype_name,
+    encode,
+    merge_tensors,
+    split_tensors,
+    tensor_placeholders,
+)
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
+from checkpoint_manager.protocol import LoadContext, SaveContext, Stateful
+
+__all__ = ["GatheredState", "StateLoader", "gather_state"]
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None  # type: ignore[assignment]
+
+
+@dataclass
+class GatheredState:
+    """One rank's view of the state to save."""
+
+    tensors: dict[str, torch.Tensor]
+    global_json: dict[str, Any]
+    rank_json: dict[str, Any]
+    train_state: dict[str, Any] | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(t) for t in self.tensors.values())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return int(local.numel() * local.element_size())
+
+
+def _model_keys(n: int) -> list[str]:
+    return ["model"] if n == 1 else [f"model_{i}" for i in range(n)]
+
+
+def _pairs(models: list[nn.Module], optims: list[Optimizer]) -> list[tuple[nn.Module, list[Optimizer]]]:
+    """Which optimizers belong to which model (DCP's state_dict API needs the pairing)."""
+    if not optims:
+        return []
+    if not models:
+        raise ValueError("an optimizer was given without its model; pass model= as well")
+    if len(models) == 1:
+        return [(models[0], optims)]
+    if len(models) == len(optims):
+        return [(m, [o]) for m, o in zip(models, optims, strict=True)]
+    raise ValueError(
+        f"got {len(models)} models and {len(optims)} optimizers: pass one optimizer per model, "
+        "or a single model"
+    )
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every global RNG a training step may draw from."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state and np is not None:
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_state(ctx: SaveContext) -> GatheredState:
+    """Collect everything ``ctx`` names into tensors for DCP and JSON-able data."""
+    tensors: dict[str, torch.Tensor] = {}
+    global_json: dict[str, Any] = {}
+    models = ctx.models()
+    for key, model in zip(_model_keys(len(models)), models, strict=True):
+        part, skeleton = split_tensors(get_model_state_dict(model), key)
+        tensors.update(part)
+        global_json[key] = skeleton
+    for i, (model, optims) in enumerate(_pairs(models, ctx.optimizers())):
+        key = "optim" if i == 0 else f"optim_{i}"
+        part, skeleton = split_tensors(get_optimizer_state_dict(model, optims), key)
+        tensors.update(part)
+        global_json[key] = skeleton
+    for i, sched in enumerate(ctx.schedulers()):
+        key = "scheduler" if i == 0 else f"scheduler_{i}"
+        part, skeleton = split_tensors(sched.state_dict(), key)
+        tensors.update(part)
+        global_json[key] = skeleton
+    extras: dict[str, Any] = {}
+    for name, obj in ctx.extra.items():
+        if not isinstance(obj, Stateful):
+            raise TypeError(f"extra[{name!r}] has no state_dict/load_state_dict ({type(obj).__name__})")
+        part, skeleton = split_tensors(obj.state_dict(), f"extra.{name}")
+        tensors.update(part)
+        extras[name] = skeleton
+    if extras:
+        global_json["extra"] = extras
+    rank_json: dict[str, Any] = {"rng": encode(capture_rng())}
+    dl = ctx.dataloader
+    if dl is not None and isinstance(dl, Stateful):
+        rank_json["dataloader"] = encode(dl.state_dict(), path="dataloader")
+    train_state = ctx.train_state.state_dict() if ctx.train_state is not None else None
+    return GatheredState(tensors, global_json, rank_json, train_state)
+
+
+@dataclass
+class StateLoader:
+    """Plans and applies one load: targets for DCP first, then the objects are set in order."""
+
+    ctx: LoadContext
+    global_json: dict[str, Any]
+    rank_json: dict[str, Any] | None
+    train_state: dict[str, Any] | None
+    source: str
+    model_only: bool = False
+    restored: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    _plans: list[tuple[str, Any, dict[str, torch.Tensor]]] = field(default_factory=list)
+
+    def targets(self, metadata: Metadata) -> dict[str, torch.Tensor]:
+        """Tensors DCP loads into, checked against the checkpoint's keys, shapes and dtypes."""
+        ctx = self.ctx
+        available = metadata.state_dict_metadata
+        out: dict[str, torch.Tensor] = {}
+        models = ctx.models()
+        for key, model in zip(_model_keys(len(models)), models, strict=True):
+            self._need(key)
+            live, _ = split_tensors(get_model_state_dict(model), key)
+            out.update(self._check(key, live, available, strict=ctx.strict))
+            self._plans.append(("model", (key, model), live))
+        want_optim = ctx.load_optimizer and not self.model_only
+        for i, (model, optims) in enumerate(_pairs(models, ctx.optimizers())):
+            key = "optim" if i == 0 else f"optim_{i}"
+            if not want_optim:
+                self.skipped.append(key)
+                continue
+            self._need(key)
+            live, _ = split_tensors(get_optimizer_state_dict(model, optims), key)
+            out.update(self._check(key, live, available, strict=ctx.strict))
+            self._plans.append(("optim", (key, model, optims), live))
+        for i, sched in enumerate(ctx.schedulers()):
+            key = "scheduler" if i == 0 else f"scheduler_{i}"
+            if not ctx.load_scheduler or self.model_only:
+                self.skipped.append(key)
+                continue
+            self._need(key)
+            tgt = tensor_placeholders(self.global_json[key])
+            out.update(self._check(key, tgt, available, strict=True))
+            self._plans.append(("scheduler", (key, sched), tgt))
+        saved_extra = self.global_json.get("extra", {})
+        for name, obj in ctx.extra.items():
+            key = f"extra.{name}"
+            if not ctx.load_extra or self.model_only:
+                self.skipped.append(key)
+                continue
+            if name not in saved_extra:
+                if ctx.strict:
+                    raise CheckpointMismatchError(
+                        f"{self.source}: has no extra state {name!r} (saved extras: {sorted(saved_extra)})"
+                    )
+                self.skipped.append(key)
+                continue
+            tgt = tensor_placeholders(saved_extra[name])
+            out.update(self._check(key, tgt, available, strict=True))
+            self._plans.append(("extra", (name, obj), tgt))
+        return out
+
+    def _need(self, key: str) -> None:
+        if key not in self.global_json:
+            raise CheckpointMismatchError(
+                f"{self.source}: has no {key!r} state (it holds {sorted(self.global_json)}); "
+                "was it saved with a different set of models/optimizers/schedulers?"
+            )
+
+    def _check(
+        self, key: str, live: dict[str, torch.Tensor], available: dict[str, Any], *, strict: bool
+    ) -> dict[str, torch.Tensor]:
+        saved = {k for k in available if k == key or k.startswith(key + ".")}
+        missing = sorted(set(live) - saved)
+        unexpected = sorted(saved - set(live))
+        if strict and (missing or unexpected):
+            raise CheckpointMismatchError(
+                f"{self.source}: {key} keys differ from the checkpoint: missing in checkpoint "
+                f"{_short(missing)}, unexpected in checkpoint {_short(unexpected)} (load with strict=False "
+                "to take the common keys)"
+            )
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in live.items():
+            meta = available.get(name)
+            if meta is None:
+                continue
+            if not isinstance(meta, TensorStorageMetadata):
+                raise CheckpointCorruptError(
+                    f"{self.source}: entry {name!r} is not a tensor in the checkpoint"
+                )
+            if tuple(meta.size) != tuple(tensor.shape):
+                raise CheckpointMismatchError(
+                    f"{self.source}: {name}: shape {tuple(meta.size)} in checkpoint, "
+                    f"{tuple(tensor.shape)} in the live object"
+                )
+            if strict and meta.properties.dtype != tensor.dtype:
+                raise CheckpointMismatchError(
+                    f"{self.source}: {name}: dtype {dtype_name(meta.properties.dtype)} in checkpoint, "
+                    f"{dtype_name(tensor.dtype)} in the live object (strict=False casts)"
+                )
+            out[name] = tensor
+        return out
+
+    def apply(self, loaded: dict[str, torch.Tensor]) -> None:
+        """Set every object from the loaded tensors and the JSON state, RNG last."""
+        ctx = self.ctx
+        opts = StateDictOptions(strict=ctx.strict)
+        for kind, args, _ in self._plans:
+            if kind == "model":
+                key, model = args
+                sd = merge_tensors(self.global_json[key], loaded, drop_missing=not ctx.strict)
+                set_model_state_dict(model, sd, options=opts)
+            elif kind == "optim":
+                key, model, optims = args
+                osd = merge_tensors(self.global_json[key], loaded, drop_missing=not ctx.strict)
+                set_optimizer_state_dict(model, optims, osd, options=opts)
+            elif kind == "scheduler":
+                key, sched = args
+                sched.load_state_dict(merge_tensors(self.global_json[key], loaded))
+            else:
+                key, obj = args
+                obj.load_state_dict(merge_tensors(self.global_json["extra"][key], loaded))
+                key = f"extra.{key}"
+            self.restored.append(key)
+        if ctx.train_state is not None:
+            if ctx.load_train_state and not self.model_only and self.train_state is not None:
+                ctx.train_state.load_state_dict(self.train_state)
+                self.restored.append("train_state")
+            else:
+                self.skipped.append("train_state")
+        rank_json = self.rank_json or {}
+        if ctx.dataloader is not None:
+            if (
+                not ctx.load_dataloader
+                or self.model_only
+                or "dataloader" not in rank_json
+                or not isinstance(ctx.dataloader, Stateful)
+            ):
+                self.skipped.append("dataloader")
+            else:
+                ctx.dataloader.load_state_dict(decode(rank_json["dataloader"]))
+                self.restored.append("dataloader")
+        if ctx.load_rng and not self.model_only and "rng" in rank_json:
+            restore_rng(decode(rank_json["rng"]))
+            self.restored.append("rng")
+        else:
+            self.skipped.append("rng")
+
+
+def _short(keys: list[str], limit: int = 8) -> str:
+    if not keys:
+        return "[]"
+    shown = ", ".join(keys[:limit])
+    return f"[{shown}{', ...' if len(keys) > limit else ''}] ({len(keys)})"

@@ -1,0 +1,176 @@
+"""POSIX storage: write into a pending directory, then publish with one atomic rename.
+
+Readers only ever see directories that were renamed into place after every byte was fsynced,
+so a crash at any moment leaves either the old state or the new one, never a half-written mix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LocalStorage", "fsync_dir"]
+
+PENDING_DIR = ".pending"
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a directory's entries (new names, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file and directory below ``path`` (bottom-up), then ``path`` itself."""
+    for root, _dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
+class LocalStorage:
+    """A checkpoint root directory on a local or POSIX-shared filesystem."""
+
+    def __init__(self, root: str | Path, *, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.fsync = fsync
+
+    # -- layout -----------------------------------------------------------------------------------
+    @property
+    def pending_root(self) -> Path:
+        return self.root / PENDING_DIR
+
+    def path_of(self, name: str) -> Path:
+        return self.root / name
+
+    def ensure_root(self) -> None:
+        """Create the root, with a clear error if it is a file or not writable."""
+        if self.root.exists() and not self.root.is_dir():
+            raise NotADirectoryError(f"save_dir {str(self.root)!r} exists and is not a directory")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.pending_root.mkdir(exist_ok=True)
+        except PermissionError as exc:
+            raise PermissionError(f"save_dir {str(self.root)!r} is not writable: {exc.strerror}") from exc
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise PermissionError(f"save_dir {str(self.root)!r} is not writable")
+
+    def new_pending(self, name: str) -> Path:
+        """A fresh, empty directory that nobody lists or loads until it is committed."""
+        self.ensure_root()
+        path = self.pending_root / f"{name}.{uuid.uuid4().hex[:12]}"
+        path.mkdir()
+        return path
+
+    def list_names(self) -> list[str]:
+        """Names of entries that may be committed checkpoints (hidden entries are never checkpoints)."""
+        try:
+            with os.scandir(self.root) as it:
+                return [e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return []
+
+    # -- files ------------------------------------------------------------------------------------
+    def write_json(self, path: Path, data: Any) -> int:
+        """Write JSON durably; returns its size."""
+        raw = json.dumps(data, indent=1, sort_keys=False, allow_nan=True).encode("utf-8")
+        with open(path, "wb") as f:
+            f.write(raw)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        return len(raw)
+
+    def write_json_atomic(self, path: Path, data: Any) -> None:
+        """Replace ``path`` in one step (for pointers): write aside, fsync, rename, fsync the directory."""
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            self.write_json(tmp, data)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        if self.fsync:
+            fsync_dir(path.parent)
+
+    @staticmethod
+    def read_json(path: Path) -> Any:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+
+    # -- commit -----------------------------------------------------------------------------------
+    def commit(self, pending: Path, name: str) -> Path:
+        """Publish ``pending`` as ``name`` with one rename; never replaces an existing checkpoint.
+
+        If ``name`` is taken (e.g. the same step saved again after a resume), a ``-v2``, ``-v3`` ...
+        suffix is used instead: a committed checkpoint is never overwritten.
+        """
+        if self.fsync:
+            fsync_tree(pending)
+        candidate, version = name, 1
+        while True:
+            target = self.root / candidate
+            try:
+                if target.exists():
+                    raise FileExistsError(errno.EEXIST, "exists", str(target))
+                os.rename(pending, target)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                version += 1
+                candidate = f"{name}-v{version}"
+        if self.fsync:
+            fsync_dir(self.root)
+            fsync_dir(self.pending_root)
+        return target
+
+    def remove_tree(self, path: Path) -> None:
+        """Delete a checkpoint: first move it out of sight (so it is never half-listed), then remove."""
+        if not path.exists():
+            return
+        if path.parent == self.root:
+            doomed = self.pending_root / f"{path.name}.deleting.{uuid.uuid4().hex[:8]}"
+            self.pending_root.mkdir(exist_ok=True)
+            os.rename(path, doomed)
+            if self.fsync:
+                fsync_dir(self.root)
+            path = doomed
+        shutil.rmtree(path, ignore_errors=False)
+
+    def sweep_pending(self) -> list[str]:
+        """Remove what interrupted saves left behind; returns what was removed."""
+        removed: list[str] = []
+        try:
+            entries = list(os.scandir(self.pending_root))
+        except FileNotFoundError:
+            return removed
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                removed.append(entry.name)
+            except FileNotFoundError:
+                continue
+        for entry in os.scandir(self.root) if self.root.exists() else []:
+            # leftovers of interrupted pointer updates
+            if entry.name.startswith(".") and entry.name.endswith(".tmp") and entry.is_file():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                removed.append(entry.name)
+        return removed
