@@ -12,6 +12,7 @@ from checkpoint_manager.errors import (
     ManagerClosedError,
     UnsafeCheckpointError,
 )
+from checkpoint_manager.factory import ENTRY_POINT_GROUP, create_checkpoint_manager, resolve_manager_class
 from checkpoint_manager.layout import CheckpointInfo
 from checkpoint_manager.manager import DefaultCheckpointManager
 from checkpoint_manager.protocol import (
@@ -25,6 +26,7 @@ from checkpoint_manager.protocol import (
 from checkpoint_manager.train_state import TrainState
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "AsyncSaveError",
     "CheckpointConfig",
     "CheckpointCorruptError",
@@ -45,4 +47,6 @@ __all__ = [
     "TrainState",
     "UnsafeCheckpointError",
     "__version__",
+    "create_checkpoint_manager",
+    "resolve_manager_class",
 ]
