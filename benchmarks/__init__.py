@@ -1,0 +1,1 @@
+"""Benchmarks for checkpoint-manager: each measurement runs in its own process (see run.py)."""
