@@ -46,6 +46,16 @@ class CheckpointConfig(BaseModel):
         description="Model weights for a fresh start (no checkpoint to resume): a checkpoint directory.",
     )
     async_save: bool = Field(default=False, description="Write in the background after staging.")
+    async_when_busy: Literal["wait", "skip"] = Field(
+        default="wait",
+        description="When a save is due while the previous async save still writes: wait for it, or skip "
+        "this one with a warning.",
+    )
+    save_on_preemption: bool = Field(
+        default=False,
+        description="On SIGTERM, the next save() saves whatever the interval and blocks until committed; "
+        "manager.preempted then tells the loop to exit.",
+    )
     name_template: str = Field(
         default="step_{step:08d}",
         description="Directory name of a checkpoint; may use step, epoch, consumed_samples, metrics.",

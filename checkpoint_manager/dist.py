@@ -23,16 +23,17 @@ class CollectiveTimeoutError(RuntimeError):
 class DistContext:
     """Rank facts and bounded collectives over a CPU-capable (gloo) group."""
 
-    def __init__(self, timeout_s: float = 600.0) -> None:
+    def __init__(self, timeout_s: float = 600.0, *, dedicated: bool = False) -> None:
         self.enabled = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.enabled else 0
         self.world_size = dist.get_world_size() if self.enabled else 1
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._group: Any = None
-        if self.enabled and self.world_size > 1:
-            backend = dist.get_backend()
-            # Checkpoint traffic is small and host-side: use a gloo group even when training uses NCCL.
-            self._group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=self.timeout)
+        # Checkpoint traffic is small and host-side: a gloo group even when training uses NCCL, and
+        # a group of its own (``dedicated``) for a background writer, so its collectives never
+        # interleave with the training thread's.
+        if self.enabled and self.world_size > 1 and (dedicated or dist.get_backend() != "gloo"):
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
 
     @property
     def is_coordinator(self) -> bool:
@@ -89,6 +90,10 @@ class DistContext:
                 f"rank {self.rank}: checkpoint collective '{phase}' failed ({exc})"
             ) from exc
         return bool(flag.item())
+
+    def any_true(self, flag: bool, phase: str) -> bool:
+        """True if any rank reports ``flag`` (e.g. one rank saw the preemption signal)."""
+        return not self.all_ok(not flag, phase)
 
     def _wait(self, work: Any) -> None:
         if work is not None:

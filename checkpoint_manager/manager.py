@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -27,7 +29,9 @@ from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.dcp_io import CheckpointReader, CheckpointWriter, read_dcp_metadata
 from checkpoint_manager.dist import DistContext
 from checkpoint_manager.errors import (
+    AsyncSaveError,
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointNotFoundError,
     ManagerClosedError,
 )
@@ -47,7 +51,9 @@ from checkpoint_manager.layout import (
     validate_template,
 )
 from checkpoint_manager.policy import build_save_policy
+from checkpoint_manager.preemption import PreemptionWatcher
 from checkpoint_manager.protocol import LoadContext, LoadResult, SaveContext, SaveResult
+from checkpoint_manager.staging import StagingBuffers
 from checkpoint_manager.state import GatheredState, StateLoader, gather_state
 from checkpoint_manager.storage import LocalStorage
 
@@ -88,6 +94,7 @@ class DefaultCheckpointManager:
         validate_template(config.name_template)
         self.config = config
         self._dist = DistContext()
+        self._io_dist = DistContext(dedicated=True)  # used by the (possibly background) writer
         self._storage = LocalStorage(config.save_dir, fsync=config.fsync)
         self._load_storage = (
             self._storage
@@ -98,6 +105,13 @@ class DefaultCheckpointManager:
         self._closed = False
         self._last_saved_step: int | None = None
         self._last_saved_known = False
+        self._staging = StagingBuffers()
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: Future[SaveResult] | None = None
+        self._inflight_step: int | None = None
+        self._lock = threading.Lock()
+        self._preemption = PreemptionWatcher() if config.save_on_preemption else None
+        self._preempted = False
         if config.sweep_pending_on_start and self._dist.is_coordinator:
             removed = self._storage.sweep_pending()
             if removed:
@@ -236,17 +250,100 @@ class DefaultCheckpointManager:
 
     def save(self, ctx: SaveContext) -> SaveResult | None:
         self._check_open()
+        self._collect_background(wait=False)
         if ctx.train_state is None:
             raise ValueError("SaveContext.train_state is required: it carries the step being saved")
         step = ctx.train_state.step
-        if not self._decide(step, ctx):
+        preempting = self._preemption is not None and self._dist.any_true(
+            self._preemption.requested, "preemption"
+        )
+        if not self._decide(step, ctx, preempting):
+            if preempting:  # this step is already saved: make sure it is committed, then stop
+                self._collect_background(wait=True)
+                self._preempted = True
             return None
-        job = self._prepare(ctx, step)
-        return self._write_and_commit(job)
+        if self.config.async_save and not (ctx.final or preempting):
+            return self._save_async(ctx, step)
+        self._collect_background(wait=True)
+        result = self._write_and_commit(self._prepare(ctx, step))
+        if preempting:
+            self._preempted = True
+        return result
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption checkpoint is committed: the training loop should exit now."""
+        return self._preempted
+
+    @property
+    def save_in_flight(self) -> bool:
+        """Whether an async save is still writing."""
+        return self._inflight is not None and not self._inflight.done()
 
     def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None:
-        if terminate:
-            self._closed = True
+        try:
+            self._collect_background(wait=blocking or terminate)
+        finally:
+            if terminate and not self._closed:
+                self._closed = True
+                if self._executor is not None:
+                    self._executor.shutdown(wait=True)
+                    self._executor = None
+                if self._preemption is not None:
+                    self._preemption.close()
+
+    # -- async internals --------------------------------------------------------------------------
+    def _save_async(self, ctx: SaveContext, step: int) -> SaveResult | None:
+        """Stage a snapshot into reused host buffers, then write and commit in the background."""
+        if self.save_in_flight:
+            if self.config.async_when_busy == "skip":
+                log.warning(
+                    "skipping the save of step %d: the async save of step %s is still writing "
+                    "(async_when_busy='skip')",
+                    step,
+                    self._inflight_step,
+                )
+                return None
+            log.info(
+                "waiting for the async save of step %s before saving step %d (async_when_busy='wait')",
+                self._inflight_step,
+                step,
+            )
+        self._collect_background(wait=True)
+        job = self._prepare(ctx, step)
+        t0 = time.perf_counter()
+        job.state.tensors = self._staging.stage(job.state.tensors)
+        job.timings["stage"] = time.perf_counter() - t0
+        stall = time.perf_counter() - job.started
+        job.timings["stall"] = stall
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._inflight = self._executor.submit(self._write_and_commit, job)
+        self._inflight_step = step
+        self._last_saved_step, self._last_saved_known = step, True
+        return SaveResult(
+            path=str(self._storage.root / job.name),
+            step=step,
+            bytes=job.state.nbytes,
+            seconds=stall,
+            stall_seconds=stall,
+            committed=False,
+            timings=dict(job.timings),
+        )
+
+    def _collect_background(self, *, wait: bool) -> None:
+        """Surface the outcome of the in-flight save: never swallow its error."""
+        future = self._inflight
+        if future is None or (not wait and not future.done()):
+            return
+        step = self._inflight_step
+        self._inflight, self._inflight_step = None, None
+        try:
+            future.result()
+        except Exception as exc:
+            raise AsyncSaveError(
+                f"the async save of step {step} failed and was not committed: {type(exc).__name__}: {exc}"
+            ) from exc
 
     # -- save internals ---------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -263,16 +360,16 @@ class DefaultCheckpointManager:
             self._last_saved_step, self._last_saved_known = step, True
         return self._last_saved_step
 
-    def _decide(self, step: int, ctx: SaveContext) -> bool:
+    def _decide(self, step: int, ctx: SaveContext, preempting: bool) -> bool:
         """One decision for all ranks: rank 0's."""
         if self._dist.is_coordinator:
             last = self._last_saved()
-            if ctx.force:
+            if ctx.force or (preempting and step != last):
                 decision = True
             elif step == last:
                 decision = False  # this very step is already saved (e.g. a final save right after one)
             else:
-                decision = ctx.final or self._policy.should_save(step, last)
+                decision = ctx.final or preempting or self._policy.should_save(step, last)
         else:
             self._last_saved()
             decision = None
@@ -292,27 +389,39 @@ class DefaultCheckpointManager:
         return job
 
     def _write_and_commit(self, job: _SaveJob) -> SaveResult:
+        """Write this rank's part, vote, and (rank 0) commit; on any failure nothing is published."""
+        io = self._io_dist
+        failure: BaseException | None = None
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             with _quiet_single_process():
                 dcp_save(
                     job.state.tensors,
                     storage_writer=CheckpointWriter(job.pending, fsync=self.config.fsync),
-                    process_group=self._dist.group,
-                    no_dist=self._dist.world_size == 1,
+                    process_group=io.group,
+                    no_dist=io.world_size == 1,
                 )
-            self._storage.write_json(job.pending / rank_file(self._dist.rank), job.state.rank_json)
-            t1 = time.perf_counter()
-            job.timings["write"] = t1 - t0
-            ok = self._dist.all_ok(True, "all ranks written")
-            final = self._commit(job) if self._dist.is_coordinator and ok else None
-            final = self._dist.broadcast_json(final, "commit")
-            job.timings["commit"] = time.perf_counter() - t1
+            self._storage.write_json(job.pending / rank_file(io.rank), job.state.rank_json)
+        except BaseException as exc:
+            failure = exc
+        t1 = time.perf_counter()
+        job.timings["write"] = t1 - t0
+        try:
+            if not io.all_ok(failure is None, "all ranks written"):
+                if failure is None:
+                    failure = CheckpointError(f"step {job.step}: another rank failed to write its shards")
+                raise failure
+            final = self._commit(job) if io.is_coordinator else None
+            final = io.broadcast_json(final, "commit")
         except BaseException:
-            if self._dist.is_coordinator:
-                self._storage.remove_tree(job.pending)
+            if io.is_coordinator:
+                with contextlib.suppress(OSError):
+                    self._storage.remove_tree(job.pending)
             raise
-        self._last_saved_step, self._last_saved_known = job.step, True
+        job.timings["commit"] = time.perf_counter() - t1
+        with self._lock:
+            if self._last_saved_step is None or job.step >= self._last_saved_step:
+                self._last_saved_step, self._last_saved_known = job.step, True
         seconds = time.perf_counter() - job.started
         nbytes = job.state.nbytes
         log.info(
@@ -328,7 +437,7 @@ class DefaultCheckpointManager:
             step=job.step,
             bytes=nbytes,
             seconds=seconds,
-            stall_seconds=seconds,
+            stall_seconds=job.timings.get("stall", seconds),
             committed=True,
             timings=dict(job.timings),
         )
@@ -353,7 +462,7 @@ class DefaultCheckpointManager:
             "name": job.name,
             "created": created,
             "created_unix": created_unix,
-            "world_size": self._dist.world_size,
+            "world_size": self._io_dist.world_size,
             "train_state": job.state.train_state,
             "metrics": encode(job.metrics),
             "bytes": job.state.nbytes,

@@ -1,0 +1,78 @@
+"""Staging: one reusable host copy of the state, so an async save stalls for one memcpy only.
+
+Buffers are allocated once per tensor key and reused across saves (flat memory over a long run);
+with CUDA they are pinned so the device-to-host copy is a DMA. A staged copy is a snapshot: the
+trainer may change its tensors as soon as ``stage`` returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["StagingBuffers"]
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - very old torch
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+class StagingBuffers:
+    """Host buffers keyed by state-dict key, reused while shapes and dtypes stay the same."""
+
+    def __init__(self, *, pin_memory: bool | None = None) -> None:
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def _buffer_for(self, key: str, local: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+            buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=self.pin_memory)
+            self._buffers[key] = buf
+        return buf
+
+    def prepare(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Allocate and fault in the buffers ahead of the first save, so even that one is fast."""
+        for key, tensor in tensors.items():
+            local = _local(tensor)
+            fresh = key not in self._buffers
+            buf = self._buffer_for(key, local)
+            if fresh:
+                buf.zero_()
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy ``tensors`` into the buffers; returns the staged (host) state dict."""
+        staged: dict[str, torch.Tensor] = {}
+        for key, tensor in tensors.items():
+            local = _local(tensor)
+            buf = self._buffer_for(key, local)
+            buf.copy_(local.detach(), non_blocking=self.pin_memory and local.is_cuda)
+            staged[key] = _rewrap(tensor, buf)
+        if self.pin_memory and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for key in set(self._buffers) - set(tensors):
+            del self._buffers[key]  # state keys that disappeared: free their memory
+        return staged
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    if DTensor is not None and isinstance(t, DTensor):
+        return t.to_local()
+    return t
+
+
+def _rewrap(original: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    if DTensor is not None and isinstance(original, DTensor):
+        return DTensor.from_local(
+            buf,
+            original.device_mesh,
+            original.placements,
+            run_check=False,
+            shape=original.shape,
+            stride=original.stride(),
+        )
+    return buf
