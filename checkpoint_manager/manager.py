@@ -112,6 +112,7 @@ class DefaultCheckpointManager:
         self._lock = threading.Lock()
         self._preemption = PreemptionWatcher() if config.save_on_preemption else None
         self._preempted = False
+        self._storage.check_root()
         if config.sweep_pending_on_start and self._dist.is_coordinator:
             removed = self._storage.sweep_pending()
             if removed:
@@ -312,7 +313,12 @@ class DefaultCheckpointManager:
         self._collect_background(wait=True)
         job = self._prepare(ctx, step)
         t0 = time.perf_counter()
-        job.state.tensors = self._staging.stage(job.state.tensors)
+        try:
+            job.state.tensors = self._staging.stage(job.state.tensors)
+        except BaseException:
+            if self._dist.is_coordinator:
+                self._storage.remove_tree(job.pending)
+            raise
         job.timings["stage"] = time.perf_counter() - t0
         stall = time.perf_counter() - job.started
         job.timings["stall"] = stall
@@ -381,9 +387,9 @@ class DefaultCheckpointManager:
         fields = {k: v for k, v in ctx.train_state.state_dict().items() if k != "counters"}
         fields.update(ctx.train_state.counters)
         name = format_name(self.config.name_template, step=step, metrics=dict(ctx.metrics), fields=fields)
+        state = gather_state(ctx)  # before any file exists: a bad state leaves nothing behind
         pending = str(self._storage.new_pending(name)) if self._dist.is_coordinator else None
         pending = self._dist.broadcast_json(pending, "create pending directory")
-        state = gather_state(ctx)
         job = _SaveJob(step, name, Path(pending), state, dict(ctx.metrics), started)
         job.timings["gather"] = time.perf_counter() - started
         return job

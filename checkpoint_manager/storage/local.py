@@ -56,10 +56,14 @@ class LocalStorage:
     def path_of(self, name: str) -> Path:
         return self.root / name
 
-    def ensure_root(self) -> None:
-        """Create the root, with a clear error if it is a file or not writable."""
+    def check_root(self) -> None:
+        """A clear error now if the root exists but is a file, rather than an errno later."""
         if self.root.exists() and not self.root.is_dir():
             raise NotADirectoryError(f"save_dir {str(self.root)!r} exists and is not a directory")
+
+    def ensure_root(self) -> None:
+        """Create the root, with a clear error if it is a file or not writable."""
+        self.check_root()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self.pending_root.mkdir(exist_ok=True)
