@@ -1,0 +1,87 @@
+"""Resuming is bit-exact: a run SIGKILLed and resumed ends exactly where an uninterrupted run ends.
+
+The runs are examples/train.py: an MLP with dropout (so the RNG matters), AdamW, a warmup+cosine
+LambdaLR, and a shuffled StatefulDataLoader crossing epoch boundaries. "Exact" covers parameters,
+optimizer state, LR, counters, the data order and losses of every resumed step, the next RNG draw
+and the next batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from conftest import SMALL_RUN, ReferenceRun, run_python
+
+STEPS, EVERY = SMALL_RUN["steps"], SMALL_RUN["save_every"]
+STEPS_PER_EPOCH = SMALL_RUN["samples"] // 32
+
+
+def assert_same_end_state(reference: dict[str, torch.Tensor], resumed: dict[str, torch.Tensor]) -> None:
+    for key in sorted(reference):
+        if key.startswith(("model/", "optim/", "sched/", "state/counters", "next/")):
+            assert torch.equal(reference[key], resumed[key]), f"{key} differs after resume"
+
+
+def test_sigkill_mid_training_then_resume_in_new_process_is_bit_exact(
+    trainer: ModuleType, reference_run: ReferenceRun, tmp_path: Path
+) -> None:
+    save_dir = tmp_path / "checkpoints"
+    # Keep training slowly (2 ms a step) so the kill lands between checkpoints; hang at step 100 so
+    # the child can never finish first.
+    cfg = trainer.RunConfig(save_dir=str(save_dir), step_delay=0.002, hang_at_step=100, **SMALL_RUN)
+    killed = trainer.run_until_killed(cfg, kill_after=40, lag=3)
+    assert killed.committed > 40
+    assert killed.reported >= killed.committed + 3, "the kill should land mid-training"
+    assert trainer.committed_steps(save_dir) == list(range(EVERY, killed.committed + 1, EVERY))
+
+    out = tmp_path / "resumed.safetensors"
+    run_python(trainer.child_command(replace(cfg, step_delay=0.0, hang_at_step=None), out, quiet=True)[1:])
+    resumed = trainer.load_result(out)
+
+    assert int(resumed["state/resumed_from"][0]) == killed.committed
+    assert resumed["trace/steps"].tolist() == list(range(killed.committed + 1, STEPS + 1))
+    assert resumed["state/counters"].tolist() == [STEPS, STEPS // STEPS_PER_EPOCH, STEPS * 32]
+    assert_same_end_state(reference_run.result, resumed)
+    assert trainer.compare(reference_run.result, resumed) == []
+    assert trainer.params_sha256(resumed) == trainer.params_sha256(reference_run.result)
+
+
+def test_resume_from_every_checkpoint_is_bit_exact(
+    trainer: ModuleType, reference_run: ReferenceRun, tmp_path: Path, deterministic_torch: None
+) -> None:
+    """Resuming from each checkpoint of the reference run, mid-epoch or on an epoch boundary."""
+    steps = trainer.committed_steps(reference_run.save_dir)
+    assert steps == list(range(EVERY, STEPS + 1, EVERY))
+    assert any(s % STEPS_PER_EPOCH == 0 for s in steps[:-1]), "no resume from an epoch boundary"
+    for step in steps[:-1]:
+        cfg = trainer.RunConfig(save_dir=str(tmp_path / f"from_{step}"), load_dir=str(reference_run.save_dir),
+                                load_step=step, verbose=False, **SMALL_RUN)
+        resumed = trainer.train(cfg)
+        assert int(resumed["state/resumed_from"][0]) == step
+        assert trainer.compare(reference_run.result, resumed) == [], f"resume from step {step}"
+
+
+@pytest.mark.parametrize(
+    ("skipped", "differs"),
+    [
+        ("rng", "trace/loss"),  # other dropout masks
+        ("dataloader", "trace/batches"),  # the epoch restarts from its first batch
+        ("optimizer", "model/"),  # AdamW moments start from zero
+    ],
+)
+def test_resume_without_a_piece_of_state_is_not_exact(
+    skipped: str, differs: str, trainer: ModuleType, reference_run: ReferenceRun, tmp_path: Path,
+    deterministic_torch: None,
+) -> None:
+    """The comparison above can fail: leave one piece of state out and the runs diverge."""
+    cfg = trainer.RunConfig(save_dir=str(tmp_path / "run"), load_dir=str(reference_run.save_dir),
+                            load_step=50, verbose=False, skip_on_load=(skipped,), **SMALL_RUN)
+    resumed = trainer.train(cfg)
+    assert int(resumed["state/resumed_from"][0]) == 50
+    problems = trainer.compare(reference_run.result, resumed)
+    assert any(line.startswith(differs) for line in problems), problems
+
