@@ -106,8 +106,9 @@ class DefaultCheckpointManager:
         self._last_saved_step: int | None = None
         self._last_saved_known = False
         self._staging = StagingBuffers()
+        self._staging_prepared = False
         self._executor: ThreadPoolExecutor | None = None
-        self._inflight: Future[SaveResult] | None = None
+        self._inflight: Future[Any] | None = None
         self._inflight_step: int | None = None
         self._lock = threading.Lock()
         self._preemption = PreemptionWatcher() if config.save_on_preemption else None
@@ -262,6 +263,8 @@ class DefaultCheckpointManager:
             if preempting:  # this step is already saved: make sure it is committed, then stop
                 self._collect_background(wait=True)
                 self._preempted = True
+            elif self.config.async_save and not self._staging_prepared:
+                self._prepare_staging(ctx)
             return None
         if self.config.async_save and not (ctx.final or preempting):
             return self._save_async(ctx, step)
@@ -279,7 +282,7 @@ class DefaultCheckpointManager:
     @property
     def save_in_flight(self) -> bool:
         """Whether an async save is still writing."""
-        return self._inflight is not None and not self._inflight.done()
+        return self._inflight is not None and self._inflight_step is not None and not self._inflight.done()
 
     def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None:
         try:
@@ -322,6 +325,7 @@ class DefaultCheckpointManager:
         job.timings["stage"] = time.perf_counter() - t0
         stall = time.perf_counter() - job.started
         job.timings["stall"] = stall
+        self._staging_prepared = True
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._inflight = self._executor.submit(self._write_and_commit, job)
@@ -337,6 +341,17 @@ class DefaultCheckpointManager:
             timings=dict(job.timings),
         )
 
+    def _prepare_staging(self, ctx: SaveContext) -> None:
+        """On the first skipped step, fault in the staging buffers in the background (off the stall)."""
+        self._staging_prepared = True
+        if self._inflight is not None:
+            return
+        tensors = gather_state(ctx).tensors
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._inflight = self._executor.submit(self._staging.prepare, tensors)
+        self._inflight_step = None
+
     def _collect_background(self, *, wait: bool) -> None:
         """Surface the outcome of the in-flight save: never swallow its error."""
         future = self._inflight
@@ -347,9 +362,12 @@ class DefaultCheckpointManager:
         try:
             future.result()
         except Exception as exc:
-            raise AsyncSaveError(
-                f"the async save of step {step} failed and was not committed: {type(exc).__name__}: {exc}"
-            ) from exc
+            what = (
+                "preparing the async staging buffers"
+                if step is None
+                else f"the async save of step {step} (not committed)"
+            )
+            raise AsyncSaveError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
     # -- save internals ---------------------------------------------------------------------------
     def _check_open(self) -> None:
