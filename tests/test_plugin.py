@@ -38,6 +38,7 @@ from checkpoint_manager import (
     create_checkpoint_manager,
 )
 from checkpoint_manager.factory import resolve_manager_class
+from checkpoint_manager.testing import CONFORMANCE_CHECKS, manager_maker, run_conformance_suite
 
 # torchdata's StatefulDataLoader calls a deprecated torch function on every construction.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -447,6 +448,11 @@ def test_unsupported_values_are_refused_at_save(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"cannot store a object at 'extra.odd/when'.*\(no pickle\)"):
         make(tmp_path).save(SaveContext(**{**run.ctx_kwargs(), "extra": {"odd": Odd()}}, force=True))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_conformance_suite_passes(tmp_path: Path) -> None:
+    run_conformance_suite(manager_maker({"manager": "safetensors", "fsync": False, "keep_last": 3}), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(CONFORMANCE_CHECKS)
 
 
 def test_package_metadata() -> None:
