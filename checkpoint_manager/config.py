@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
-__all__ = ["CheckpointConfig", "LoadMode"]
+from checkpoint_manager.naming import validate_template
+
+__all__ = ["CheckpointConfig", "LoadMode", "MonitorMode", "SaveCallable"]
 
 LoadMode = Literal["auto", "required", "never"]
+MonitorMode = Literal["min", "max"]
+#: ``(step, last_saved_step) -> bool``: a user's own "save now?" rule, OR-ed with the others.
+SaveCallable = Callable[[int, "int | None"], bool]
 
 _C = TypeVar("_C", bound="CheckpointConfig")
 
@@ -67,10 +74,87 @@ class CheckpointConfig(BaseModel):
         default=True, description="Remove leftovers of interrupted saves when the manager starts."
     )
 
+    # -- when to save: a save happens when any of these (or save_every_n_steps) says so ------------
+    save_every_n_seconds: float | None = Field(
+        default=None, gt=0, description="Save when this many seconds of wall clock passed since the last save."
+    )
+    save_at_steps: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, description="Save at exactly these steps (e.g. before a planned learning-rate change)."
+    )
+    final_step: int | None = Field(
+        default=None, ge=0, description="The last step of training: always saved (as is SaveContext(final=True))."
+    )
+    save_policy: SkipJsonSchema[SaveCallable | None] = Field(
+        default=None,
+        exclude=True,
+        description="Your own rule, called as save_policy(step, last_saved_step) -> bool on rank 0; "
+        "code, so never serialized.",
+    )
+
+    # -- what to keep: a checkpoint survives if any rule keeps it; newest, best, the one resumed from
+    # -- and saves in flight are always kept. Nothing set: keep everything.
+    keep_last: int | None = Field(default=None, ge=1, description="Keep the newest N checkpoints.")
+    keep_best: int | None = Field(
+        default=None, ge=1, description="Keep the N best checkpoints by `monitor` (needs `monitor`)."
+    )
+    monitor: str | None = Field(
+        default=None,
+        description="The metric (a key of SaveContext.metrics) that ranks checkpoints and names `best`.",
+    )
+    mode: MonitorMode = Field(default="min", description="Whether a lower (min) or higher (max) `monitor` is better.")
+    keep_unranked: bool = Field(
+        default=False,
+        description="Keep checkpoints whose `monitor` is missing or NaN (they never rank); False lets "
+        "the other rules decide.",
+    )
+    keep_every_n_steps: int | None = Field(
+        default=None, ge=1, description="Keep every checkpoint whose step is a multiple of N, forever."
+    )
+    background_deletion: bool = Field(
+        default=True,
+        description="Free the disk of pruned checkpoints on a background thread (they vanish from the "
+        "listing at once either way).",
+    )
+
+    # -- pointers and the writer lock -------------------------------------------------------------
+    pointer_symlinks: bool = Field(
+        default=False,
+        description="Also keep relative symlinks latest_checkpoint / best_checkpoint for people browsing.",
+    )
+    writer_lock: bool = Field(
+        default=True,
+        description="Take a lock in save_dir so a second run writing the same directory fails fast.",
+    )
+    lock_stale_after_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Treat a lock held from another host as stale when its heartbeat is older than this "
+        "(None: only locks of dead processes on this host are stale).",
+    )
+
     @model_validator(mode="after")
     def _check_paths(self) -> CheckpointConfig:
         if not self.save_dir.strip():
             raise ValueError("save_dir must not be empty")
+        return self
+
+    @field_validator("name_template")
+    @classmethod
+    def _check_template(cls, value: str) -> str:
+        validate_template(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_retention(self) -> CheckpointConfig:
+        if self.monitor is not None and not self.monitor.strip():
+            raise ValueError("monitor must be a metric name, not an empty string")
+        if self.keep_best is not None and self.monitor is None:
+            raise ValueError(
+                f"keep_best={self.keep_best} needs monitor: name the metric that ranks checkpoints, "
+                "e.g. monitor='val_loss' (and mode='min' or 'max')"
+            )
+        if self.keep_unranked and self.monitor is None:
+            raise ValueError("keep_unranked=True needs monitor: without a metric no checkpoint is ranked")
         return self
 
     @property

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import string
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointVersionError
+from checkpoint_manager.naming import format_name, validate_template
 
 __all__ = [
     "CHECKPOINT_JSON",
@@ -24,6 +23,7 @@ __all__ = [
     "format_name",
     "read_checkpoint_json",
     "scan_checkpoints",
+    "validate_template",
 ]
 
 CHECKPOINT_JSON = "checkpoint.json"
@@ -31,7 +31,6 @@ STATE_JSON = "state.json"
 LATEST_POINTER = "latest"
 FORMAT_NAME = "checkpoint-manager"
 FORMAT_VERSION = 1
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=+\-]")
 
 
 @dataclass(frozen=True)
@@ -52,39 +51,6 @@ class CheckpointInfo:
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.json"
-
-
-def format_name(template: str, *, step: int, metrics: dict[str, float], fields: dict[str, Any]) -> str:
-    """Fill the name template; characters unsafe in paths become ``_``."""
-    values: dict[str, Any] = {**metrics, **fields, "step": step}
-    try:
-        name = template.format(**values)
-    except KeyError as exc:
-        raise ValueError(
-            f"name_template {template!r} uses {exc.args[0]!r}, which is neither a metric of this save "
-            f"nor a train-state field (available: {sorted(values)})"
-        ) from None
-    except (ValueError, IndexError) as exc:
-        raise ValueError(f"name_template {template!r} cannot be formatted: {exc}") from None
-    name = _UNSAFE.sub("_", name).strip(".")
-    if not name:
-        raise ValueError(f"name_template {template!r} produced an empty name")
-    return name
-
-
-def validate_template(template: str) -> None:
-    """Reject templates that cannot produce a name (checked when the config is built)."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise ValueError(f"name_template {template!r} is malformed: {exc}") from None
-    if not any(field_name for _, field_name, _, _ in parsed if field_name is not None):
-        raise ValueError(f"name_template {template!r} must contain a field such as {{step}}")
-    for _, field_name, _, _ in parsed:
-        if field_name is not None and (field_name == "" or field_name.isdigit()):
-            raise ValueError(f"name_template {template!r}: positional fields are not allowed, name them")
-    if "/" in template or "\\" in template:
-        raise ValueError(f"name_template {template!r} must not contain path separators")
 
 
 def read_checkpoint_json(path: Path) -> dict[str, Any]:
