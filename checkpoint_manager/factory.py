@@ -19,7 +19,13 @@ import importlib_metadata
 from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.protocol import CheckpointManager
 
-__all__ = ["ENTRY_POINT_GROUP", "create_checkpoint_manager", "resolve_manager_class"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "check_manager_class",
+    "create_checkpoint_manager",
+    "fields_set",
+    "resolve_manager_class",
+]
 
 ENTRY_POINT_GROUP = "checkpoint_manager.managers"
 
@@ -72,8 +78,7 @@ def create_checkpoint_manager(
     if isinstance(config, config_cls):
         validated = config
     elif isinstance(config, CheckpointConfig):
-        # Only the fields the user set travel, so the target class's own defaults apply.
-        validated = config_cls.model_validate(config.model_dump(exclude_unset=True))
+        validated = config_cls.model_validate(fields_set(config))
     else:
         validated = config_cls.model_validate(dict(config))
     manager = cls(validated)
@@ -82,6 +87,15 @@ def create_checkpoint_manager(
             f"manager={name!r}: {_qualname(cls)}(config) returned an object that is not a CheckpointManager"
         )
     return manager
+
+
+def fields_set(config: CheckpointConfig) -> dict[str, Any]:
+    """The fields the user set, as live values, to re-validate a config as another class.
+
+    Only set fields travel, so the target class's own defaults apply; values are taken as they are
+    (not dumped), so fields excluded from serialisation, such as a callable policy, survive.
+    """
+    return {name: getattr(config, name) for name in config.model_fields_set}
 
 
 def resolve_manager_class(

@@ -36,7 +36,7 @@ from torch import nn
 
 from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.errors import CheckpointNotFoundError, ManagerClosedError
-from checkpoint_manager.factory import create_checkpoint_manager
+from checkpoint_manager.factory import create_checkpoint_manager, fields_set
 from checkpoint_manager.protocol import CheckpointManager, LoadContext, LoadResult, SaveContext, SaveResult
 from checkpoint_manager.train_state import TrainState
 
@@ -69,7 +69,7 @@ def manager_maker(
     ``base`` holds everything but ``save_dir`` and the overrides (e.g. ``manager`` and the manager's
     own fields); a config object contributes the fields that were set on it.
     """
-    fields = base.model_dump(exclude_unset=True) if isinstance(base, CheckpointConfig) else dict(base or {})
+    fields = fields_set(base) if isinstance(base, CheckpointConfig) else dict(base or {})
     fields.pop("save_dir", None)
 
     def make(save_dir: Path, overrides: dict[str, Any]) -> CheckpointManager:

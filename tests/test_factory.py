@@ -276,6 +276,16 @@ def test_revalidation_keeps_set_fields_and_the_subclass_defaults(tmp_path: Path)
     assert manager.config.note == "none"
 
 
+def test_revalidation_keeps_values_excluded_from_serialisation(tmp_path: Path) -> None:
+    def every_third(step: int, last: int | None) -> bool:
+        return step % 3 == 0
+
+    base = CheckpointConfig(save_dir=str(tmp_path), manager=path("WithQuietConfig"), save_policy=every_third)
+    manager = create_checkpoint_manager(base)
+    assert type(manager.config) is zoo.QuietConfig
+    assert manager.config.save_policy is every_third
+
+
 # ---- allowlist --------------------------------------------------------------------------------
 
 

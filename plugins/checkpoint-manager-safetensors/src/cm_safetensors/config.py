@@ -2,27 +2,34 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from checkpoint_manager import CheckpointConfig
 
-__all__ = ["SafetensorsConfig"]
+__all__ = ["SUPPORTED_BASE_FIELDS", "SafetensorsConfig"]
 
-DEFAULT_TEMPLATE = "step_{step:08d}"
+#: The core fields this manager honours; any other core field set to a non-default value is refused,
+#: so a setting (today's or one the core adds later) is never silently ignored.
+SUPPORTED_BASE_FIELDS = frozenset(
+    {
+        "save_dir",
+        "load_dir",
+        "manager",
+        "save_every_n_steps",
+        "load_mode",
+        "load_step",
+        "fsync",
+        "sweep_pending_on_start",
+        "keep_last",
+    }
+)
 
 
 class SafetensorsConfig(CheckpointConfig):
-    """:class:`CheckpointConfig` plus the file name, retention and RNG switch of this format.
-
-    The base fields this manager cannot honour are refused here, naming the field, rather than
-    silently ignored.
-    """
+    """:class:`CheckpointConfig` plus the tensor file name and the RNG switch of this format."""
 
     filename: str = Field(
         default="state.safetensors", description="Name of the tensor file inside each checkpoint."
-    )
-    keep_last: int | None = Field(
-        default=None, ge=1, description="Keep only the newest N checkpoints; None keeps all."
     )
     save_rng: bool = Field(default=True, description="Store torch (CPU), random and numpy RNG states.")
 
@@ -40,23 +47,15 @@ class SafetensorsConfig(CheckpointConfig):
             raise ValueError(f"the safetensors manager writes to local directories only, got {value!r}")
         return value
 
-    @field_validator("async_save")
-    @classmethod
-    def _sync_only(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("the safetensors manager saves synchronously; set async_save to false")
-        return value
-
-    @field_validator("name_template")
-    @classmethod
-    def _fixed_names(cls, value: str) -> str:
-        if value != DEFAULT_TEMPLATE:
-            raise ValueError(f"the safetensors manager names checkpoints {DEFAULT_TEMPLATE!r}; got {value!r}")
-        return value
-
-    @field_validator("initial_load_path")
-    @classmethod
-    def _no_initial_weights(cls, value: str | None) -> str | None:
-        if value is not None:
-            raise ValueError("the safetensors manager does not support initial_load_path")
-        return value
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> SafetensorsConfig:
+        for name, field in CheckpointConfig.model_fields.items():
+            if name in SUPPORTED_BASE_FIELDS:
+                continue
+            value = getattr(self, name)
+            if value != field.get_default(call_default_factory=True):
+                raise ValueError(
+                    f"the safetensors manager does not support {name}={value!r}; leave it at its default "
+                    f"or use the default manager (it supports: {', '.join(sorted(SUPPORTED_BASE_FIELDS))})"
+                )
+        return self

@@ -59,7 +59,7 @@ class SafetensorsManager:
 
     def __init__(self, config: CheckpointConfig) -> None:
         if not isinstance(config, SafetensorsConfig):
-            config = SafetensorsConfig.model_validate(config.model_dump(exclude_unset=True))
+            config = SafetensorsConfig.model_validate({n: getattr(config, n) for n in config.model_fields_set})
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError("the safetensors manager is single-process; use the default manager")
