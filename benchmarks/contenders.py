@@ -170,12 +170,13 @@ def _ours_missing() -> str | None:
 
 
 def ours_save(bench: Bench, path: Path) -> Timed:
-    from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext
+    from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
 
     manager = DefaultCheckpointManager(CheckpointConfig(save_dir=str(path)))
+    ctx = SaveContext(model=bench.model, optimizer=bench.optimizer, train_state=TrainState(step=1), force=True)
 
     def run() -> dict[str, float] | None:
-        result = manager.save(SaveContext(model=bench.model, optimizer=bench.optimizer, force=True))
+        result = manager.save(ctx)
         if result is None or not result.committed:
             raise RuntimeError(f"forced synchronous save did not commit: {result!r}")
         return {f"ours.{k}": float(v) for k, v in result.timings.items()}

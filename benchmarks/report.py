@@ -50,6 +50,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 peak_rss=statistics.median(r["peak_rss"] for r in ok),
                 child_maxrss=max(r.get("child_maxrss", 0) for r in ok),
                 sub_timings={k: statistics.median(v) for k, v in subs.items()},
+                seconds_by_repeat={r["repeat"]: r["seconds"] for r in ok},
             )
         else:
             row["error"] = recs[-1]["error"]
@@ -58,10 +59,19 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def ratio(rows: list[dict[str, Any]], size: float, op: str, name: str, peer: str) -> float | None:
-    """Throughput of ``name`` over that of ``peer`` (= peer's time / name's time)."""
+    """Throughput of ``name`` over that of ``peer`` (= peer's time / name's time).
+
+    Paired by repeat: repeat r of every contender runs in the same round, minutes apart at most,
+    so the median of the per-round quotients cancels slow drift of a shared machine better than
+    the quotient of two medians (used only when no round has both).
+    """
     by = {r["name"]: r for r in rows if r["size_gib"] == size and r["op"] == op and "gbps" in r}
     if name not in by or peer not in by:
         return None
+    mine, theirs = by[name]["seconds_by_repeat"], by[peer]["seconds_by_repeat"]
+    rounds = sorted(set(mine) & set(theirs))
+    if rounds:
+        return float(statistics.median(theirs[r] / mine[r] for r in rounds))
     return float(by[peer]["seconds_median"] / by[name]["seconds_median"])
 
 
@@ -85,8 +95,9 @@ def markdown(rows: list[dict[str, Any]], machine: dict[str, Any], repeats: int, 
         f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB RAM, "
         f"{machine['filesystem']}, kernel {machine['kernel']}, torch {machine['torch']}. "
         f"Median of {repeats} run(s), each in a fresh process; load cache: {cache}.",
-        "GB/s = tensor bytes / median seconds (10**9 B/s). `x X` = this row's throughput divided by X's "
-        "(1.00 = as fast as X; for the limit row of raw I/O, how close a contender gets to the disk).",
+        "GB/s = tensor bytes / median seconds (10**9 B/s); best GB/s uses the fastest run. `x X` = this row's throughput divided by X's "
+        "(1.00 = as fast as X; against the raw-I/O limit row: how close a contender gets to the disk); "
+        "median of the per-round quotients, each round running every contender once.",
         "",
     ]
     for op in dict.fromkeys(r["op"] for r in rows):
@@ -96,7 +107,7 @@ def markdown(rows: list[dict[str, Any]], machine: dict[str, Any], repeats: int, 
             payload = next((r["payload_bytes"] for r in group if "payload_bytes" in r), 0)
             lines.append(f"### {op}, {size:g} GiB target ({payload / 1e9:.3f} GB of tensors)")
             lines.append("")
-            head = ["contender", "median s (min-max)", "GB/s", *[f"x {n}" for n in refs],
+            head = ["contender", "median s (min-max)", "GB/s", "best GB/s", *[f"x {n}" for n in refs],
                     "bytes on disk", "peak RSS over state"]
             lines.append("| " + " | ".join(head) + " |")
             lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
@@ -108,6 +119,7 @@ def markdown(rows: list[dict[str, Any]], machine: dict[str, Any], repeats: int, 
                     f"**{r['name']}**" if r["role"] == "ours" else r["name"],
                     f"{r['seconds_median']:.3f} ({r['seconds_min']:.3f}-{r['seconds_max']:.3f})",
                     f"{r['gbps']:.3f}",
+                    f"{r['payload_bytes'] / r['seconds_min'] / 1e9:.3f}",
                 ]
                 for peer in refs:
                     v = ratio(rows, size, op, r["name"], peer)

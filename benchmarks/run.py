@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         for size in sizes:
             size_bytes = int(size * 2**30)
-            common = {"size_bytes": size_bytes, "layers": args.layers, "cache": args.cache}
+            common = {"size_bytes": size_bytes, "layers": args.layers, "cache": args.cache,
+                      "drop_caches": args.drop_caches}
             for op in ops:
                 group = [c for c in contenders if c.op == op]
                 if not group:
@@ -114,9 +115,10 @@ def run(args: argparse.Namespace) -> int:
                     if "error" in res:
                         raise RuntimeError(f"preparing the checkpoints to load failed: {res['error']}")
                     fingerprint = res["fingerprint"]
-                # Repeats outermost: slow drift of the machine is spread over all contenders alike.
+                # Repeats outermost, and each round starts one contender later: slow drift and
+                # bursts from neighbours on a shared machine hit every contender alike.
                 for rep in range(args.repeats):
-                    for c in group:
+                    for c in group[rep % len(group):] + group[:rep % len(group)]:
                         path = scratch / (f"save-{_slug(c.name)}" if op == "save" else f"load-{c.fmt}")
                         spec = {**common, "mode": "measure", "op": op, "name": c.name, "path": str(path)}
                         if op == "load":
@@ -172,6 +174,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", help="where checkpoints are written (default: the system temp dir)")
     p.add_argument("--layers", type=int, default=16, help="Linear layers (more = smaller tensors)")
     p.add_argument("--cache", choices=("cold", "warm"), default="cold", help="page cache state before a load")
+    p.add_argument("--drop-caches", action=argparse.BooleanOptionalAction, default=True,
+                   help="also drop the whole page cache before each measurement (root; falls back "
+                   "to evicting just the checkpoint files)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per measurement")
     p.add_argument("--quick", action="store_true", help="64 MiB, 1 repeat: a smoke test of the harness")
     p.add_argument("--fail-under-floor", action="store_true", help="exit 1 when a floor check fails")

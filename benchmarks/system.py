@@ -33,9 +33,13 @@ def evict(path: Path) -> None:
             os.close(fd)
 
 
-def settle(cold: Path | None = None) -> bool:
-    """Start a measurement from a quiet disk: no dirty pages left over, ``cold`` not in the cache."""
-    dropped = drop_caches()
+def settle(cold: Path | None = None, drop: bool = True) -> bool:
+    """Start a measurement from a quiet disk: no dirty pages left over, ``cold`` not in the cache.
+
+    ``drop`` also empties the whole page cache (root only); the files under ``cold`` are evicted
+    either way, which is what a cold load needs.
+    """
+    dropped = drop_caches() if drop else (os.sync() or False)
     if cold is not None and cold.exists():
         evict(cold)
     return dropped

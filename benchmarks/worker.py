@@ -55,7 +55,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         system.warm(path)
         dropped = False
     else:
-        dropped = system.settle(cold=path if spec["op"] == "load" else None)
+        cold = path if spec["op"] == "load" else None
+        dropped = system.settle(cold=cold, drop=spec.get("drop_caches", True))
     peak_reset = system.reset_peak_rss()
     rss_before = system.rss_bytes()
     t0 = time.perf_counter()
