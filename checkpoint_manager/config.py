@@ -132,6 +132,21 @@ class CheckpointConfig(BaseModel):
         "(None: only locks of dead processes on this host are stale).",
     )
 
+    # -- distributed runs (see docs/distributed.md) ---------------------------------------------------
+    collective_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Bound on each checkpoint collective: a dead or hung rank makes the others raise "
+        "CollectiveTimeoutError (naming rank and phase) after this long instead of hanging. Must exceed "
+        "the largest difference in write time between ranks.",
+    )
+    on_world_size_change: Literal["error", "restart_per_rank_state"] = Field(
+        default="error",
+        description="Loading at a different world size: model, optimizer, scheduler, extras and train "
+        "state reshard; per-rank RNG and dataloader positions cannot. 'error' refuses to resume while "
+        "they are requested; 'restart_per_rank_state' starts them fresh (listed in LoadResult.skipped).",
+    )
+
     @model_validator(mode="after")
     def _check_paths(self) -> CheckpointConfig:
         if not self.save_dir.strip():

@@ -1,38 +1,79 @@
 """The few collectives checkpointing needs, each bounded in time and JSON-only (no pickle on the wire).
 
-Single-process runs (no process group) take the trivial path everywhere, so the same manager code
-serves one CPU process and torchrun alike.
+Every collective runs on a gloo group of the manager's own, created with ``collective_timeout_s``:
+checkpoint traffic is small and host-side (so gloo serves NCCL jobs too), never interleaves with the
+training's collectives, and a dead or hung rank turns into :class:`CollectiveTimeoutError` on every
+survivor, naming the rank and the phase, instead of a hang (torchtitan #3065).
+
+Single-process runs (no process group, or a group of one) take the trivial path everywhere, so the
+same manager code serves one CPU process and torchrun alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from checkpoint_manager import errors
+from checkpoint_manager.errors import CheckpointError
+
 __all__ = ["CollectiveTimeoutError", "DistContext"]
 
+T = TypeVar("T")
 
-class CollectiveTimeoutError(RuntimeError):
-    """A rank did not reach a checkpoint collective in time; names the rank and the phase."""
+try:
+    from torch.distributed.checkpoint.api import CheckpointException
+except ImportError:  # pragma: no cover - torch without DCP
+    CheckpointException = None  # type: ignore[assignment,misc]
+
+# Errors a rank may re-raise as the same type when rank 0 reports them (everything else: CheckpointError).
+_BUILTIN_ERRORS = (
+    ValueError,
+    TypeError,
+    KeyError,
+    OSError,
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    NotADirectoryError,
+    IsADirectoryError,
+    RuntimeError,
+)
+
+
+class CollectiveTimeoutError(CheckpointError, RuntimeError):
+    """A checkpoint collective failed or timed out (a rank died or hung); names the rank and the phase."""
+
+
+def _error_types() -> dict[str, type[BaseException]]:
+    known: dict[str, type[BaseException]] = {cls.__name__: cls for cls in _BUILTIN_ERRORS}
+    for name in errors.__all__:
+        known[name] = getattr(errors, name)
+    known["CollectiveTimeoutError"] = CollectiveTimeoutError
+    return known
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 class DistContext:
-    """Rank facts and bounded collectives over a CPU-capable (gloo) group."""
+    """Rank facts and bounded collectives over a gloo group of the manager's own."""
 
-    def __init__(self, timeout_s: float = 600.0, *, dedicated: bool = False) -> None:
+    def __init__(self, timeout_s: float = 600.0) -> None:
         self.enabled = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.enabled else 0
         self.world_size = dist.get_world_size() if self.enabled else 1
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._group: Any = None
-        # Checkpoint traffic is small and host-side: a gloo group even when training uses NCCL, and
-        # a group of its own (``dedicated``) for a background writer, so its collectives never
-        # interleave with the training thread's.
-        if self.enabled and self.world_size > 1 and (dedicated or dist.get_backend() != "gloo"):
+        if self.enabled and self.world_size > 1:
+            # new_group is itself collective: every rank builds its managers in the same order.
             self._group = dist.new_group(backend="gloo", timeout=self.timeout)
 
     @property
@@ -41,20 +82,52 @@ class DistContext:
 
     @property
     def group(self) -> Any:
+        """The process group to hand DCP (None in a single process)."""
         return self._group
 
+    # -- failures ---------------------------------------------------------------------------------
+    def _failed(self, phase: str, exc: BaseException) -> CollectiveTimeoutError:
+        text = str(exc)
+        timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+        what = (
+            f"timed out after {self.timeout.total_seconds():g}s (collective_timeout_s)"
+            if timed_out
+            else "failed"
+        )
+        return CollectiveTimeoutError(
+            f"rank {self.rank} of {self.world_size}: checkpoint collective '{phase}' {what}; another rank "
+            f"probably died or hung (check its log). Cause: {describe(exc)}"
+        )
+
+    @contextlib.contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        """Run DCP (whose collectives use :attr:`group`) so a communication failure comes out named.
+
+        DCP reports a rank's own failures as ``CheckpointException`` after sharing them; what escapes
+        it as a plain ``RuntimeError`` is c10d/gloo failing (a timeout, a closed connection): that
+        becomes :class:`CollectiveTimeoutError`, naming this rank and ``phase``.
+        """
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except RuntimeError as exc:
+            if self.world_size == 1:
+                raise
+            raise self._failed(phase, exc) from exc
+
+    def _wait(self, work: Any) -> None:
+        if work is not None:
+            work.wait(timeout=self.timeout)
+
+    # -- collectives ------------------------------------------------------------------------------
     def barrier(self, phase: str) -> None:
         if self.world_size == 1:
             return
         try:
-            work = dist.barrier(group=self._group, async_op=True)
-            assert work is not None
-            work.wait(timeout=self.timeout)
+            self._wait(dist.barrier(group=self._group, async_op=True))
         except Exception as exc:
-            raise CollectiveTimeoutError(
-                f"rank {self.rank}: checkpoint collective '{phase}' failed or timed out after "
-                f"{self.timeout.total_seconds():.0f}s ({exc})"
-            ) from exc
+            raise self._failed(phase, exc) from exc
 
     def broadcast_json(self, value: Any, phase: str) -> Any:
         """Rank 0's ``value`` on every rank."""
@@ -70,31 +143,109 @@ class DistContext:
                 else torch.empty(int(size.item()), dtype=torch.uint8)
             )
             self._wait(dist.broadcast(buf, src=0, group=self._group, async_op=True))
-        except CollectiveTimeoutError:
-            raise
         except Exception as exc:
-            raise CollectiveTimeoutError(
-                f"rank {self.rank}: checkpoint collective '{phase}' failed ({exc})"
-            ) from exc
+            raise self._failed(phase, exc) from exc
         return json.loads(bytes(buf.numpy()).decode("utf-8"))
 
+    def all_gather_json(self, value: Any, phase: str) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        if self.world_size == 1:
+            return [value]
+        payload = json.dumps(value).encode("utf-8")
+        try:
+            size = torch.tensor([len(payload)], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            self._wait(dist.all_gather(sizes, size, group=self._group, async_op=True))
+            longest = max(int(s.item()) for s in sizes)
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            if payload:
+                mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            self._wait(dist.all_gather(bufs, mine, group=self._group, async_op=True))
+        except Exception as exc:
+            raise self._failed(phase, exc) from exc
+        return [
+            json.loads(bytes(b[: int(s.item())].numpy()).decode("utf-8")) for b, s in zip(bufs, sizes, strict=True)
+        ]
+
     def all_ok(self, ok: bool, phase: str) -> bool:
-        """True only if every rank reports ``ok`` (a collective commit vote)."""
+        """True only if every rank reports ``ok``."""
         if self.world_size == 1:
             return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         try:
             self._wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group, async_op=True))
         except Exception as exc:
-            raise CollectiveTimeoutError(
-                f"rank {self.rank}: checkpoint collective '{phase}' failed ({exc})"
-            ) from exc
+            raise self._failed(phase, exc) from exc
         return bool(flag.item())
 
     def any_true(self, flag: bool, phase: str) -> bool:
         """True if any rank reports ``flag`` (e.g. one rank saw the preemption signal)."""
         return not self.all_ok(not flag, phase)
 
-    def _wait(self, work: Any) -> None:
-        if work is not None:
-            work.wait(timeout=self.timeout)
+    def on_coordinator(self, fn: Callable[[], T], phase: str) -> T:
+        """Run ``fn`` on rank 0 and give every rank its JSON result, or its error.
+
+        Without this, an error on rank 0 (a missing checkpoint, an unwritable directory) would leave
+        the other ranks waiting in the next collective until the timeout, with nothing to say why.
+        """
+        if self.world_size == 1:
+            return fn()
+        failure: BaseException | None = None
+        answer: Any = None
+        if self.is_coordinator:
+            try:
+                answer = {"ok": fn()}
+            except BaseException as exc:
+                failure = exc
+                answer = {"error": type(exc).__name__, "message": str(exc)}
+        answer = self.broadcast_json(answer, phase)
+        if failure is not None:
+            raise failure
+        if "error" in answer:
+            raise _rebuild(answer["error"], answer["message"], phase)
+        result: T = answer["ok"]
+        return result
+
+    def vote(self, failure: BaseException | None, phase: str) -> None:
+        """The commit vote: returns only if every rank wrote its part; otherwise raises on every rank.
+
+        The error names the ranks that failed and why. A rank whose own write already failed in a
+        collective does not vote: its group is broken, and waiting again would double the time the
+        survivors take to give up.
+        """
+        if isinstance(failure, CollectiveTimeoutError):
+            raise failure
+        if self.world_size == 1:
+            if failure is not None:
+                raise _as_error(failure, phase)
+            return
+        mine = None if failure is None else describe(failure)
+        reports = self.all_gather_json(mine, phase)
+        bad = {rank: text for rank, text in enumerate(reports) if text is not None}
+        if not bad:
+            return
+        detail = "; ".join(f"rank {rank}: {text}" for rank, text in bad.items())
+        error = CheckpointError(f"{phase}: not committed, {len(bad)} of {self.world_size} rank(s) failed ({detail})")
+        if failure is not None:
+            raise error from failure
+        raise error
+
+
+def _rebuild(type_name: str, message: str, phase: str) -> BaseException:
+    """Rank 0's error on another rank: the same type where it is a known one."""
+    cls = _error_types().get(type_name)
+    if cls is None:
+        return CheckpointError(f"rank 0 failed in '{phase}': {type_name}: {message}")
+    exc = cls(message)
+    exc.add_note(f"raised on rank 0 during '{phase}' and shared with every rank")
+    return exc
+
+
+def _as_error(failure: BaseException, phase: str) -> BaseException:
+    """Never let DCP's ``CheckpointException`` (a BaseException: ``except Exception`` misses it) out."""
+    if CheckpointException is not None and isinstance(failure, CheckpointException):
+        error = CheckpointError(f"{phase}: torch.distributed.checkpoint failed ({failure})")
+        error.__cause__ = failure
+        return error
+    return failure

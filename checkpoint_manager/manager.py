@@ -54,7 +54,7 @@ from checkpoint_manager.policy import build_save_policy
 from checkpoint_manager.preemption import PreemptionWatcher
 from checkpoint_manager.protocol import LoadContext, LoadResult, SaveContext, SaveResult
 from checkpoint_manager.staging import StagingBuffers
-from checkpoint_manager.state import GatheredState, StateLoader, gather_state
+from checkpoint_manager.state import GatheredState, StateLoader, gather_state, per_rank_state
 from checkpoint_manager.storage import LocalStorage
 
 __all__ = ["DefaultCheckpointManager"]
@@ -93,8 +93,10 @@ class DefaultCheckpointManager:
             raise TypeError(f"DefaultCheckpointManager needs a CheckpointConfig, got {type(config).__name__}")
         validate_template(config.name_template)
         self.config = config
-        self._dist = DistContext()
-        self._io_dist = DistContext(dedicated=True)  # used by the (possibly background) writer
+        # Two gloo groups of our own, bounded by collective_timeout_s: one for the training thread,
+        # one for the (possibly background) writer, so their collectives never interleave.
+        self._dist = DistContext(config.collective_timeout_s)
+        self._io_dist = DistContext(config.collective_timeout_s)
         self._storage = LocalStorage(config.save_dir, fsync=config.fsync)
         self._load_storage = (
             self._storage
@@ -114,13 +116,14 @@ class DefaultCheckpointManager:
         self._preemption = PreemptionWatcher() if config.save_on_preemption else None
         self._preempted = False
         self._storage.check_root()
-        if config.sweep_pending_on_start and self._dist.is_coordinator:
-            removed = self._storage.sweep_pending()
-            if removed:
-                log.warning(
-                    "removed %d leftover(s) of interrupted saves in %s", len(removed), config.save_dir
-                )
+        if config.sweep_pending_on_start:
+            self._dist.on_coordinator(self._sweep_pending, "start: sweep pending saves")
         self._dist.barrier("start")
+
+    def _sweep_pending(self) -> None:
+        removed = self._storage.sweep_pending()
+        if removed:
+            log.warning("removed %d leftover(s) of interrupted saves in %s", len(removed), self.config.save_dir)
 
     # -- context manager --------------------------------------------------------------------------
     def __enter__(self) -> DefaultCheckpointManager:
@@ -153,12 +156,13 @@ class DefaultCheckpointManager:
 
     def _resolve(self, ctx: LoadContext) -> tuple[Path | None, bool]:
         """The checkpoint to load (or None) and whether it is model-only initial weights."""
-        if self._dist.is_coordinator:
+
+        def resolve() -> list[Any]:
             path, model_only = self._resolve_local(ctx)
-            answer: Any = [str(path) if path is not None else None, model_only]
-        else:
-            answer = None
-        answer = self._dist.broadcast_json(answer, "resolve checkpoint")
+            return [str(path) if path is not None else None, model_only]
+
+        # rank 0 alone lists the directory; every rank gets its answer (or its error)
+        answer = self._dist.on_coordinator(resolve, "resolve checkpoint")
         return (Path(answer[0]) if answer[0] is not None else None), bool(answer[1])
 
     def _resolve_local(self, ctx: LoadContext) -> tuple[Path | None, bool]:
@@ -207,7 +211,15 @@ class DefaultCheckpointManager:
         meta = read_checkpoint_json(path)
         self._check_files(path, meta)
         global_json = LocalStorage.read_json(path / STATE_JSON) if (path / STATE_JSON).exists() else {}
-        rank_json = self._read_rank_json(path, meta)
+        rank_json = per_rank_state(  # the world-size rule for RNG and dataloader state
+            ctx,
+            path=path,
+            saved_world_size=int(meta.get("world_size") or 1),
+            rank=self._dist.rank,
+            world_size=self._dist.world_size,
+            on_change=self.config.on_world_size_change,
+            model_only=model_only,
+        )
         loader = StateLoader(
             ctx, global_json, rank_json, meta.get("train_state"), source=str(path), model_only=model_only
         )
@@ -215,7 +227,7 @@ class DefaultCheckpointManager:
         targets = loader.targets(metadata)
         t_plan = time.perf_counter()
         if targets:
-            with _quiet_single_process():
+            with _quiet_single_process(), self._dist.phase(f"load {path.name}: read"):
                 dcp_load(
                     targets,
                     storage_reader=CheckpointReader(path),
@@ -379,25 +391,27 @@ class DefaultCheckpointManager:
 
     def _last_saved(self) -> int | None:
         if not self._last_saved_known:
-            latest = self.latest_checkpoint() if self._dist.is_coordinator else None
-            step = self._dist.broadcast_json(latest.step if latest else None, "last saved step")
+
+            def newest() -> int | None:
+                latest = self.latest_checkpoint()
+                return latest.step if latest else None
+
+            step = self._dist.on_coordinator(newest, "last saved step")
             self._last_saved_step, self._last_saved_known = step, True
         return self._last_saved_step
 
     def _decide(self, step: int, ctx: SaveContext, preempting: bool) -> bool:
-        """One decision for all ranks: rank 0's."""
-        if self._dist.is_coordinator:
-            last = self._last_saved()
+        """One decision for all ranks: rank 0's (its policy error, if any, raises on every rank)."""
+        last = self._last_saved()
+
+        def decide() -> bool:
             if ctx.force or (preempting and step != last):
-                decision = True
-            elif step == last:
-                decision = False  # this very step is already saved (e.g. a final save right after one)
-            else:
-                decision = ctx.final or preempting or self._policy.should_save(step, last)
-        else:
-            self._last_saved()
-            decision = None
-        return bool(self._dist.broadcast_json(decision, "save decision"))
+                return True
+            if step == last:
+                return False  # this very step is already saved (e.g. a final save right after one)
+            return ctx.final or preempting or self._policy.should_save(step, last)
+
+        return bool(self._dist.on_coordinator(decide, f"step {step}: save decision"))
 
     def _prepare(self, ctx: SaveContext, step: int) -> _SaveJob:
         started = time.perf_counter()
@@ -406,8 +420,9 @@ class DefaultCheckpointManager:
         fields.update(ctx.train_state.counters)
         name = format_name(self.config.name_template, step=step, metrics=dict(ctx.metrics), fields=fields)
         state = gather_state(ctx)  # before any file exists: a bad state leaves nothing behind
-        pending = str(self._storage.new_pending(name)) if self._dist.is_coordinator else None
-        pending = self._dist.broadcast_json(pending, "create pending directory")
+        pending = self._dist.on_coordinator(
+            lambda: str(self._storage.new_pending(name)), f"step {step}: create pending directory"
+        )
         job = _SaveJob(step, name, Path(pending), state, dict(ctx.metrics), started)
         job.timings["gather"] = time.perf_counter() - started
         return job
@@ -418,7 +433,7 @@ class DefaultCheckpointManager:
         failure: BaseException | None = None
         t0 = time.perf_counter()
         try:
-            with _quiet_single_process():
+            with _quiet_single_process(), io.phase(f"step {job.step}: write"):
                 dcp_save(
                     job.state.tensors,
                     storage_writer=CheckpointWriter(job.pending, fsync=self.config.fsync),
@@ -431,12 +446,9 @@ class DefaultCheckpointManager:
         t1 = time.perf_counter()
         job.timings["write"] = t1 - t0
         try:
-            if not io.all_ok(failure is None, "all ranks written"):
-                if failure is None:
-                    failure = CheckpointError(f"step {job.step}: another rank failed to write its shards")
-                raise failure
-            final = self._commit(job) if io.is_coordinator else None
-            final = io.broadcast_json(final, "commit")
+            # collective commit: rank 0 commits only once every rank has written its part
+            io.vote(failure, f"step {job.step}: all ranks written")
+            final = io.on_coordinator(lambda: self._commit(job), f"step {job.step}: commit")
         except BaseException:
             if io.is_coordinator:
                 with contextlib.suppress(OSError):
@@ -517,13 +529,3 @@ class DefaultCheckpointManager:
                 raise CheckpointCorruptError(
                     f"{file}: size {size} bytes, {CHECKPOINT_JSON} records {expected} (truncated or altered)"
                 )
-
-    def _read_rank_json(self, path: Path, meta: dict[str, Any]) -> dict[str, Any] | None:
-        file = path / rank_file(self._dist.rank)
-        if not file.exists():
-            return None
-        try:
-            data = LocalStorage.read_json(file)
-        except ValueError as exc:
-            raise CheckpointCorruptError(f"{file}: not valid JSON ({exc})") from exc
-        return data if isinstance(data, dict) else None

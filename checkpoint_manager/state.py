@@ -6,9 +6,13 @@ Tensors go to DCP (large, shardable, reshardable); everything else becomes JSON 
 
 from __future__ import annotations
 
+import json
+import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -31,9 +35,15 @@ from checkpoint_manager.codec import (
     tensor_placeholders,
 )
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
+from checkpoint_manager.layout import rank_file
 from checkpoint_manager.protocol import LoadContext, SaveContext, Stateful
 
-__all__ = ["GatheredState", "StateLoader", "gather_state"]
+__all__ = ["PER_RANK_PARTS", "GatheredState", "StateLoader", "gather_state", "per_rank_state", "read_rank_json"]
+
+log = logging.getLogger("checkpoint_manager")
+
+#: What is saved per rank (``rank_XXXXX.json``), as opposed to global state that DCP reshards.
+PER_RANK_PARTS = ("rng", "dataloader")
 
 try:
     import numpy as np
@@ -133,6 +143,78 @@ def gather_state(ctx: SaveContext) -> GatheredState:
         rank_json["dataloader"] = encode(dl.state_dict(), path="dataloader")
     train_state = ctx.train_state.state_dict() if ctx.train_state is not None else None
     return GatheredState(tensors, global_json, rank_json, train_state)
+
+
+def read_rank_json(path: Path, rank: int) -> dict[str, Any] | None:
+    """One rank's JSON state in the checkpoint at ``path`` (None when that rank did not exist)."""
+    file = path / rank_file(rank)
+    try:
+        raw = file.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(f"{file}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointCorruptError(f"{file}: holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _requested_per_rank(ctx: LoadContext) -> list[str]:
+    parts = []
+    if ctx.load_rng:
+        parts.append("rng")
+    if ctx.dataloader is not None and ctx.load_dataloader and isinstance(ctx.dataloader, Stateful):
+        parts.append("dataloader")
+    return parts
+
+
+def per_rank_state(
+    ctx: LoadContext,
+    *,
+    path: Path,
+    saved_world_size: int,
+    rank: int,
+    world_size: int,
+    on_change: Literal["error", "restart_per_rank_state"],
+    model_only: bool = False,
+    read: Callable[[Path, int], dict[str, Any] | None] = read_rank_json,
+) -> dict[str, Any] | None:
+    """This rank's RNG and dataloader state to restore, by the world-size rule (docs/distributed.md).
+
+    Same world size: rank r gets what rank r saved. Different world size: no rank's position means
+    anything to another layout (which samples did the new rank 3 see?), so if the load asks for any
+    per-rank part that the checkpoint holds, ``on_change='error'`` refuses with
+    :class:`CheckpointMismatchError` and ``'restart_per_rank_state'`` starts them fresh; never a
+    silent, wrong resume (torchtitan #811). Global state (model, optimizer, ...) reshards either way.
+    """
+    if model_only:
+        return None
+    if saved_world_size == world_size:
+        return read(path, rank)
+    requested = _requested_per_rank(ctx)
+    saved = read(path, 0) or {}
+    affected = [part for part in requested if part in saved]
+    if not affected:
+        return None
+    if on_change == "error":
+        raise CheckpointMismatchError(
+            f"{path} was saved by {saved_world_size} rank(s) and is being loaded by {world_size}: its "
+            f"per-rank state ({', '.join(affected)}) cannot be mapped onto a different number of ranks "
+            "(model, optimizer, scheduler, extras and train state reshard fine). To resume with fresh "
+            f"{' and '.join(affected)} state, set CheckpointConfig(on_world_size_change="
+            "'restart_per_rank_state'), or pass LoadContext(load_rng=False, load_dataloader=False)"
+        )
+    if rank == 0:
+        log.warning(
+            "world size changed from %d to %d: per-rank %s not restored, starting fresh "
+            "(on_world_size_change='restart_per_rank_state')",
+            saved_world_size,
+            world_size,
+            " and ".join(affected),
+        )
+    return None
 
 
 @dataclass
