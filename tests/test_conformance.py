@@ -36,6 +36,7 @@ CHECKS = list(CONFORMANCE_CHECKS)
 
 # fsync off: these checks test behaviour, and fsync only slows them down on CI disks.
 default_maker = manager_maker({"fsync": False})
+async_maker = manager_maker({"fsync": False, "async_save": True})
 safetensors_maker = manager_maker({"manager": "safetensors", "fsync": False, "keep_last": 10})
 
 
@@ -58,6 +59,11 @@ def test_every_documented_check_is_registered() -> None:
 @pytest.mark.parametrize("check", CHECKS)
 def test_default_manager_conforms(check: str, tmp_path: Path) -> None:
     run_conformance_check(check, default_maker, tmp_path)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_default_manager_with_async_saves_conforms(check: str, tmp_path: Path) -> None:
+    run_conformance_check(check, async_maker, tmp_path)
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -338,7 +344,9 @@ def test_broken_managers_fail_the_right_check(
 
 def test_suite_lists_every_failed_check(tmp_path: Path) -> None:
     with pytest.raises(ConformanceError) as info:
-        run_conformance_suite(wrapped(AlwaysLoads), tmp_path)
+        run_conformance_suite(
+            wrapped(AlwaysLoads), tmp_path, checks=["auto_without_checkpoint", "round_trip", "required", "never"]
+        )
     text = str(info.value)
     assert text.startswith("3 conformance check(s) failed:\n")
     assert "\n  auto_without_checkpoint: should_load returned True" in text
