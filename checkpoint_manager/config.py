@@ -7,7 +7,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 from pydantic.json_schema import SkipJsonSchema
 
 from checkpoint_manager.naming import validate_template
@@ -50,7 +59,8 @@ class CheckpointConfig(BaseModel):
     )
     initial_load_path: str | None = Field(
         default=None,
-        description="Model weights for a fresh start (no checkpoint to resume): a checkpoint directory.",
+        description="Model weights for a fresh start (no checkpoint to resume): a checkpoint directory, "
+        "a bundle (.tar) or a Hugging Face directory / .safetensors file.",
     )
     async_save: bool = Field(default=False, description="Write in the background after staging.")
     async_when_busy: Literal["wait", "skip"] = Field(
@@ -147,11 +157,73 @@ class CheckpointConfig(BaseModel):
         "they are requested; 'restart_per_rank_state' starts them fresh (listed in LoadResult.skipped).",
     )
 
-    @model_validator(mode="after")
-    def _check_paths(self) -> CheckpointConfig:
-        if not self.save_dir.strip():
-            raise ValueError("save_dir must not be empty")
-        return self
+    # -- formats: Hugging Face export and initial weights (see docs/formats.md) ------------------------
+    save_consolidated: Literal["never", "every", "final"] = Field(
+        default="never",
+        description="Also write a Hugging Face directory (model*.safetensors + artifacts) into each "
+        "checkpoint's 'hf/' before it is committed: never, on every save, or only the final save.",
+    )
+    consolidated_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None, description="Cast floating-point weights of the consolidated export; None keeps them."
+    )
+    max_shard_size: int | str = Field(
+        default="5GB",
+        description="Largest safetensors file of a consolidated export (bytes, or '5GB', '500MiB'); "
+        "bigger models are split into model-0000k-of-0000n.safetensors with an index.",
+    )
+    artifacts_dir: str | None = Field(
+        default=None,
+        description="Directory whose config, tokenizer and generation-config files are copied into "
+        "consolidated exports.",
+    )
+    initial_load_key_map: SkipJsonSchema[dict[str, str | None] | Callable[[str], str | None] | None] = Field(
+        default=None,
+        description="Renames the tensors of a Hugging Face initial_load_path to the model's names: prefix "
+        "renames {'old.': 'new.'} (None drops) or a function name -> name | None (not serialized).",
+    )
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _check_shard_size(cls, value: int | str) -> int | str:
+        from checkpoint_manager.formats.sizes import parse_size
+
+        parse_size(value)
+        return value
+
+    @field_serializer("initial_load_key_map")
+    def _serialize_key_map(self, value: Any) -> Any:
+        return value if value is None or isinstance(value, dict) else None
+
+    @field_validator("save_dir", "load_dir")
+    @classmethod
+    def _check_dirs(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(f"{info.field_name} must not be empty")
+        return value
+
+    @field_validator(
+        "save_every_n_steps", "load_step", "final_step", "keep_last", "keep_best", "keep_every_n_steps",
+        "save_at_steps", mode="before",
+    )
+    @classmethod
+    def _no_bools(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML's ``yes`` is True, which would otherwise pass as the integer 1."""
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, bool) for v in items):
+            raise ValueError(f"{info.field_name} must be an integer, not a boolean ({value!r})")
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Assignments are all-or-nothing: a value that fails any validator leaves the config as it was."""
+        if name not in type(self).model_fields:
+            super().__setattr__(name, value)
+            return
+        before = self.__dict__.get(name)
+        try:
+            super().__setattr__(name, value)
+        except ValidationError:
+            self.__dict__[name] = before
+            raise
 
     @field_validator("name_template")
     @classmethod

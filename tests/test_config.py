@@ -92,11 +92,6 @@ def test_assignment_is_validated() -> None:
     assert cfg.save_every_n_steps == 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py bug: model-level validators (save_dir empty, keep_best without monitor) run after "
-    "validate_assignment has already stored the value, so a failed assignment leaves an invalid config",
-)
 def test_failed_model_level_assignment_leaves_the_config_unchanged() -> None:
     cfg = CheckpointConfig(save_dir="x")
     with pytest.raises(ValidationError, match="save_dir must not be empty"):
@@ -104,20 +99,11 @@ def test_failed_model_level_assignment_leaves_the_config_unchanged() -> None:
     assert cfg.save_dir == "x"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py bug: an empty load_dir is accepted, and resolved_load_dir then reads the current "
-    "directory",
-)
 def test_empty_load_dir_is_refused() -> None:
     with pytest.raises(ValidationError, match="load_dir"):
         CheckpointConfig(save_dir="x", load_dir="")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py bug: booleans pass as integers (YAML 'save_every_n_steps: yes' means every step)",
-)
 def test_booleans_are_not_step_counts() -> None:
     with pytest.raises(ValidationError, match="save_every_n_steps"):
         CheckpointConfig(save_dir="x", save_every_n_steps=True)  # type: ignore[arg-type]
