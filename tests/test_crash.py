@@ -142,8 +142,8 @@ def test_sigkill_from_outside_while_a_save_is_pending(trainer: ModuleType, tmp_p
     """
     save_dir = tmp_path / "checkpoints"
     # ~1M parameters (12 MB with AdamW state) with fsync on, so a save takes long enough to be caught.
-    cfg = trainer.RunConfig(save_dir=str(save_dir), steps=40, save_every=5, hidden=1024, samples=512,
-                            hang_at_step=39)
+    # Up to 80 saves: one of them is caught in progress long before the run could end.
+    cfg = trainer.RunConfig(save_dir=str(save_dir), steps=400, save_every=5, hidden=1024, samples=512)
     proc = subprocess.Popen(trainer.child_command(cfg, None, quiet=True), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
     try:
@@ -166,7 +166,7 @@ def test_sigkill_from_outside_while_a_save_is_pending(trainer: ModuleType, tmp_p
     looking = DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir), sweep_pending_on_start=False))
     assert [info.step for info in looking.list_checkpoints()] == committed
     # Every committed checkpoint is whole: each one loads into a fresh run and restores its step.
-    big = {"hidden": 1024, "samples": 512, "steps": 40}
+    big = {"hidden": 1024, "samples": 512, "steps": 400}
     for step in committed:
         config = CheckpointConfig(save_dir=str(save_dir), load_step=step, sweep_pending_on_start=False)
         assert load_into_fresh_run(trainer, config, **big).step == step

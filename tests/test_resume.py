@@ -85,3 +85,13 @@ def test_resume_without_a_piece_of_state_is_not_exact(
     problems = trainer.compare(reference_run.result, resumed)
     assert any(line.startswith(differs) for line in problems), problems
 
+
+
+def test_demo_command_passes(tmp_path: Path) -> None:
+    """The README's first command (scripts/demo.sh runs this) ends with PASS and exit status 0."""
+    proc = run_python(["examples/train.py", "demo", "--steps", "90", "--save-every", "15", "--hidden", "64",
+                       "--workdir", str(tmp_path)])
+    lines = proc.stdout.splitlines()
+    assert lines[-1].startswith("PASS: the killed-and-resumed run is bit-identical"), proc.stdout
+    assert any("os.kill(pid, SIGKILL) while the child was at step" in line for line in lines), proc.stdout
+    assert not any("DIFFER" in line for line in lines), proc.stdout
