@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any, ClassVar
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -68,6 +69,30 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _own_failure(exc: BaseException, rank: int) -> BaseException:
+    """This rank's real error (a full disk, a broken file system), so callers get it as ``__cause__``.
+
+    DCP hides it by rank in a CheckpointException, a BaseException that ``except Exception`` misses
+    (possibly already wrapped in one of ours).
+    """
+    wrapped = exc if isinstance(exc, CheckpointException) else exc.__cause__
+    if isinstance(wrapped, CheckpointException) and rank in wrapped.failures:
+        return _io_error(wrapped.failures[rank][0])
+    if isinstance(exc, CheckpointException):
+        failed = "; ".join(f"rank {r}: {type(f[0]).__name__}: {f[0]}" for r, f in sorted(exc.failures.items()))
+        error = CheckpointError(f"DCP failed on other ranks: {failed}")
+        error.__cause__ = exc
+        return error
+    return _io_error(exc)
+
+
+def _io_error(exc: BaseException) -> BaseException:
+    """torch.save's zip writer masks an I/O error (ENOSPC) as RuntimeError("unexpected pos"): unmask it."""
+    if isinstance(exc, RuntimeError) and isinstance(exc.__context__, OSError):
+        return exc.__context__
+    return exc
 
 
 @dataclass
@@ -379,6 +404,7 @@ class DefaultCheckpointManager:
                 if step is None
                 else f"the async save of step {step} (not committed)"
             )
+            self._last_saved_known = False  # that step is not saved: ask the disk again (so it can be)
             raise AsyncSaveError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
     # -- save internals ---------------------------------------------------------------------------
@@ -442,7 +468,7 @@ class DefaultCheckpointManager:
                 )
             self._storage.write_json(job.pending / rank_file(io.rank), job.state.rank_json)
         except BaseException as exc:
-            failure = exc
+            failure = _own_failure(exc, io.rank)
         t1 = time.perf_counter()
         job.timings["write"] = t1 - t0
         try:
