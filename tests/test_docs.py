@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 
+_LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 
 
@@ -79,6 +80,22 @@ def test_extract_blocks_finds_fences_and_no_run() -> None:
 def test_doc_files_found() -> None:
     names = {p.relative_to(ROOT).as_posix() for p in DOC_FILES}
     assert {"README.md", "docs/index.md", "docs/quickstart.md"} <= names
+
+
+@pytest.mark.parametrize("doc", DOC_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_point_to_existing_files(doc: Path) -> None:
+    """A page links only pages that exist (code blocks are not searched for links)."""
+    text = doc.read_text(encoding="utf-8")
+    for block in extract_blocks(text):
+        text = text.replace(block.source.rstrip("\n"), "")
+    broken = []
+    for match in _LINK.finditer(text):
+        target = match["target"].split("#", 1)[0]
+        if not target or re.match(r"^[a-z][a-z0-9+.-]*:", target):  # anchors and URLs
+            continue
+        if not (doc.parent / target).exists():
+            broken.append(target)
+    assert broken == [], f"{doc.relative_to(ROOT)} links to missing files: {broken}"
 
 
 @pytest.mark.parametrize("doc", DOC_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
