@@ -57,6 +57,12 @@ def _latest_step(save_dir: Path) -> int:
     return int(json.loads((save_dir / "latest").read_text())["step"])
 
 
+def _sigterm_self(before: object) -> None:
+    """A real SIGTERM to this process, only once the manager's handler replaced ``before``."""
+    assert signal.getsignal(signal.SIGTERM) is not before, "the preemption handler is not installed"
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _ctx(model: nn.Module, step: int, **kw: object) -> SaveContext:
     state = TrainState()
     state.step = step
@@ -68,11 +74,10 @@ def test_sigterm_makes_the_next_save_save_off_interval_and_block(tmp_path: Path)
     model = nn.Linear(16, 16)
     mgr = DefaultCheckpointManager(_config(tmp_path / "ck"))
     try:
-        assert signal.getsignal(signal.SIGTERM) is not before  # the watcher is installed
         assert mgr.save(_ctx(model, 1)) is None  # not due: every 100 steps
         inflight = mgr.save(_ctx(model, 2, force=True))  # an async save that may still be writing
         assert inflight is not None and inflight.committed is False
-        os.kill(os.getpid(), signal.SIGTERM)
+        _sigterm_self(before)
         assert not mgr.preempted  # only a committed checkpoint makes it stop
         res = mgr.save(_ctx(model, 3))  # off the interval, async config: still saves, and blocks
         assert res is not None
@@ -90,10 +95,11 @@ def test_sigterm_makes_the_next_save_save_off_interval_and_block(tmp_path: Path)
 
 def test_sigterm_right_after_a_save_of_the_same_step_waits_for_it(tmp_path: Path) -> None:
     model = nn.Linear(16, 16)
+    before = signal.getsignal(signal.SIGTERM)
     with DefaultCheckpointManager(_config(tmp_path / "ck", save_every_n_steps=10)) as mgr:
         res = mgr.save(_ctx(model, 10))  # due: an async save
         assert res is not None and res.committed is False
-        os.kill(os.getpid(), signal.SIGTERM)
+        _sigterm_self(before)
         assert mgr.save(_ctx(model, 10)) is None  # this step is already saved: no second copy ...
         assert mgr.preempted  # ... but it is committed before the loop is told to stop
         assert not mgr.save_in_flight
@@ -209,8 +215,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def test_a_preemption_checkpoint_loads_like_any_other(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    before = signal.getsignal(signal.SIGTERM)
     with DefaultCheckpointManager(_config(tmp_path / "ck")) as mgr:
-        os.kill(os.getpid(), signal.SIGTERM)
+        _sigterm_self(before)
         res = mgr.save(_ctx(model, 7))
         assert res is not None and res.committed and mgr.preempted
     fresh = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
