@@ -69,12 +69,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _rewrap(original: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     if DTensor is not None and isinstance(original, DTensor):
-        return DTensor.from_local(
-            buf,
-            original.device_mesh,
-            original.placements,
-            run_check=False,
-            shape=original.shape,
-            stride=original.stride(),
-        )
+        # Not DTensor.from_local: it moves the local tensor to the mesh's device (back onto the GPU),
+        # undoing the staging. DCP needs only the spec (mesh, placements, global shape) and the
+        # host-side local shard, which is how torch's own DCP staging builds its copies too.
+        staged: torch.Tensor = DTensor(buf, original._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        return staged
     return buf
