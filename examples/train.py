@@ -113,10 +113,11 @@ def build(cfg: RunConfig) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine)
     dataset = SyntheticClassification(cfg.samples, cfg.features, cfg.classes, cfg.seed)
-    # The sampler gets its own generator. Sharing the loader's generator (``shuffle=True,
-    # generator=g``) is not resumable bit for bit: each new epoch's iterator also draws a worker seed
-    # from it *after* the sampler snapshotted its state, so a resumed run shuffles later epochs
-    # differently. With separate generators the sampler's state alone fixes the order.
+    # Two generators, for bit-exact resumes. The loader needs one: without it every iter(loader)
+    # draws a seed from the global RNG, which a resumed run does at a moment the original did not,
+    # shifting every later dropout mask. The sampler needs its own: sharing the loader's
+    # (``shuffle=True, generator=g``) lets each epoch's iterator draw from it *after* the sampler
+    # snapshotted its state, so a resumed run would shuffle later epochs differently.
     sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(20_000 + cfg.seed))
     loader = StatefulDataLoader(
         dataset,
@@ -412,7 +413,8 @@ def child_env() -> dict[str, str]:
 def demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="checkpoint-manager-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    base = dict(steps=args.steps, save_every=args.save_every, seed=args.seed, hidden=args.hidden)
+    base = dict(steps=args.steps, save_every=args.save_every, seed=args.seed, hidden=args.hidden,
+                async_save=args.async_save)
     kill_after = args.kill_after if args.kill_after is not None else args.steps // 3
     lag = max(1, args.save_every // 3)
     reference_cfg = RunConfig(save_dir=str(workdir / "reference"), **base)
@@ -425,7 +427,8 @@ def demo(args: argparse.Namespace) -> int:
     print("checkpoint-manager demo: a training run is SIGKILLed, resumed, and ends bit-identical")
     print(f"  model: MLP {reference_cfg.features}-{args.hidden}-{args.hidden}-{reference_cfg.classes} "
           "with dropout, AdamW, warmup+cosine LR, shuffled StatefulDataLoader")
-    print(f"  {args.steps} steps, a checkpoint every {args.save_every} steps, work dir {workdir}")
+    print(f"  {args.steps} steps, a checkpoint every {args.save_every} steps"
+          f"{' (async saves)' if args.async_save else ''}, work dir {workdir}")
     print()
     print("[1/3] reference run, never interrupted ...", flush=True)
     t0 = time.monotonic()
@@ -504,12 +507,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tr.add_argument("--step-delay", type=float, default=0.0, help="sleep this long after each step")
     tr.add_argument("--hang-at-step", type=int, default=None,
                     help="stop making progress at this step and wait to be killed")
-    tr.add_argument("--async-save", action="store_true")
+    tr.add_argument("--async-save", action="store_true", help="checkpoint with async saves")
     tr.add_argument("--no-fsync", action="store_true")
     tr.add_argument("--quiet", action="store_true")
     de = sub.add_parser("demo", help="reference run, SIGKILLed run, resumed run, bit-exact comparison")
     de.add_argument("--workdir", default=None, help="keep runs here (default: a temp dir, removed on PASS)")
     de.add_argument("--kill-after", type=int, default=None, help="kill once a later checkpoint exists")
+    de.add_argument("--async-save", action="store_true", help="checkpoint with async saves")
     for p in (tr, de):
         p.add_argument("--steps", type=int, default=300)
         p.add_argument("--save-every", type=int, default=25)

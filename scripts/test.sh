@@ -19,7 +19,7 @@ echo "== mypy (strict, per pyproject.toml)"
 "$BIN/mypy" || failed+=(mypy)
 
 echo "== pytest"
-"$BIN/python" -m pytest -q -p no:cacheprovider -ra --timeout=300 "$@"
+"$BIN/python" -m pytest -q -p no:cacheprovider -ra --durations=10 --timeout=300 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     # pytest's 5 means "collected nothing": only possible with a selecting argument that matched no test.

@@ -98,3 +98,20 @@ def test_demo_command_passes(tmp_path: Path) -> None:
     assert lines[-1].startswith("PASS: the killed-and-resumed run is bit-identical"), proc.stdout
     assert any("os.kill(pid, SIGKILL) while the child was at step" in line for line in lines), proc.stdout
     assert not any("DIFFER" in line for line in lines), proc.stdout
+
+
+def test_async_saved_checkpoints_resume_bit_exact(
+    trainer: ModuleType, reference_run: ReferenceRun, tmp_path: Path, deterministic_torch: None
+) -> None:
+    """Async saving changes nothing in training, and its checkpoints resume exactly like sync ones."""
+    async_dir = tmp_path / "async"
+    straight = trainer.train(trainer.RunConfig(save_dir=str(async_dir), async_save=True, verbose=False,
+                                               **SMALL_RUN))
+    assert trainer.compare(reference_run.result, straight) == []
+    assert trainer.committed_steps(async_dir) == list(range(EVERY, STEPS + 1, EVERY))
+    for step in (30, 80):
+        resumed = trainer.train(trainer.RunConfig(
+            save_dir=str(tmp_path / f"from_{step}"), load_dir=str(async_dir), load_step=step,
+            async_save=True, verbose=False, **SMALL_RUN))
+        assert int(resumed["state/resumed_from"][0]) == step
+        assert trainer.compare(reference_run.result, resumed) == [], f"resume from async step {step}"
