@@ -36,6 +36,7 @@ from checkpoint_manager.errors import (
     CheckpointNotFoundError,
     ManagerClosedError,
 )
+from checkpoint_manager.formats.integration import export_consolidated, load_initial_hf, resolve_load_path
 from checkpoint_manager.layout import (
     CHECKPOINT_JSON,
     FORMAT_NAME,
@@ -106,6 +107,7 @@ class _SaveJob:
     metrics: dict[str, float]
     started: float
     timings: dict[str, float] = field(default_factory=dict)
+    final: bool = False  # the end of training (save_consolidated="final" exports only then)
 
 
 class DefaultCheckpointManager:
@@ -192,7 +194,7 @@ class DefaultCheckpointManager:
 
     def _resolve_local(self, ctx: LoadContext) -> tuple[Path | None, bool]:
         if ctx.path is not None:
-            path = Path(ctx.path)
+            path = resolve_load_path(Path(ctx.path))  # a bundle: its unpacked checkpoint
             read_checkpoint_json(path)  # a typed error if it is not a committed checkpoint
             return path, False
         step = ctx.step if ctx.step is not None else self.config.load_step
@@ -233,6 +235,9 @@ class DefaultCheckpointManager:
                 else f"{self.config.resolved_load_dir} holds no committed checkpoint"
             )
             raise CheckpointNotFoundError(f"nothing to load: {reason}")
+        path = resolve_load_path(path)  # a bundle: its unpacked checkpoint
+        if model_only and (hf_result := load_initial_hf(ctx, path, self.config)) is not None:
+            return hf_result  # initial weights from a Hugging Face directory
         meta = read_checkpoint_json(path)
         self._check_files(path, meta)
         global_json = LocalStorage.read_json(path / STATE_JSON) if (path / STATE_JSON).exists() else {}
@@ -450,6 +455,7 @@ class DefaultCheckpointManager:
             lambda: str(self._storage.new_pending(name)), f"step {step}: create pending directory"
         )
         job = _SaveJob(step, name, Path(pending), state, dict(ctx.metrics), started)
+        job.final = ctx.final or step == self.config.final_step
         job.timings["gather"] = time.perf_counter() - started
         return job
 
@@ -508,6 +514,7 @@ class DefaultCheckpointManager:
         """Rank 0: describe the pending directory in checkpoint.json, rename it into place, move pointers."""
         pending = job.pending
         self._storage.write_json(pending / STATE_JSON, job.state.global_json)
+        export_consolidated(self.config, pending, final=job.final)  # inside: committed with the rest
         files = {
             entry.name: {"size": entry.stat().st_size}
             for entry in sorted(os.scandir(pending), key=lambda e: e.name)

@@ -1,0 +1,349 @@
+"""Conversions between our DCP checkpoints, consolidated safetensors and a single ``torch.save`` file.
+
+A DCP target is a committed, model-only checkpoint (``checkpoint.json``, ``state.json``, DCP files):
+the manager loads it like any other (``LoadContext(model=m, path=...)``, or as ``initial_load_path``).
+A ``torch.save`` target is a plain ``{name: tensor}`` dict, nothing else pickled; ``torch.save`` sources
+are opened with ``weights_only=True`` (and memory-mapped), so loading one never runs code from it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from checkpoint_manager._version import __version__
+from checkpoint_manager.codec import split_tensors
+from checkpoint_manager.dcp_io import METADATA_FILE, CheckpointWriter
+from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
+from checkpoint_manager.formats.bundle import is_bundle, resolve_checkpoint_path
+from checkpoint_manager.formats.dcp_stream import group_entries, read_entries, tensor_entries
+from checkpoint_manager.formats.hf import export_hf, hf_weight_files, is_hf_weights
+from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
+from checkpoint_manager.formats.publish import publish_dir, staging_dir
+from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
+from checkpoint_manager.formats.sizes import parse_size
+from checkpoint_manager.layout import CHECKPOINT_JSON, FORMAT_NAME, FORMAT_VERSION, STATE_JSON, now
+from checkpoint_manager.storage import LocalStorage
+
+__all__ = [
+    "WeightsFormat",
+    "convert",
+    "dcp_to_safetensors",
+    "dcp_to_torch",
+    "detect_format",
+    "read_safetensors",
+    "read_torch_file",
+    "safetensors_to_dcp",
+    "safetensors_to_torch",
+    "torch_to_dcp",
+    "torch_to_safetensors",
+    "write_weights_checkpoint",
+]
+
+WeightsFormat = Literal["dcp", "safetensors", "torch"]
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def detect_format(path: str | Path) -> WeightsFormat:
+    """Which of the three formats ``path`` holds (a bundle counts as DCP)."""
+    p = Path(path)
+    if p.is_dir() and ((p / CHECKPOINT_JSON).is_file() or (p / METADATA_FILE).is_file()):
+        return "dcp"
+    if is_hf_weights(p):
+        return "safetensors"
+    if p.is_file() and p.name.endswith(_TORCH_SUFFIXES):
+        return "torch"
+    if is_bundle(p):
+        return "dcp"
+    raise ValueError(
+        f"{p}: not a checkpoint directory, bundle, safetensors file/directory or torch.save file "
+        f"({', '.join(_TORCH_SUFFIXES)})"
+    )
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    to: WeightsFormat,
+    model_key: str = "model",
+    dtype: torch.dtype | str | None = None,
+    step: int = 0,
+    subkey: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Convert model weights from whatever ``src`` is to the format ``to``, written at ``dst``."""
+    kind = detect_format(src)
+    if kind == to:
+        raise ValueError(f"{src} is already in {to} format")
+    if kind == "dcp":
+        if to == "safetensors":
+            return dcp_to_safetensors(src, dst, model_key=model_key, dtype=dtype, overwrite=overwrite)
+        return dcp_to_torch(src, dst, model_key=model_key, dtype=dtype, overwrite=overwrite)
+    if kind == "safetensors":
+        if to == "dcp":
+            return safetensors_to_dcp(src, dst, model_key=model_key, step=step, dtype=dtype, overwrite=overwrite)
+        return safetensors_to_torch(src, dst, dtype=dtype, overwrite=overwrite)
+    if to == "dcp":
+        return torch_to_dcp(
+            src, dst, model_key=model_key, step=step, subkey=subkey, dtype=dtype, overwrite=overwrite
+        )
+    return torch_to_safetensors(src, dst, subkey=subkey, dtype=dtype, overwrite=overwrite)
+
+
+# -- from DCP ---------------------------------------------------------------------------------------
+def dcp_to_safetensors(
+    checkpoint: str | Path,
+    dst: str | Path,
+    *,
+    model_key: str | None = "model",
+    dtype: torch.dtype | str | None = None,
+    max_shard_size: int | str = "5GB",
+    buffer_size: int | str = "512MiB",
+    overwrite: bool = False,
+) -> Path:
+    """A ``.safetensors`` file (one file, any size, streamed), or else a Hugging Face directory.
+
+    ``model_key=None`` takes every tensor of the checkpoint under its full name (``optim.state...``).
+    """
+    out = Path(dst)
+    if out.suffix != ".safetensors":
+        if model_key is None:
+            raise ValueError("a sharded directory export takes one model section: give model_key")
+        return export_hf(
+            checkpoint, out, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
+            buffer_size=buffer_size, overwrite=overwrite,
+        ).path
+    src = resolve_checkpoint_path(checkpoint)
+    cast = resolve_dtype(dtype)
+    entries = tensor_entries(src, model_key)
+    _refuse_existing(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    specs = {e.name: (e.out_dtype(cast), e.shape) for e in entries}
+    with SafetensorsWriter(out, specs, {"format": "pt"}) as writer:
+        for group in group_entries(entries, parse_size(buffer_size), cast):
+            loaded = read_entries(src, group, cast)
+            for name in list(loaded):
+                writer.write(name, loaded.pop(name))
+        writer.commit()
+    return out
+
+
+def dcp_to_torch(
+    checkpoint: str | Path,
+    dst: str | Path,
+    *,
+    model_key: str | None = "model",
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """One ``torch.save`` file of ``{name: tensor}`` (the whole section is in memory once)."""
+    src = resolve_checkpoint_path(checkpoint)
+    tensors = read_entries(src, tensor_entries(src, model_key), resolve_dtype(dtype))
+    return _torch_save(tensors, Path(dst), overwrite)
+
+
+# -- into DCP ---------------------------------------------------------------------------------------
+def safetensors_to_dcp(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    model_key: str = "model",
+    step: int = 0,
+    key_map: KeyMap | None = None,
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """A model-only checkpoint from a ``.safetensors`` file or a Hugging Face directory."""
+    tensors = read_safetensors(src, key_map=key_map)
+    return write_weights_checkpoint(
+        _cast(tensors, dtype), dst, model_key=model_key, step=step, source=str(src), overwrite=overwrite
+    )
+
+
+def torch_to_dcp(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    model_key: str = "model",
+    step: int = 0,
+    subkey: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """A model-only checkpoint from a ``torch.save`` file of tensors (``subkey``: e.g. ``"state_dict"``)."""
+    tensors = read_torch_file(src, subkey=subkey)
+    return write_weights_checkpoint(
+        _cast(tensors, dtype), dst, model_key=model_key, step=step, source=str(src), overwrite=overwrite
+    )
+
+
+def write_weights_checkpoint(
+    tensors: Mapping[str, torch.Tensor],
+    dst: str | Path,
+    *,
+    model_key: str = "model",
+    step: int = 0,
+    source: str | None = None,
+    overwrite: bool = False,
+    fsync: bool = True,
+) -> Path:
+    """Write ``tensors`` as a committed model-only checkpoint directory at ``dst``."""
+    out = Path(dst)
+    staging = staging_dir(out)
+    try:
+        part, skeleton = split_tensors(dict(tensors), model_key)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_save(part, storage_writer=CheckpointWriter(staging, fsync=fsync), no_dist=True)
+        storage = LocalStorage(out.parent, fsync=fsync)
+        storage.write_json(staging / STATE_JSON, {model_key: skeleton})
+        files = {e.name: {"size": e.stat().st_size} for e in sorted(os.scandir(staging), key=lambda e: e.name)}
+        created_unix, created = now()
+        meta: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "library_version": __version__,
+            "torch_version": torch.__version__,
+            "engine": "dcp",
+            "step": step,
+            "name": out.name,
+            "created": created,
+            "created_unix": created_unix,
+            "world_size": 1,
+            "train_state": None,
+            "metrics": {},
+            "bytes": sum(int(t.numel() * t.element_size()) for t in part.values()),
+            "files": files,
+            "converted_from": source,
+        }
+        storage.write_json(staging / CHECKPOINT_JSON, meta)
+        publish_dir(staging, out, overwrite=overwrite, fsync=fsync)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+# -- between safetensors and torch.save -------------------------------------------------------------
+def safetensors_to_torch(
+    src: str | Path, dst: str | Path, *, dtype: torch.dtype | str | None = None, overwrite: bool = False
+) -> Path:
+    """One ``torch.save`` file from a ``.safetensors`` file or Hugging Face directory."""
+    return _torch_save(_cast(read_safetensors(src), dtype), Path(dst), overwrite)
+
+
+def torch_to_safetensors(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    subkey: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """One ``.safetensors`` file from a ``torch.save`` file of tensors."""
+    tensors = _cast(read_torch_file(src, subkey=subkey), dtype)
+    out = Path(dst)
+    _refuse_existing(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    specs = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    with SafetensorsWriter(out, specs, {"format": "pt"}) as writer:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+        writer.commit()
+    return out
+
+
+# -- readers ----------------------------------------------------------------------------------------
+def read_safetensors(src: str | Path, *, key_map: KeyMap | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a ``.safetensors`` file or Hugging Face directory, as lazy file-backed views."""
+    out: dict[str, torch.Tensor] = {}
+    for file in hf_weight_files(src):
+        sf = SafetensorsFile(file)
+        for name in sf:
+            new = apply_key_map(name, key_map)
+            if new is None:
+                continue
+            if new in out:
+                raise CheckpointCorruptError(f"{src}: tensor {new!r} appears twice")
+            out[new] = sf.get(name)
+    return out
+
+
+def read_torch_file(src: str | Path, *, subkey: str | None = None) -> dict[str, torch.Tensor]:
+    """A ``torch.save`` file of tensors, opened with ``weights_only=True`` (no code runs), memory-mapped."""
+    path = Path(src)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise _torch_load_error(path, exc) from exc
+        try:  # files in the legacy (pre-zip) format cannot be memory-mapped
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as inner:
+            raise _torch_load_error(path, inner) from inner
+    except Exception as exc:
+        raise _torch_load_error(path, exc) from exc
+    for part in subkey.split(".") if subkey else []:
+        if not isinstance(obj, Mapping) or part not in obj:
+            raise KeyError(f"{path}: no entry {subkey!r} (top-level keys: {_keys(obj)})")
+        obj = obj[part]
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{path}: holds a {type(obj).__name__}, not a dict of tensors")
+    bad = [str(k) for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ValueError(
+            f"{path}: entries {bad[:5]} are not tensors; pass subkey= to pick the dict of tensors "
+            f"(top-level keys: {_keys(obj)})"
+        )
+    return dict(obj)
+
+
+def _torch_load_error(path: Path, exc: BaseException) -> Exception:
+    if isinstance(exc, FileNotFoundError):
+        return exc
+    reason = next((ln.strip() for ln in str(exc).splitlines() if "WeightsUnpickler error: Unsupported" in ln), None)
+    if reason is not None:
+        return UnsafeCheckpointError(
+            f"{path}: holds objects other than tensors and plain containers; refusing to unpickle them "
+            f"(weights_only=True): {reason}"
+        )
+    return CheckpointCorruptError(f"{path}: not a readable torch.save file ({type(exc).__name__}: {exc})")
+
+
+def _keys(obj: Any) -> list[str]:
+    return [str(k) for k in obj][:10] if isinstance(obj, Mapping) else []
+
+
+def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | str | None) -> dict[str, torch.Tensor]:
+    cast = resolve_dtype(dtype)
+    if cast is None:
+        return tensors
+    return {k: t.to(cast) if t.is_floating_point() else t for k, t in tensors.items()}
+
+
+def _refuse_existing(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists (pass overwrite=True to replace it)")
+
+
+def _torch_save(tensors: dict[str, torch.Tensor], out: Path, overwrite: bool) -> Path:
+    _refuse_existing(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        torch.save({k: t.contiguous() for k, t in tensors.items()}, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out

@@ -1,0 +1,374 @@
+"""The Hugging Face layout, both ways: consolidated safetensors plus config/tokenizer files.
+
+Export reads a checkpoint one group of tensors at a time (DCP assembles each tensor from however many
+ranks wrote it) and fills safetensors shards in place, so memory stays near one read buffer whatever
+the model size. Names are the model's own state-dict names (``model.`` section prefix removed), which
+is what ``from_pretrained`` expects for a model trained as the transformers class itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from checkpoint_manager.codec import dtype_name
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from checkpoint_manager.formats.bundle import resolve_checkpoint_path
+from checkpoint_manager.formats.dcp_stream import TensorEntry, group_entries, read_entries, tensor_entries
+from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
+from checkpoint_manager.formats.publish import publish_dir, staging_dir
+from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
+from checkpoint_manager.formats.sizes import parse_size
+from checkpoint_manager.layout import CHECKPOINT_JSON
+
+__all__ = [
+    "HF_INDEX",
+    "HF_WEIGHTS",
+    "HFExport",
+    "HFLoad",
+    "TiedWeights",
+    "copy_artifacts",
+    "export_hf",
+    "hf_weight_files",
+    "is_hf_weights",
+    "load_hf_weights",
+]
+
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+# Files in an artifacts directory that are weights, never copied next to ours.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf", ".distcp")
+#: "auto": leave out the copies transformers ties back itself (from config.json + the model class);
+#: "keep": write every tensor; a mapping ``{dropped: kept}`` names the pairs yourself.
+TiedWeights = Literal["auto", "keep"] | Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class HFExport:
+    """What an export wrote."""
+
+    path: Path
+    files: tuple[str, ...]
+    tensors: int
+    bytes: int
+    dropped: tuple[str, ...] = ()
+    artifacts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HFLoad:
+    """What loading Hugging Face weights into a model did."""
+
+    path: Path
+    loaded: tuple[str, ...]
+    tied: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    bytes: int = 0
+
+
+# -- export -----------------------------------------------------------------------------------------
+def export_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    model_key: str = "model",
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | str | None = None,
+    artifacts_dir: str | Path | None = None,
+    tied_weights: TiedWeights = "auto",
+    key_map: KeyMap | None = None,
+    buffer_size: int | str = "512MiB",
+    overwrite: bool = False,
+    fsync: bool = True,
+) -> HFExport:
+    """Write ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` + index) from a checkpoint.
+
+    ``checkpoint`` is a committed checkpoint directory (or a bundle); ``dtype`` casts floating-point
+    tensors (e.g. ``"bfloat16"``); files of ``artifacts_dir`` (config, tokenizer, generation config)
+    are copied alongside. At most ``buffer_size`` of tensors (or one larger tensor) is held at a time.
+    """
+    src = resolve_checkpoint_path(checkpoint)
+    cast = resolve_dtype(dtype)
+    shard_limit = parse_size(max_shard_size)
+    buffer = parse_size(buffer_size)
+    entries = _renamed(tensor_entries(src, model_key), key_map, src)
+    config = _read_config(artifacts_dir)
+    drop = _tied_to_drop({e.name for e in entries}, config, tied_weights)
+    entries = [e for e in entries if e.name not in drop]
+    shards = list(group_entries(entries, shard_limit, cast))
+    out = Path(out_dir)
+    staging = staging_dir(out)
+    try:
+        names = (
+            [HF_WEIGHTS]
+            if len(shards) <= 1
+            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        )
+        weight_map: dict[str, str] = {}
+        total = 0
+        for name, shard in zip(names, shards, strict=True):
+            total += _write_shard(src, staging / name, shard, cast, buffer, fsync)
+            weight_map.update({e.name: name for e in shard})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (staging / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        copied = copy_artifacts(artifacts_dir, staging, dtype=cast) if artifacts_dir is not None else []
+        publish_dir(staging, out, overwrite=overwrite, fsync=fsync)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return HFExport(
+        path=out,
+        files=tuple(names),
+        tensors=len(entries),
+        bytes=total,
+        dropped=tuple(sorted(drop)),
+        artifacts=tuple(copied),
+    )
+
+
+def _renamed(entries: list[TensorEntry], key_map: KeyMap | None, src: Path) -> list[TensorEntry]:
+    out: list[TensorEntry] = []
+    seen: dict[str, str] = {}
+    for entry in entries:
+        name = apply_key_map(entry.name, key_map)
+        if name is None:
+            continue
+        if name in seen:
+            raise ValueError(f"{src}: key_map sends both {seen[name]!r} and {entry.name!r} to {name!r}")
+        seen[name] = entry.name
+        out.append(dataclasses.replace(entry, name=name))
+    return out
+
+
+def _write_shard(
+    src: Path, path: Path, shard: list[TensorEntry], cast: torch.dtype | None, buffer: int, fsync: bool
+) -> int:
+    specs = {e.name: (e.out_dtype(cast), e.shape) for e in shard}
+    with SafetensorsWriter(path, specs, {"format": "pt"}, fsync=fsync) as writer:
+        for group in group_entries(shard, buffer, cast):
+            loaded = read_entries(src, group, cast)
+            for name in list(loaded):
+                writer.write(name, loaded.pop(name))  # freed as soon as it is written
+        writer.commit()
+    return writer.total_bytes
+
+
+def _read_config(artifacts_dir: str | Path | None) -> dict[str, Any] | None:
+    if artifacts_dir is None:
+        return None
+    file = Path(artifacts_dir) / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc})") from exc
+    return data if isinstance(data, dict) else None
+
+
+def _ties_embeddings(config: dict[str, Any]) -> bool:
+    value = config.get("tie_word_embeddings")
+    text = config.get("text_config")
+    if value is None and isinstance(text, dict):
+        value = text.get("tie_word_embeddings")
+    return value is True
+
+
+def _class_tied_pairs(config: dict[str, Any]) -> dict[str, str]:
+    """``{tied copy: source}`` as the transformers class declares it (the dict form of transformers ≥ 5)."""
+    try:
+        import transformers
+    except ImportError:
+        return {}
+    pairs: dict[str, str] = {}
+    archs = list(config.get("architectures") or [])
+    if not archs and isinstance(config.get("model_type"), str):  # a config saved from the config object alone
+        try:
+            from transformers.models.auto import modeling_auto
+
+            for table in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"):
+                name = getattr(modeling_auto, table, {}).get(config["model_type"])
+                if isinstance(name, str):
+                    archs.append(name)
+        except ImportError:
+            pass
+    for arch in archs:
+        try:
+            cls = getattr(transformers, str(arch))
+        except (AttributeError, ImportError, RuntimeError):
+            continue
+        declared = getattr(cls, "_tied_weights_keys", None)
+        if isinstance(declared, dict):
+            pairs.update({str(k): str(v) for k, v in declared.items()})
+    return pairs
+
+
+def _tied_to_drop(names: set[str], config: dict[str, Any] | None, tied: TiedWeights) -> set[str]:
+    """Copies that ``from_pretrained`` recreates by tying, so the file need not hold them."""
+    if isinstance(tied, str):
+        if tied == "keep" or config is None or not _ties_embeddings(config):
+            return set()
+        if tied != "auto":
+            raise ValueError(f"tied_weights must be 'auto', 'keep' or a mapping, got {tied!r}")
+        tied = _class_tied_pairs(config)
+    return {copy for copy, source in tied.items() if copy in names and source in names}
+
+
+def copy_artifacts(
+    artifacts_dir: str | Path, dest: str | Path, *, dtype: torch.dtype | None = None
+) -> list[str]:
+    """Copy config/tokenizer/generation files (not weights, not hidden files, not folders) into ``dest``.
+
+    With ``dtype``, ``config.json``'s dtype field is updated, so ``from_pretrained`` loads in that dtype.
+    """
+    src = Path(artifacts_dir)
+    if not src.is_dir():
+        raise FileNotFoundError(f"artifacts_dir {str(src)!r} is not a directory")
+    copied: list[str] = []
+    for entry in sorted(os.scandir(src), key=lambda e: e.name):
+        name = entry.name
+        if name.startswith(".") or not entry.is_file() or _is_weight_file(name):
+            continue
+        target = Path(dest) / name
+        if name == "config.json" and dtype is not None:
+            config = json.loads(Path(entry.path).read_text(encoding="utf-8"))
+            keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+            for key in keys:
+                config[key] = dtype_name(dtype)
+            target.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        else:
+            shutil.copyfile(entry.path, target)  # follows links (the Hub cache links to blobs)
+        copied.append(name)
+    return copied
+
+
+def _is_weight_file(name: str) -> bool:
+    base = name.removesuffix(".index.json")
+    return name.endswith(_WEIGHT_SUFFIXES) or (base != name and base.endswith(_WEIGHT_SUFFIXES))
+
+
+# -- import -----------------------------------------------------------------------------------------
+def is_hf_weights(path: str | Path) -> bool:
+    """A ``.safetensors`` file, or a directory with ``model.safetensors`` / its index (and not ours)."""
+    p = Path(path)
+    if p.is_file():
+        return p.suffix == ".safetensors"
+    return p.is_dir() and not (p / CHECKPOINT_JSON).exists() and (
+        (p / HF_WEIGHTS).is_file() or (p / HF_INDEX).is_file()
+    )
+
+
+def hf_weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files holding a Hugging Face model's weights."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    index = p / HF_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted({str(v) for v in weight_map.values()})
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointCorruptError(f"{index}: not a safetensors index ({exc})") from exc
+        for name in names:
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise CheckpointCorruptError(f"{index}: shard name {name!r} points outside {p}")
+        return [p / name for name in names]
+    if (p / HF_WEIGHTS).is_file():
+        return [p / HF_WEIGHTS]
+    raise CheckpointNotFoundError(f"{p}: no {HF_WEIGHTS} or {HF_INDEX} (not a Hugging Face model directory)")
+
+
+def load_hf_weights(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    key_map: KeyMap | None = None,
+    strict: bool = True,
+) -> HFLoad:
+    """Load a Hugging Face directory (or one ``.safetensors`` file) into ``model``, file by file.
+
+    ``key_map`` renames the file's names to the model's (for renamed or wrapped modules). Strict:
+    every model tensor must be in the files (tied copies excepted) and every file tensor in the model.
+    """
+    files = hf_weight_files(path)
+    live: dict[str, Any] = dict(get_model_state_dict(model))
+    sources: dict[str, tuple[Path, str]] = {}
+    unexpected: list[str] = []
+    for file in files:
+        with SafetensorsFile(file) as sf:
+            for name in sf:
+                new = apply_key_map(name, key_map)
+                if new is None:
+                    continue
+                if new in sources:
+                    raise ValueError(f"{path}: two tensors map to {new!r} ({sources[new][1]!r}, {name!r})")
+                if new not in live:
+                    unexpected.append(new)
+                    continue
+                _dtype, shape = sf.spec(name)
+                if tuple(live[new].shape) != shape:
+                    raise CheckpointMismatchError(
+                        f"{file}: {name}: shape {shape} in the file, {tuple(live[new].shape)} in the model"
+                    )
+                sources[new] = (file, name)
+    missing = [k for k in live if k not in sources]
+    tied = [k for k in missing if _shares_storage_with(live, k, sources)]
+    missing = [k for k in missing if k not in tied]
+    if strict and (missing or unexpected):
+        raise CheckpointMismatchError(
+            f"{path}: weights do not match the model: missing in the files {_short(missing)}, "
+            f"not in the model {_short(unexpected)} (use key_map to rename, or strict=False)"
+        )
+    full = any(hasattr(t, "device_mesh") for t in live.values())
+    options = StateDictOptions(strict=False, full_state_dict=full)
+    del live
+    nbytes = 0
+    for file in files:
+        with SafetensorsFile(file) as sf:
+            part: dict[str, Any] = {new: sf.get(name) for new, (f, name) in sources.items() if f == file}
+            nbytes += sum(int(t.numel() * t.element_size()) for t in part.values())
+            if part:
+                set_model_state_dict(model, part, options=options)
+            del part
+    return HFLoad(
+        path=Path(path),
+        loaded=tuple(sources),
+        tied=tuple(tied),
+        missing=tuple(missing),
+        unexpected=tuple(unexpected),
+        bytes=nbytes,
+    )
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return int(local.untyped_storage().data_ptr())
+
+
+def _shares_storage_with(live: dict[str, Any], key: str, present: Iterable[str]) -> bool:
+    """Whether ``key`` is a tied copy of a tensor the files do provide (loading that one fills both)."""
+    mine = _storage_key(live[key])
+    return mine != 0 and any(_storage_key(live[k]) == mine for k in present if k != key)
+
+
+def _short(keys: list[str], limit: int = 8) -> str:
+    if not keys:
+        return "[]"
+    return f"[{', '.join(keys[:limit])}{', ...' if len(keys) > limit else ''}] ({len(keys)})"

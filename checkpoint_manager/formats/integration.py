@@ -1,0 +1,101 @@
+"""What the default manager calls: the consolidated export at save time, bundles and HF weights at load.
+
+Kept here so the manager gains a line per feature, not the details.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from checkpoint_manager.dcp_io import read_dcp_metadata
+from checkpoint_manager.errors import CheckpointMismatchError
+from checkpoint_manager.formats.bundle import resolve_checkpoint_path
+from checkpoint_manager.formats.dcp_stream import model_keys
+from checkpoint_manager.formats.hf import export_hf, is_hf_weights, load_hf_weights
+from checkpoint_manager.protocol import LoadContext, LoadResult
+
+if TYPE_CHECKING:
+    from checkpoint_manager.config import CheckpointConfig
+
+__all__ = ["CONSOLIDATED_DIR", "export_consolidated", "load_initial_hf", "resolve_load_path", "wants_consolidated"]
+
+log = logging.getLogger("checkpoint_manager")
+
+#: Sub-directory of a checkpoint that holds its Hugging Face export.
+CONSOLIDATED_DIR = "hf"
+
+
+def wants_consolidated(config: CheckpointConfig, *, final: bool) -> bool:
+    mode = config.save_consolidated
+    return mode == "every" or (mode == "final" and final)
+
+
+def export_consolidated(config: CheckpointConfig, checkpoint_dir: Path, *, final: bool) -> list[Path]:
+    """Per ``save_consolidated``: write ``<checkpoint>/hf`` (``hf/model_0``, ... for lists of models).
+
+    Called by the coordinator on the fully written, not yet committed directory, so the export is
+    committed (or discarded) with the checkpoint in the same rename.
+    """
+    if not wants_consolidated(config, final=final):
+        return []
+    t0 = time.perf_counter()
+    keys = model_keys(read_dcp_metadata(checkpoint_dir))
+    written: list[Path] = []
+    for key in keys:
+        out = checkpoint_dir / CONSOLIDATED_DIR if len(keys) == 1 else checkpoint_dir / CONSOLIDATED_DIR / key
+        result = export_hf(
+            checkpoint_dir,
+            out,
+            model_key=key,
+            max_shard_size=config.max_shard_size,
+            dtype=config.consolidated_dtype,
+            artifacts_dir=config.artifacts_dir,
+            fsync=config.fsync,
+        )
+        written.append(result.path)
+    log.info(
+        "consolidated export of %s: %s in %.2fs",
+        checkpoint_dir.name,
+        ", ".join(str(p.relative_to(checkpoint_dir)) for p in written),
+        time.perf_counter() - t0,
+    )
+    return written
+
+
+def resolve_load_path(path: Path) -> Path:
+    """A bundle becomes its unpacked checkpoint directory; anything else is returned as is."""
+    return resolve_checkpoint_path(path)
+
+
+def load_initial_hf(ctx: LoadContext, path: Path, config: CheckpointConfig) -> LoadResult | None:
+    """Initial weights from a Hugging Face directory or ``.safetensors`` file; None if ``path`` is not one."""
+    if not is_hf_weights(path):
+        return None
+    models = ctx.models()
+    if len(models) != 1:
+        raise CheckpointMismatchError(
+            f"{path}: Hugging Face weights load into exactly one model, the context has {len(models)}"
+        )
+    t0 = time.perf_counter()
+    report = load_hf_weights(models[0], path, key_map=config.initial_load_key_map, strict=ctx.strict)
+    seconds = time.perf_counter() - t0
+    log.info(
+        "loaded initial weights from %s: %d tensors in %.2fs%s",
+        path,
+        len(report.loaded),
+        seconds,
+        f" (tied, not in the files: {', '.join(report.tied)})" if report.tied else "",
+    )
+    present = {
+        "optim": bool(ctx.optimizers()),
+        "scheduler": bool(ctx.schedulers()),
+        "dataloader": ctx.dataloader is not None,
+        "train_state": ctx.train_state is not None,
+    }
+    skipped = [name for name, here in present.items() if here] + [f"extra.{n}" for n in ctx.extra]
+    return LoadResult(
+        path=str(path), step=0, restored=("model",), skipped=tuple(skipped), bytes=report.bytes, seconds=seconds
+    )
