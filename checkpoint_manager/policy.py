@@ -55,8 +55,8 @@ class EveryNSteps:
 class EveryNSeconds:
     """Save when ``seconds`` of wall clock passed since the last save (or since the run started).
 
-    The timer restarts whenever this policy says yes and whenever ``last_saved_step`` changes, so a
-    save made for any other reason (another policy, ``force``, a resume) also counts as "the last
+    The timer restarts whenever this policy says yes, and when ``last_saved_step`` shows a save this
+    policy did not ask for (another policy, ``force``, a resume), so any save counts as "the last
     save". A save that then fails is not retried before another interval has passed.
     """
 
@@ -64,6 +64,7 @@ class EveryNSeconds:
     clock: Clock = time.monotonic
     _since: float | None = field(default=None, init=False, repr=False)
     _seen: int | None = field(default=None, init=False, repr=False)
+    _mine: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.seconds > 0:
@@ -74,11 +75,11 @@ class EveryNSeconds:
         now = self.clock()
         if last_saved_step != self._seen:
             self._seen = last_saved_step
-            if last_saved_step is not None:
-                self._since = now
+            if last_saved_step is not None and last_saved_step != self._mine:
+                self._since = now  # someone else saved: count from when we learn of it
         assert self._since is not None
         if now - self._since >= self.seconds:
-            self._since = now
+            self._since, self._mine = now, step
             return True
         return False
 

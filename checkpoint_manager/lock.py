@@ -1,0 +1,380 @@
+"""One writer per save directory: a lock file naming its owner, taken over only from the dead.
+
+Two runs saving into one directory would sweep each other's pending saves and prune each other's
+checkpoints. The first writer leaves ``<save_dir>/.writer.lock`` (pid, host, start time); a second
+one fails fast with an error that names the owner. A lock left by a process that no longer exists
+on this host (or, with ``stale_after_s``, a lock from another host whose heartbeat stopped) is
+taken over with a warning. Readers never take it.
+
+Within one process the lock is shared: a second manager on the same directory (a notebook cell
+run twice, a test that reopens a directory) joins the first instead of failing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from checkpoint_manager.errors import CheckpointError
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["LOCK_FILE", "CheckpointLockError", "LockOwner", "WriterLock", "read_lock_owner"]
+
+log = logging.getLogger("checkpoint_manager")
+
+LOCK_FILE = ".writer.lock"
+_GUARD_FILE = ".writer.lock.guard"
+_GUARD_TIMEOUT_S = 10.0
+_YOUNG_S = 5.0  # an unreadable lock younger than this may be mid-creation by another process
+
+
+class CheckpointLockError(CheckpointError):
+    """Another live run holds the writer lock of this save directory."""
+
+
+@dataclass(frozen=True)
+class LockOwner:
+    """Who holds a lock, as written in the lock file."""
+
+    pid: int
+    host: str
+    started: str
+    started_unix: float
+    token: str
+    boot_id: str | None = None
+    process_start: int | None = None
+    command: str = ""
+
+    def describe(self) -> str:
+        text = f"pid {self.pid} on host {self.host}, started {self.started}"
+        return f"{text} (command: {self.command})" if self.command else text
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _boot_id() -> str | None:
+    return _read_text("/proc/sys/kernel/random/boot_id")
+
+
+def _process_start(pid: int) -> tuple[int | None, str | None]:
+    """(start time in clock ticks since boot, state letter) from /proc, or Nones where unavailable."""
+    stat = _read_text(f"/proc/{pid}/stat")
+    if stat is None:
+        return None, None
+    # the command name (field 2) may contain spaces and parentheses: split after the last ")"
+    rest = stat[stat.rfind(")") + 2 :].split()
+    try:
+        return int(rest[19]), rest[0]
+    except (IndexError, ValueError):
+        return None, None
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _current_owner() -> LockOwner:
+    t = time.time()
+    return LockOwner(
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)),
+        started_unix=t,
+        token=uuid.uuid4().hex,
+        boot_id=_boot_id(),
+        process_start=_process_start(os.getpid())[0],
+        command=" ".join(sys.argv)[:200],
+    )
+
+
+def _parse_owner(raw: bytes) -> LockOwner | None:
+    try:
+        data: Any = json.loads(raw.decode("utf-8"))
+        return LockOwner(
+            pid=int(data["pid"]),
+            host=str(data["host"]),
+            started=str(data["started"]),
+            started_unix=float(data["started_unix"]),
+            token=str(data["token"]),
+            boot_id=data.get("boot_id"),
+            process_start=data.get("process_start"),
+            command=str(data.get("command", "")),
+        )
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+
+
+def read_lock_owner(directory: str | Path) -> LockOwner | None:
+    """The owner recorded in ``directory``'s lock file, or None if unlocked (or unreadable)."""
+    try:
+        raw = (Path(directory) / LOCK_FILE).read_bytes()
+    except FileNotFoundError:
+        return None
+    return _parse_owner(raw)
+
+
+@dataclass
+class _Holding:
+    """This process's hold on one lock file, shared by every WriterLock on that directory."""
+
+    owner: LockOwner
+    count: int
+    stop: threading.Event
+    heartbeat: threading.Thread | None = None
+
+
+_registry: dict[str, _Holding] = {}
+_registry_lock = threading.Lock()
+
+
+class WriterLock:
+    """The writer lock of one save directory. ``acquire`` raises :class:`CheckpointLockError` if taken."""
+
+    def __init__(self, directory: str | Path, *, stale_after_s: float | None = None) -> None:
+        if stale_after_s is not None and not stale_after_s > 0:
+            raise ValueError(f"stale_after_s must be > 0, got {stale_after_s}")
+        self.directory = Path(directory)
+        self.path = self.directory / LOCK_FILE
+        self.stale_after_s = stale_after_s
+        self._held = False
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def __enter__(self) -> WriterLock:
+        return self.acquire()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def _key(self) -> str:
+        return os.path.realpath(self.path)
+
+    # -- acquire ----------------------------------------------------------------------------------
+    def acquire(self) -> WriterLock:
+        """Take the lock (or join this process's hold on it); idempotent for one object."""
+        if self._held:
+            return self
+        self.directory.mkdir(parents=True, exist_ok=True)
+        key = self._key()
+        with _registry_lock:
+            holding = _registry.get(key)
+            if holding is not None:
+                current = read_lock_owner(self.directory)
+                if current is not None and current.token == holding.owner.token:
+                    holding.count += 1
+                    self._held = True
+                    return self
+                _stop(holding)  # our hold was taken over or removed behind our back
+                del _registry[key]
+            with self._guard():
+                owner = self._take()
+            holding = _Holding(owner=owner, count=1, stop=threading.Event())
+            if self.stale_after_s is not None:
+                holding.heartbeat = threading.Thread(
+                    target=_heartbeat,
+                    args=(self.path, owner.token, holding.stop, self.stale_after_s / 4),
+                    name="checkpoint-lock-heartbeat",
+                    daemon=True,
+                )
+                holding.heartbeat.start()
+            _registry[key] = holding
+        self._held = True
+        return self
+
+    def _take(self) -> LockOwner:
+        """Create the lock file, or replace a stale one; raise if a live owner holds it."""
+        me = _current_owner()
+        tmp = self.directory / f"{LOCK_FILE}.{me.token}.tmp"
+        tmp.write_text(json.dumps(asdict(me), indent=1), encoding="utf-8")
+        try:
+            try:
+                os.link(tmp, self.path)  # atomic, and the file appears with its content
+                return me
+            except FileExistsError:
+                pass
+            except OSError as exc:  # filesystems without hard links
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(tmp.read_bytes())
+                    return me
+            reason, previous = self._stale_reason()
+            if reason is None:
+                assert previous is not None
+                raise CheckpointLockError(
+                    f"save_dir {str(self.directory)!r} is already being written by another run: "
+                    f"{previous.describe()}. Two runs writing one directory would corrupt each other's "
+                    f"checkpoints. Stop that run or use another save_dir; if you are sure it is dead, "
+                    f"delete {str(self.path)!r}. (Loading needs no lock.)"
+                )
+            log.warning("taking over the writer lock of %s: %s", self.directory, reason)
+            os.replace(tmp, self.path)
+            return me
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def _stale_reason(self) -> tuple[str | None, LockOwner | None]:
+        """Why the existing lock may be taken over (None: its owner is alive), and that owner."""
+        try:
+            raw = self.path.read_bytes()
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return "the lock vanished while being checked", None
+        owner = _parse_owner(raw)
+        if owner is None:
+            if age < _YOUNG_S:
+                raise CheckpointLockError(
+                    f"save_dir {str(self.directory)!r}: another run is creating its writer lock right now"
+                )
+            return f"the lock file {str(self.path)!r} is unreadable", None
+        host = socket.gethostname()
+        if owner.host != host:
+            if self.stale_after_s is not None and age > self.stale_after_s:
+                return (
+                    f"its owner ({owner.describe()}) has not refreshed it for {age:.0f}s "
+                    f"(lock_stale_after_s={self.stale_after_s:g})",
+                    owner,
+                )
+            return None, owner
+        if owner.boot_id and _boot_id() and owner.boot_id != _boot_id():
+            return f"its owner ({owner.describe()}) ran before this host rebooted", owner
+        if owner.pid == os.getpid():
+            return f"it was left by an earlier writer in this process ({owner.describe()})", owner
+        if not _pid_alive(owner.pid):
+            return f"its owner ({owner.describe()}) is no longer running", owner
+        start, state = _process_start(owner.pid)
+        if state in ("Z", "X"):
+            return f"its owner ({owner.describe()}) has exited", owner
+        if owner.process_start is not None and start is not None and start != owner.process_start:
+            return f"its owner ({owner.describe()}) exited; pid {owner.pid} now belongs to another process", owner
+        return None, owner
+
+    @contextlib.contextmanager
+    def _guard(self) -> Any:
+        """Serialize acquire/release between processes, so two takeovers of one stale lock cannot both win."""
+        if fcntl is None:  # pragma: no cover - Windows
+            yield
+            return
+        fd = os.open(self.directory / _GUARD_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            deadline = time.monotonic() + _GUARD_TIMEOUT_S
+            locked = False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked = True
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise CheckpointLockError(
+                            f"save_dir {str(self.directory)!r}: timed out waiting for {_GUARD_FILE}"
+                        ) from None
+                    time.sleep(0.01)
+                except OSError as exc:  # no flock on this filesystem: the link/replace protocol alone
+                    log.debug("flock unavailable on %s (%s)", self.directory, exc)
+                    break
+            try:
+                yield
+            finally:
+                if locked:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    # -- release ----------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Let go; the file is removed when the last holder in this process lets go (if still ours)."""
+        if not self._held:
+            return
+        self._held = False
+        key = self._key()
+        with _registry_lock:
+            holding = _registry.get(key)
+            if holding is None:
+                return
+            holding.count -= 1
+            if holding.count > 0:
+                return
+            del _registry[key]
+            _stop(holding)
+            with self._guard():
+                _remove_if_ours(self.path, holding.owner.token)
+
+
+def _remove_if_ours(path: Path, token: str) -> None:
+    try:
+        current = _parse_owner(path.read_bytes())
+    except FileNotFoundError:
+        return
+    if current is not None and current.token == token:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    else:
+        log.warning("not removing %s: it was taken over by %s", path, current.describe() if current else "?")
+
+
+def _stop(holding: _Holding) -> None:
+    holding.stop.set()
+    if holding.heartbeat is not None and holding.heartbeat is not threading.current_thread():
+        holding.heartbeat.join(timeout=5)
+
+
+def _heartbeat(path: Path, token: str, stop: threading.Event, every_s: float) -> None:
+    """Refresh the lock's mtime, so other hosts can tell a live owner from a dead one."""
+    while not stop.wait(every_s):
+        current = read_lock_owner(path.parent)
+        if current is None or current.token != token:
+            log.error("the writer lock %s is no longer ours (now: %s)", path, current and current.describe())
+            return
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
+
+@atexit.register
+def _release_all_at_exit() -> None:
+    """A clean exit leaves no lock behind, even if the manager was never terminated."""
+    with _registry_lock:
+        for key, holding in list(_registry.items()):
+            if holding.owner.pid != os.getpid():
+                continue  # inherited through fork: not ours to remove
+            _stop(holding)
+            _remove_if_ours(Path(key), holding.owner.token)
+        _registry.clear()

@@ -1,0 +1,413 @@
+"""What to keep: small preservation rules, a union of them, and a pruner that runs after each commit.
+
+A checkpoint survives if any rule keeps it; the newest, the best, whatever the pointers name and
+whatever the caller protects (the checkpoint resumed from, saves in flight) survive regardless.
+Rankings are rebuilt from the ``checkpoint.json`` files on disk at every prune, never from memory,
+so top-k stays right across resumes and config changes. Pruning is only ever called after a commit
+is durable, and a failed deletion is logged and retried at the next prune, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from checkpoint_manager.config import CheckpointConfig, MonitorMode
+from checkpoint_manager.layout import CheckpointInfo, metric_value, scan_checkpoints
+from checkpoint_manager.lock import WriterLock
+from checkpoint_manager.pointers import (
+    BEST_POINTER,
+    LATEST_POINTER,
+    best_checkpoint,
+    rank_by_metric,
+    read_pointer,
+    update_pointers,
+)
+from checkpoint_manager.storage.local import LocalStorage, fsync_dir
+
+__all__ = [
+    "KeepAll",
+    "KeepAny",
+    "KeepBest",
+    "KeepEveryNSteps",
+    "KeepLast",
+    "KeepUnranked",
+    "Pruner",
+    "RetentionPlan",
+    "RetentionPolicy",
+    "build_retention_policy",
+    "plan_retention",
+    "prune",
+]
+
+log = logging.getLogger("checkpoint_manager")
+
+_DELETING = "~deleting~"  # "~" never occurs in a checkpoint or pending name (names are sanitized)
+
+
+@runtime_checkable
+class RetentionPolicy(Protocol):
+    """Names of the checkpoints this rule keeps, given all committed ones oldest → newest."""
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]: ...
+
+
+@dataclass(frozen=True)
+class KeepLast:
+    """The newest ``n``."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"KeepLast.n must be >= 1, got {self.n}")
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        return {c.name for c in checkpoints[-self.n :]}
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """The ``n`` best by ``monitor``; NaN or missing values never rank."""
+
+    n: int
+    monitor: str
+    mode: MonitorMode = "min"
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"KeepBest.n must be >= 1, got {self.n}")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"KeepBest.mode must be 'min' or 'max', got {self.mode!r}")
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        return {c.name for c in rank_by_metric(list(checkpoints), self.monitor, self.mode)[: self.n]}
+
+
+@dataclass(frozen=True)
+class KeepUnranked:
+    """Every checkpoint whose ``monitor`` is missing or not finite (so it cannot be ranked)."""
+
+    monitor: str
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        return {c.name for c in checkpoints if metric_value(c.metrics.get(self.monitor)) is None}
+
+
+@dataclass(frozen=True)
+class KeepEveryNSteps:
+    """Permanent milestones: every checkpoint whose step is a multiple of ``n``."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"KeepEveryNSteps.n must be >= 1, got {self.n}")
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        return {c.name for c in checkpoints if c.step % self.n == 0}
+
+
+@dataclass(frozen=True)
+class KeepAll:
+    """Everything (the default when no rule is configured)."""
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        return {c.name for c in checkpoints}
+
+
+@dataclass(frozen=True)
+class KeepAny:
+    """The union: a checkpoint survives if any rule keeps it."""
+
+    policies: Sequence[RetentionPolicy]
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        kept: set[str] = set()
+        for policy in self.policies:
+            kept |= policy.keep(checkpoints)
+        return kept
+
+
+def build_retention_policy(
+    *,
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    monitor: str | None = None,
+    mode: MonitorMode = "min",
+    keep_unranked: bool = False,
+    keep_every_n_steps: int | None = None,
+) -> KeepAny | None:
+    """The union of the rules given; None when no rule is given (keep everything, prune nothing)."""
+    if keep_best is not None and monitor is None:
+        raise ValueError(f"keep_best={keep_best} needs monitor: name the metric that ranks checkpoints")
+    if keep_unranked and monitor is None:
+        raise ValueError("keep_unranked=True needs monitor: without a metric no checkpoint is ranked")
+    policies: list[RetentionPolicy] = []
+    if keep_last is not None:
+        policies.append(KeepLast(keep_last))
+    if keep_best is not None:
+        assert monitor is not None
+        policies.append(KeepBest(keep_best, monitor, mode))
+    if keep_unranked:
+        assert monitor is not None
+        policies.append(KeepUnranked(monitor))
+    if keep_every_n_steps is not None:
+        policies.append(KeepEveryNSteps(keep_every_n_steps))
+    return KeepAny(policies) if policies else None
+
+
+def retention_from_config(config: CheckpointConfig) -> KeepAny | None:
+    return build_retention_policy(
+        keep_last=config.keep_last,
+        keep_best=config.keep_best,
+        monitor=config.monitor,
+        mode=config.mode,
+        keep_unranked=config.keep_unranked,
+        keep_every_n_steps=config.keep_every_n_steps,
+    )
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """The outcome of one retention pass: what stays (and why), what goes, what failed to go."""
+
+    keep: list[CheckpointInfo]
+    delete: list[CheckpointInfo]
+    reasons: dict[str, list[str]] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+
+
+def plan_retention(
+    checkpoints: Sequence[CheckpointInfo],
+    policy: RetentionPolicy | None,
+    *,
+    protected: Iterable[str] = (),
+    monitor: str | None = None,
+    mode: MonitorMode = "min",
+) -> RetentionPlan:
+    """Decide, without touching the disk, which checkpoints a retention pass deletes.
+
+    Protected whatever the policy: the newest, the best by ``monitor`` and the names in ``protected``.
+    """
+    ordered = sorted(checkpoints, key=lambda c: c.sort_key)
+    reasons: dict[str, list[str]] = {c.name: [] for c in ordered}
+    if ordered:
+        reasons[ordered[-1].name].append("newest")
+    if monitor is not None:
+        best = best_checkpoint(ordered, monitor, mode)
+        if best is not None:
+            reasons[best.name].append(f"best {monitor}")
+    for name in protected:
+        if name in reasons:
+            reasons[name].append("protected")
+    rules: Sequence[RetentionPolicy]
+    if policy is None:
+        rules = [KeepAll()]
+    elif isinstance(policy, KeepAny):
+        rules = policy.policies
+    else:
+        rules = [policy]
+    for rule in rules:
+        for name in rule.keep(ordered):
+            reasons[name].append(repr(rule))
+    keep = [c for c in ordered if reasons[c.name]]
+    delete = [c for c in ordered if not reasons[c.name]]
+    return RetentionPlan(keep=keep, delete=delete, reasons={k: v for k, v in reasons.items() if v})
+
+
+class Pruner:
+    """Applies a retention policy to one save directory; owned by the single writer of that directory."""
+
+    def __init__(
+        self,
+        storage: LocalStorage,
+        policy: RetentionPolicy | None,
+        *,
+        monitor: str | None = None,
+        mode: MonitorMode = "min",
+        background: bool = False,
+        pointer_symlinks: bool = False,
+    ) -> None:
+        self.storage = storage
+        self.policy = policy
+        self.monitor = monitor
+        self.mode: MonitorMode = mode
+        self.background = background
+        self.pointer_symlinks = pointer_symlinks
+        self._executor: ThreadPoolExecutor | None = None
+        self._futures: list[Future[None]] = []
+        self._deleting: set[str] = set()  # hidden directories whose removal is under way
+        self._mutex = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: CheckpointConfig, storage: LocalStorage) -> Pruner:
+        return cls(
+            storage,
+            retention_from_config(config),
+            monitor=config.monitor,
+            mode=config.mode,
+            background=config.background_deletion,
+            pointer_symlinks=config.pointer_symlinks,
+        )
+
+    # -- discovery --------------------------------------------------------------------------------
+    def scan(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest → newest, read from their ``checkpoint.json`` files now."""
+        infos, bad = scan_checkpoints(self.storage.root, self.storage.list_names())
+        for name, problem in bad:
+            log.warning("retention ignores broken checkpoint %s: %s", name, problem)
+        return infos
+
+    def _pointer_targets(self) -> set[str]:
+        """``latest`` may lag the newest after a crash; ``best`` is trusted only when we cannot rank."""
+        names: set[str] = set()
+        kinds = [LATEST_POINTER] if self.monitor is not None else [LATEST_POINTER, BEST_POINTER]
+        for kind in kinds:
+            pointer = read_pointer(self.storage.root, kind)
+            if pointer is not None:
+                names.add(pointer["name"])
+        return names
+
+    # -- the pass ---------------------------------------------------------------------------------
+    def after_commit(self, protected: Iterable[str] = ()) -> RetentionPlan:
+        """Refresh ``best`` and the symlinks, then prune. Call only once the new checkpoint is durable."""
+        return self.prune(protected)
+
+    def prune(self, protected: Iterable[str] = (), *, dry_run: bool = False) -> RetentionPlan:
+        """One retention pass over what is on disk now (pointers first); ``dry_run`` only plans."""
+        infos = self.scan()
+        if not dry_run:
+            update_pointers(
+                self.storage, infos, monitor=self.monitor, mode=self.mode, symlinks=self.pointer_symlinks
+            )
+        return self._prune(infos, protected, dry_run=dry_run)
+
+    def _prune(self, infos: list[CheckpointInfo], protected: Iterable[str], *, dry_run: bool) -> RetentionPlan:
+        shielded = set(protected) | self._pointer_targets()
+        plan = plan_retention(infos, self.policy, protected=shielded, monitor=self.monitor, mode=self.mode)
+        if dry_run:
+            return plan
+        self._retry_leftovers()
+        for info in plan.delete:
+            try:
+                hidden = self._hide(info.path)
+            except OSError as exc:
+                log.warning(
+                    "could not delete checkpoint %s (%s: %s); retrying at the next prune",
+                    info.path,
+                    type(exc).__name__,
+                    exc,
+                )
+                plan.failed.append(info.name)
+                continue
+            log.info("retention: removed checkpoint %s (step %d)", info.name, info.step)
+            self._remove(hidden)
+        return plan
+
+    def _hide(self, path: Path) -> Path:
+        """Move a checkpoint out of the listing in one rename; the slow removal can follow later."""
+        pending = self.storage.pending_root
+        pending.mkdir(exist_ok=True)
+        hidden = pending / f"{path.name}.{_DELETING}{uuid.uuid4().hex[:8]}"
+        os.rename(path, hidden)
+        if self.storage.fsync:
+            fsync_dir(self.storage.root)
+        return hidden
+
+    def _remove(self, hidden: Path) -> None:
+        with self._mutex:
+            if hidden.name in self._deleting:
+                return
+            self._deleting.add(hidden.name)
+        if not self.background:
+            self._rmtree(hidden)
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-prune")
+        future = self._executor.submit(self._rmtree, hidden)
+        with self._mutex:
+            self._futures = [f for f in self._futures if not f.done()] + [future]
+
+    def _rmtree(self, hidden: Path) -> None:
+        try:
+            shutil.rmtree(hidden)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not finish deleting %s (%s); retrying at the next prune", hidden, exc)
+        finally:
+            with self._mutex:
+                self._deleting.discard(hidden.name)
+
+    def _retry_leftovers(self) -> None:
+        """Finish deletions that failed or were interrupted before."""
+        try:
+            entries = [e for e in os.scandir(self.storage.pending_root) if _DELETING in e.name]
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("could not look for unfinished deletions in %s: %s", self.storage.pending_root, exc)
+            return
+        for entry in entries:
+            self._remove(Path(entry.path))
+
+    def wait(self) -> None:
+        """Block until background deletions are done (errors were already logged)."""
+        with self._mutex:
+            futures = list(self._futures)
+        for future in futures:
+            future.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def prune(
+    directory: str | Path,
+    *,
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    monitor: str | None = None,
+    mode: MonitorMode = "min",
+    keep_unranked: bool = False,
+    keep_every_n_steps: int | None = None,
+    protected: Iterable[str] = (),
+    dry_run: bool = True,
+    fsync: bool = True,
+) -> list[CheckpointInfo]:
+    """Apply retention to ``directory`` outside a run (for the CLI); returns what is (or would be) deleted.
+
+    ``dry_run`` (the default) only reports. A real pass takes the directory's writer lock, so it
+    refuses to run while a training run writes there.
+    """
+    policy = build_retention_policy(
+        keep_last=keep_last,
+        keep_best=keep_best,
+        monitor=monitor,
+        mode=mode,
+        keep_unranked=keep_unranked,
+        keep_every_n_steps=keep_every_n_steps,
+    )
+    if policy is None:
+        raise ValueError("prune needs at least one of keep_last, keep_best or keep_every_n_steps")
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"prune: {str(directory)!r} is not a directory")
+    storage = LocalStorage(directory, fsync=fsync)
+    pruner = Pruner(storage, policy, monitor=monitor, mode=mode)
+    if dry_run:
+        return pruner.prune(protected, dry_run=True).delete
+    with WriterLock(directory):
+        plan = pruner.prune(protected)
+    return [c for c in plan.delete if c.name not in plan.failed]
