@@ -13,6 +13,15 @@ from checkpoint_manager.errors import (
     UnsafeCheckpointError,
 )
 from checkpoint_manager.factory import ENTRY_POINT_GROUP, create_checkpoint_manager, resolve_manager_class
+from checkpoint_manager.formats import (
+    convert,
+    export_hf,
+    export_peft_adapter,
+    extract_bundle,
+    load_hf_weights,
+    open_bundle,
+    pack_bundle,
+)
 from checkpoint_manager.layout import CheckpointInfo
 from checkpoint_manager.manager import DefaultCheckpointManager
 from checkpoint_manager.protocol import (
@@ -47,6 +56,13 @@ __all__ = [
     "TrainState",
     "UnsafeCheckpointError",
     "__version__",
+    "convert",
     "create_checkpoint_manager",
+    "export_hf",
+    "export_peft_adapter",
+    "extract_bundle",
+    "load_hf_weights",
+    "open_bundle",
+    "pack_bundle",
     "resolve_manager_class",
 ]

@@ -43,6 +43,9 @@ def export_consolidated(config: CheckpointConfig, checkpoint_dir: Path, *, final
         return []
     t0 = time.perf_counter()
     keys = model_keys(read_dcp_metadata(checkpoint_dir))
+    if not keys:
+        log.warning("save_consolidated=%r: %s holds no model to export", config.save_consolidated, checkpoint_dir.name)
+        return []
     written: list[Path] = []
     for key in keys:
         out = checkpoint_dir / CONSOLIDATED_DIR if len(keys) == 1 else checkpoint_dir / CONSOLIDATED_DIR / key
