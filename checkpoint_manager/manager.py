@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 import warnings
@@ -27,16 +26,16 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from checkpoint_manager._version import __version__
 from checkpoint_manager.codec import encode
 from checkpoint_manager.config import CheckpointConfig
-from checkpoint_manager.dcp_io import CheckpointReader, CheckpointWriter, read_dcp_metadata
+from checkpoint_manager.dcp_io import WRITER_ID, CheckpointReader, CheckpointWriter, read_dcp_metadata
 from checkpoint_manager.dist import DistContext
 from checkpoint_manager.errors import (
     AsyncSaveError,
-    CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     ManagerClosedError,
 )
 from checkpoint_manager.formats.integration import export_consolidated, load_initial_hf, resolve_load_path
+from checkpoint_manager.integrity import check, describe_files
 from checkpoint_manager.layout import (
     CHECKPOINT_JSON,
     FORMAT_NAME,
@@ -52,9 +51,11 @@ from checkpoint_manager.layout import (
     scan_checkpoints,
     validate_template,
 )
+from checkpoint_manager.lock import WriterLock
 from checkpoint_manager.policy import build_save_policy
 from checkpoint_manager.preemption import PreemptionWatcher
 from checkpoint_manager.protocol import LoadContext, LoadResult, SaveContext, SaveResult
+from checkpoint_manager.retention import Pruner
 from checkpoint_manager.staging import StagingBuffers
 from checkpoint_manager.state import GatheredState, StateLoader, gather_state, per_rank_state
 from checkpoint_manager.storage import LocalStorage
@@ -143,9 +144,18 @@ class DefaultCheckpointManager:
         self._preemption = PreemptionWatcher() if config.save_on_preemption else None
         self._preempted = False
         self._storage.check_root()
+        self._pruner = Pruner.from_config(config, self._storage)
+        self._resumed_from: str | None = None  # protected from retention while this run lives
+        self._writer_lock: WriterLock | None = None
+        if config.writer_lock:  # before the sweep: the sweep must never touch another run's saves
+            self._dist.on_coordinator(self._take_writer_lock, "start: writer lock")
         if config.sweep_pending_on_start:
             self._dist.on_coordinator(self._sweep_pending, "start: sweep pending saves")
         self._dist.barrier("start")
+
+    def _take_writer_lock(self) -> None:
+        lock = WriterLock(self.config.save_dir, stale_after_s=self.config.lock_stale_after_s)
+        self._writer_lock = lock.acquire()
 
     def _sweep_pending(self) -> None:
         removed = self._storage.sweep_pending()
@@ -194,8 +204,8 @@ class DefaultCheckpointManager:
 
     def _resolve_local(self, ctx: LoadContext) -> tuple[Path | None, bool]:
         if ctx.path is not None:
-            path = resolve_load_path(Path(ctx.path))  # a bundle: its unpacked checkpoint
-            read_checkpoint_json(path)  # a typed error if it is not a committed checkpoint
+            path = Path(ctx.path)  # a bundle stays a bundle: every rank unpacks it in load()
+            read_checkpoint_json(resolve_load_path(path))  # a typed error if it is not a committed checkpoint
             return path, False
         step = ctx.step if ctx.step is not None else self.config.load_step
         if step is not None:
@@ -239,7 +249,7 @@ class DefaultCheckpointManager:
         if model_only and (hf_result := load_initial_hf(ctx, path, self.config)) is not None:
             return hf_result  # initial weights from a Hugging Face directory
         meta = read_checkpoint_json(path)
-        self._check_files(path, meta)
+        check(path, meta, self.config.verify_on_load)
         global_json = LocalStorage.read_json(path / STATE_JSON) if (path / STATE_JSON).exists() else {}
         rank_json = per_rank_state(  # the world-size rule for RNG and dataloader state
             ctx,
@@ -260,7 +270,7 @@ class DefaultCheckpointManager:
             with _quiet_single_process(), self._dist.phase(f"load {path.name}: read"):
                 dcp_load(
                     targets,
-                    storage_reader=CheckpointReader(path),
+                    storage_reader=CheckpointReader(path, fast=meta.get("writer") == WRITER_ID),
                     process_group=self._dist.group,
                     no_dist=self._dist.world_size == 1,
                 )
@@ -270,6 +280,8 @@ class DefaultCheckpointManager:
         if not model_only:
             self._last_saved_step = int(meta["step"])
             self._last_saved_known = True
+            if path.parent.resolve() == self._storage.root.resolve():
+                self._resumed_from = path.name
         nbytes = sum(int(t.numel() * t.element_size()) for t in targets.values())
         seconds = t_end - t0
         log.info(
@@ -337,6 +349,9 @@ class DefaultCheckpointManager:
                     self._executor = None
                 if self._preemption is not None:
                     self._preemption.close()
+                self._pruner.close()
+                if self._writer_lock is not None:
+                    self._writer_lock.release()
 
     # -- async internals --------------------------------------------------------------------------
     def _save_async(self, ctx: SaveContext, step: int) -> SaveResult | None:
@@ -465,14 +480,16 @@ class DefaultCheckpointManager:
         failure: BaseException | None = None
         t0 = time.perf_counter()
         try:
+            writer = CheckpointWriter(job.pending, fsync=self.config.fsync, direct=self.config.direct_io)
             with _quiet_single_process(), io.phase(f"step {job.step}: write"):
                 dcp_save(
                     job.state.tensors,
-                    storage_writer=CheckpointWriter(job.pending, fsync=self.config.fsync),
+                    storage_writer=writer,
                     process_group=io.group,
                     no_dist=io.world_size == 1,
                 )
-            self._storage.write_json(job.pending / rank_file(io.rank), job.state.rank_json)
+            rank_json = {**job.state.rank_json, "files": writer.checksums}
+            self._storage.write_json(job.pending / rank_file(io.rank), rank_json)
         except BaseException as exc:
             failure = _own_failure(exc, io.rank)
         t1 = time.perf_counter()
@@ -515,11 +532,7 @@ class DefaultCheckpointManager:
         pending = job.pending
         self._storage.write_json(pending / STATE_JSON, job.state.global_json)
         export_consolidated(self.config, pending, final=job.final)  # inside: committed with the rest
-        files = {
-            entry.name: {"size": entry.stat().st_size}
-            for entry in sorted(os.scandir(pending), key=lambda e: e.name)
-            if entry.is_file()
-        }
+        files = describe_files(pending, self._checksums_from_ranks(pending))
         created_unix, created = now()
         meta = {
             "format": FORMAT_NAME,
@@ -527,6 +540,7 @@ class DefaultCheckpointManager:
             "library_version": __version__,
             "torch_version": torch.__version__,
             "engine": "dcp",
+            "writer": WRITER_ID,
             "step": job.step,
             "name": job.name,
             "created": created,
@@ -543,22 +557,23 @@ class DefaultCheckpointManager:
             self._storage.root / LATEST_POINTER, {"name": final.name, "step": job.step}
         )
         info_from_meta(final, meta)
+        self._retain(final.name)
         return str(final)
 
-    # -- load internals ---------------------------------------------------------------------------
-    def _check_files(self, path: Path, meta: dict[str, Any]) -> None:
-        """Cheap integrity: every recorded file exists with its recorded size."""
-        files = meta.get("files")
-        if not isinstance(files, dict):
-            raise CheckpointCorruptError(f"{path / CHECKPOINT_JSON}: 'files' missing or malformed")
-        for name, desc in files.items():
-            file = path / name
-            try:
-                size = file.stat().st_size
-            except FileNotFoundError:
-                raise CheckpointCorruptError(f"{file}: missing (listed in {CHECKPOINT_JSON})") from None
-            expected = desc.get("size") if isinstance(desc, dict) else None
-            if expected is not None and size != expected:
-                raise CheckpointCorruptError(
-                    f"{file}: size {size} bytes, {CHECKPOINT_JSON} records {expected} (truncated or altered)"
-                )
+    def _retain(self, committed: str) -> None:
+        """``best`` pointer, then retention: only now that the new checkpoint is durable, never fatal."""
+        if not self._pruner.active:
+            return
+        try:
+            self._pruner.after_commit(protected={committed, *filter(None, [self._resumed_from])})
+        except Exception as exc:  # the save itself succeeded: report, and try again after the next one
+            log.warning("retention after committing %s failed (retried after the next save): %r", committed, exc)
+
+    def _checksums_from_ranks(self, pending: Path) -> dict[str, dict[str, int]]:
+        """The CRC32s every rank computed while writing its tensor files (recorded in its rank JSON)."""
+        known: dict[str, dict[str, int]] = {}
+        for rank in range(self._io_dist.world_size):
+            file = pending / rank_file(rank)
+            if file.exists():
+                known.update(LocalStorage.read_json(file).get("files", {}))
+        return known

@@ -12,6 +12,7 @@ SAVE_NUMBER counts commits: ``3`` arms the hook for the third save, so two commi
 from __future__ import annotations
 
 import builtins
+import contextlib
 import io
 import os
 import signal
@@ -89,6 +90,15 @@ class Hooks:
             return _HalfWriter(opened)
         return opened
 
+    def on_pwrite(self, path: Path, fd: int, data: Any, offset: int) -> None:
+        """The tensor files are written with os.pwrite (O_DIRECT): put half a chunk down, then die."""
+        if self.phase == "dcp-data" and path.suffix == ".distcp" and self.in_pending(path) and self.armed():
+            view = memoryview(data).cast("B")
+            half = max(4096, (len(view) // 2) // 4096 * 4096) if len(view) >= 8192 else len(view)
+            with contextlib.suppress(OSError):
+                real_pwrite(fd, view[:half], offset)
+            die()
+
     def before_rename(self, src: Path, dst: Path) -> None:
         if self.phase == "before-rename" and self.is_commit(src, dst) and self.armed():
             die()
@@ -107,8 +117,23 @@ class Hooks:
         return src.parent.name == ".pending" and not self.in_pending(dst)
 
 
+real_pwrite = os.pwrite
+
+
 def install(hooks: Hooks) -> None:
-    real_open, real_rename, real_replace = builtins.open, os.rename, os.replace
+    real_open, real_rename, real_replace, real_os_open = builtins.open, os.rename, os.replace, os.open
+    fd_paths: dict[int, Path] = {}
+
+    def os_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        fd = real_os_open(path, flags, *args, **kwargs)
+        fd_paths[fd] = Path(os.fspath(path))
+        return fd
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        path = fd_paths.get(fd)
+        if path is not None:
+            hooks.on_pwrite(path, fd, data, offset)
+        return real_pwrite(fd, data, offset)
 
     def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         return hooks.on_open(file, mode, real_open(file, mode, *args, **kwargs))
@@ -124,6 +149,8 @@ def install(hooks: Hooks) -> None:
         real_replace(src, dst, *args, **kwargs)
 
     builtins.open = open_
+    os.open = os_open
+    os.pwrite = pwrite
     io.open = open_
     os.rename = rename
     os.replace = replace

@@ -1,0 +1,215 @@
+"""The torch.save envelope of a tensor, without its bytes: DCP's on-disk record, written by us fast.
+
+Standard DCP stores each tensor as a ``torch.save`` zip. torch builds that zip (with its pickle)
+for us under ``torch.serialization.skip_data``, leaving a hole where the storage bytes go; we fill
+the hole straight from the tensor's memory and patch the zip's CRC fields. Readers (DCP, torch.load,
+``zipfile``) see an ordinary torch.save file.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+__all__ = ["Envelope", "crc32_combine", "envelope_for", "locate_data"]
+
+_DESCRIPTOR_SIG = 0x08074B50
+_CENTRAL_SIG = 0x02014B50
+
+
+class _HoleStream(io.RawIOBase):
+    """A seekable sink that keeps what torch writes and leaves seeked-over regions as zeros."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: len(self.buf)}[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def write(self, b: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        data = bytes(b)
+        end = self.pos + len(data)
+        if end > len(self.buf):
+            self.buf.extend(bytes(end - len(self.buf)))
+        self.buf[self.pos : end] = data
+        self.pos = end
+        return len(data)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """``prefix`` + the tensor's raw bytes + ``suffix`` is a complete torch.save file."""
+
+    prefix: bytes
+    suffix: bytes
+    nbytes: int
+    crc_offsets: tuple[int, ...]  # positions in ``suffix`` of the data member's CRC32 fields
+
+    def render_suffix(self, crc: int) -> bytes:
+        out = bytearray(self.suffix)
+        for off in self.crc_offsets:
+            struct.pack_into("<I", out, off, crc)
+        return bytes(out)
+
+
+@lru_cache(maxsize=4096)
+def envelope_for(shape: tuple[int, ...], dtype: torch.dtype) -> Envelope:
+    """The envelope of a contiguous tensor of ``shape`` and ``dtype`` (cached: shapes repeat)."""
+    proxy = torch.empty(shape, dtype=dtype)  # never touched: no pages are faulted in
+    if proxy.numel() == 0:  # nothing to skip: the plain torch.save bytes are the whole record
+        plain = io.BytesIO()
+        torch.save(proxy, plain)
+        return Envelope(plain.getvalue(), b"", 0, ())
+    sink = _HoleStream()
+    with torch.serialization.skip_data():
+        torch.save(proxy, sink)  # type: ignore[arg-type]
+    raw = bytes(sink.buf)
+    nbytes = proxy.numel() * proxy.element_size()
+    data_start, member = _data_member(raw)
+    data_end = data_start + nbytes
+    crc_offsets: list[int] = []
+    # data descriptor right after the data: [signature] crc32 csize usize
+    sig = struct.unpack_from("<I", raw, data_end)[0]
+    crc_offsets.append((data_end + 4 if sig == _DESCRIPTOR_SIG else data_end) - data_end)
+    # the member's central directory record
+    zf = zipfile.ZipFile(io.BytesIO(raw))
+    pos = zf.start_dir
+    while struct.unpack_from("<I", raw, pos)[0] == _CENTRAL_SIG:
+        n, x, c = struct.unpack_from("<HHH", raw, pos + 28)
+        name = raw[pos + 46 : pos + 46 + n].decode("utf-8")
+        if name == member:
+            crc_offsets.append(pos + 16 - data_end)
+        pos += 46 + n + x + c
+    if len(crc_offsets) != 2:
+        raise RuntimeError(f"unexpected torch.save layout for {shape} {dtype}: cannot find CRC fields")
+    return Envelope(raw[:data_start], raw[data_end:], nbytes, tuple(crc_offsets))
+
+
+def _data_member(raw: bytes) -> tuple[int, str]:
+    """Offset of the storage bytes inside a torch.save zip, and the member's name."""
+    zf = zipfile.ZipFile(io.BytesIO(raw))
+    members = [i for i in zf.infolist() if i.filename.endswith("/data/0")]
+    if len(members) != 1:
+        raise RuntimeError("torch.save output has no single data record")
+    info = members[0]
+    n, x = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    return info.header_offset + 30 + n + x, info.filename
+
+
+class _SliceReader(io.RawIOBase):
+    """A read-only file view of ``buf[start:start+length]`` that copies only what is read."""
+
+    def __init__(self, buf: memoryview, start: int, length: int) -> None:
+        self._buf, self._start, self._len, self._pos = buf, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, min(self._len, base + offset))
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        end = self._len if size is None or size < 0 else min(self._len, self._pos + size)
+        out = bytes(self._buf[self._start + self._pos : self._start + end])
+        self._pos = end
+        return out
+
+
+def locate_data(buf: memoryview, start: int, length: int, expected_nbytes: int) -> int:
+    """Absolute offset in ``buf`` of the tensor bytes of the torch.save record at ``start``.
+
+    Reads only the zip's central directory (never the pickle, never the data): the record must hold
+    exactly one storage of ``expected_nbytes`` bytes, else ``ValueError``.
+    """
+    try:
+        zf = zipfile.ZipFile(_SliceReader(buf, start, length))
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"not a torch.save record ({exc})") from exc
+    members = [i for i in zf.infolist() if i.filename.endswith("/data/0")]
+    if len(members) != 1 or members[0].file_size != expected_nbytes:
+        raise ValueError(f"record does not hold exactly one storage of {expected_nbytes} bytes")
+    info = members[0]
+    head = bytes(buf[start + info.header_offset : start + info.header_offset + 30])
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        raise ValueError("bad local header of the data record")
+    n, x = struct.unpack_from("<HH", head, 26)
+    data = start + info.header_offset + 30 + n + x
+    if data + expected_nbytes > start + length:
+        raise ValueError("data record runs past the end of the record")
+    return int(data)
+
+
+# -- CRC32 of a concatenation, from the CRCs of its parts (zlib's crc32_combine, GF(2) matrices) ----
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+@lru_cache(maxsize=1024)
+def _zeros_operator(length: int) -> tuple[int, ...]:
+    """The GF(2) matrix that advances a CRC over ``length`` zero bytes."""
+    odd = [0xEDB88320] + [1 << (n - 1) for n in range(1, 32)]
+    even = _gf2_square(odd)
+    odd = _gf2_square(even)
+    result: list[int] | None = None
+    while True:
+        even = _gf2_square(odd)
+        if length & 1:
+            result = even if result is None else [_gf2_times(even, r) for r in result]
+        length >>= 1
+        if not length:
+            break
+        odd = _gf2_square(even)
+        if length & 1:
+            result = odd if result is None else [_gf2_times(odd, r) for r in result]
+        length >>= 1
+        if not length:
+            break
+    assert result is not None
+    return tuple(result)
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of ``A + B`` given ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
+    if len2 <= 0:
+        return crc1
+    return _gf2_times(list(_zeros_operator(len2)), crc1) ^ crc2
+
+
+def crc32(data: bytes | memoryview, value: int = 0) -> int:
+    return zlib.crc32(data, value)

@@ -1,0 +1,108 @@
+"""Checksums of a checkpoint's files, recorded at save time and checked on demand.
+
+CRC32 (zlib) is what the zip records inside DCP files already use and runs at memory speed; the
+tensor files get theirs for free while they are written, so only small files are read back here.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+from typing import Any, Literal
+
+from checkpoint_manager.errors import CheckpointCorruptError
+from checkpoint_manager.layout import CHECKPOINT_JSON, read_checkpoint_json
+
+__all__ = ["VerifyLevel", "describe_files", "file_crc32", "verify"]
+
+VerifyLevel = Literal["off", "sizes", "full"]
+_READ_CHUNK = 8 << 20
+
+
+def file_crc32(path: str | Path) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_READ_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def _files_below(root: Path) -> list[str]:
+    out: list[str] = []
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            out.append(Path(dirpath, name).relative_to(root).as_posix())
+    return sorted(out)
+
+
+def describe_files(root: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """``{relative path: {size, crc32}}`` for every file below ``root`` but ``checkpoint.json``.
+
+    ``known`` holds checksums computed while writing (the large tensor files); the rest are read.
+    """
+    out: dict[str, dict[str, int]] = {}
+    for rel in _files_below(root):
+        if rel == CHECKPOINT_JSON:
+            continue
+        size = (root / rel).stat().st_size
+        entry = known.get(rel)
+        if entry is not None and entry.get("size") == size and "crc32" in entry:
+            out[rel] = {"size": size, "crc32": int(entry["crc32"])}
+        else:
+            out[rel] = {"size": size, "crc32": file_crc32(root / rel)}
+    return out
+
+
+def verify(path: str | Path, level: VerifyLevel = "full") -> list[str]:
+    """Problems found in the checkpoint at ``path`` (empty: it is intact).
+
+    ``sizes`` checks that every recorded file exists with its size; ``full`` also recomputes every
+    CRC32. A missing or unreadable ``checkpoint.json`` is itself a problem.
+    """
+    root = Path(path)
+    try:
+        meta = read_checkpoint_json(root)
+    except CheckpointCorruptError as exc:
+        return [str(exc)]
+    return _problems(root, meta, level)
+
+
+def check(root: Path, meta: dict[str, Any], level: VerifyLevel) -> None:
+    """Raise :class:`CheckpointCorruptError` listing every problem (used on load)."""
+    problems = _problems(root, meta, level)
+    if problems:
+        raise CheckpointCorruptError("; ".join(problems))
+
+
+def _problems(root: Path, meta: dict[str, Any], level: VerifyLevel) -> list[str]:
+    if level == "off":
+        return []
+    files = meta.get("files")
+    if not isinstance(files, dict) or not files:
+        return [f"{root / CHECKPOINT_JSON}: 'files' missing or malformed"]
+    problems: list[str] = []
+    for rel, desc in files.items():
+        file = root / rel
+        if not isinstance(desc, dict) or not isinstance(desc.get("size"), int):
+            problems.append(f"{root / CHECKPOINT_JSON}: entry for {rel!r} is malformed")
+            continue
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{file}: missing (listed in {CHECKPOINT_JSON})")
+            continue
+        if size != desc["size"]:
+            problems.append(
+                f"{file}: size {size} bytes, {CHECKPOINT_JSON} records {desc['size']} (truncated or altered)"
+            )
+            continue
+        if level == "full" and "crc32" in desc:
+            crc = file_crc32(file)
+            if crc != desc["crc32"]:
+                problems.append(
+                    f"{file}: CRC32 {crc:08x}, {CHECKPOINT_JSON} records {int(desc['crc32']):08x} (corrupted)"
+                )
+    return problems
