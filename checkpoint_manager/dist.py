@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import struct
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -130,43 +131,45 @@ class DistContext:
             raise self._failed(phase, exc) from exc
 
     def broadcast_json(self, value: Any, phase: str) -> Any:
-        """Rank 0's ``value`` on every rank."""
+        """Rank 0's ``value`` on every rank: one collective when it is small (the usual case)."""
         if self.world_size == 1:
             return value
         payload = json.dumps(value).encode("utf-8") if self.rank == 0 else b""
         try:
-            size = torch.tensor([len(payload)], dtype=torch.int64)
-            self._wait(dist.broadcast(size, src=0, group=self._group, async_op=True))
-            buf = (
+            slot = _slot(payload)
+            self._wait(dist.broadcast(slot, src=0, group=self._group, async_op=True))
+            size = _slot_size(slot)
+            if size <= _INLINE:
+                return _decode(slot[_HEADER : _HEADER + size])
+            rest = (
                 torch.frombuffer(bytearray(payload), dtype=torch.uint8)
                 if self.rank == 0
-                else torch.empty(int(size.item()), dtype=torch.uint8)
+                else torch.empty(size, dtype=torch.uint8)
             )
-            self._wait(dist.broadcast(buf, src=0, group=self._group, async_op=True))
+            self._wait(dist.broadcast(rest, src=0, group=self._group, async_op=True))
         except Exception as exc:
             raise self._failed(phase, exc) from exc
-        return json.loads(bytes(buf.numpy()).decode("utf-8"))
+        return _decode(rest)
 
     def all_gather_json(self, value: Any, phase: str) -> list[Any]:
-        """Every rank's ``value``, in rank order, on every rank."""
+        """Every rank's ``value``, in rank order, on every rank: one collective when all are small."""
         if self.world_size == 1:
             return [value]
         payload = json.dumps(value).encode("utf-8")
         try:
-            size = torch.tensor([len(payload)], dtype=torch.int64)
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-            self._wait(dist.all_gather(sizes, size, group=self._group, async_op=True))
-            longest = max(int(s.item()) for s in sizes)
+            slots = [torch.empty(_HEADER + _INLINE, dtype=torch.uint8) for _ in range(self.world_size)]
+            self._wait(dist.all_gather(slots, _slot(payload), group=self._group, async_op=True))
+            sizes = [_slot_size(s) for s in slots]
+            longest = max(sizes)
+            if longest <= _INLINE:
+                return [_decode(s[_HEADER : _HEADER + n]) for s, n in zip(slots, sizes, strict=True)]
             mine = torch.zeros(longest, dtype=torch.uint8)
-            if payload:
-                mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
             self._wait(dist.all_gather(bufs, mine, group=self._group, async_op=True))
         except Exception as exc:
             raise self._failed(phase, exc) from exc
-        return [
-            json.loads(bytes(b[: int(s.item())].numpy()).decode("utf-8")) for b, s in zip(bufs, sizes, strict=True)
-        ]
+        return [_decode(b[:n]) for b, n in zip(bufs, sizes, strict=True)]
 
     def all_ok(self, ok: bool, phase: str) -> bool:
         """True only if every rank reports ``ok``."""
@@ -230,6 +233,28 @@ class DistContext:
         if failure is not None:
             raise error from failure
         raise error
+
+
+# Small JSON travels inline in one fixed-size slot: an 8-byte length, then up to _INLINE bytes.
+_HEADER = 8
+_INLINE = 4088
+
+
+def _slot(payload: bytes) -> torch.Tensor:
+    slot = torch.zeros(_HEADER + _INLINE, dtype=torch.uint8)
+    slot[:_HEADER] = torch.frombuffer(bytearray(struct.pack("<q", len(payload))), dtype=torch.uint8)
+    if payload and len(payload) <= _INLINE:
+        slot[_HEADER : _HEADER + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return slot
+
+
+def _slot_size(slot: torch.Tensor) -> int:
+    size: int = struct.unpack("<q", bytes(slot[:_HEADER].numpy()))[0]
+    return size
+
+
+def _decode(buf: torch.Tensor) -> Any:
+    return json.loads(bytes(buf.numpy()).decode("utf-8"))
 
 
 def _rebuild(type_name: str, message: str, phase: str) -> BaseException:

@@ -253,7 +253,21 @@ def act_load_missing_step(a: dict[str, Any], out: Path, report: dict[str, Any]) 
             report[a["tag"]] = {"type": type(exc).__name__, "message": str(exc)}
 
 
+def act_json_collectives(a: dict[str, Any], out: Path, report: dict[str, Any]) -> None:
+    """The manager's JSON collectives, with payloads below and above their one-slot size."""
+    from checkpoint_manager.dist import DistContext
+
+    rank, _ = world()
+    ctx = DistContext(30.0)
+    big = {"x": "é" * 5000, "n": [1.5, None, True]}
+    report["broadcast"] = [ctx.broadcast_json(v if rank == 0 else None, "test") for v in ("small", big)]
+    mine = {"rank": rank, "pad": "y" * (6000 * rank)}
+    report["gathered"] = [len(g["pad"]) for g in ctx.all_gather_json(mine, "test")]
+    report["gathered_small"] = ctx.all_gather_json(rank * 10, "test")
+
+
 ACTIONS = {
+    "json_collectives": act_json_collectives,
     "save": act_save,
     "load": act_load,
     "fail_in_save": act_fail_in_save,

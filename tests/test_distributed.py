@@ -176,7 +176,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, jobs: list[Job]) -> Matrix:
     j3 = start(jobs, out, "ws1", 0, to_1)  # runs beside the 4-rank job: it only reads
     j3.wait()
     j2.wait()
-    j4 = start(jobs, out, "ws2b", 2, to_2 + missing)
+    j4 = start(jobs, out, "ws2b", 2, [*to_2, *missing, {"op": "json_collectives"}])
     j4.wait()
     reports = {job.name: {r: job.report(r) for r in range(len(job.procs))} for job in (j1, j2, j3, j4)}
     return Matrix(out, reports)
@@ -252,6 +252,15 @@ def test_only_rank_0_lists_and_its_errors_reach_every_rank(matrix: Matrix) -> No
     assert answers[0]["type"] == "CheckpointNotFoundError"
     assert "no committed checkpoint at step 999" in answers[0]["message"]
     assert "available steps: [3]" in answers[0]["message"]
+
+
+def test_json_collectives_carry_small_and_large_payloads(matrix: Matrix) -> None:
+    big = {"x": "é" * 5000, "n": [1.5, None, True]}
+    for rank in (0, 1):
+        report = matrix.reports["ws2b"][rank]
+        assert report["broadcast"] == ["small", big]
+        assert report["gathered"] == [0, 6000]
+        assert report["gathered_small"] == [0, 10]
 
 
 # -- a rank dies or hangs inside a save --------------------------------------------------------------
