@@ -87,13 +87,15 @@ def floor_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:,.0f} MiB"
+    return f"{max(n, 0) / 2**20:,.0f} MiB"
 
 
 def markdown(rows: list[dict[str, Any]], machine: dict[str, Any], repeats: int, cache: str) -> str:
     lines = [
         f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB RAM, "
-        f"{machine['filesystem']}, kernel {machine['kernel']}, torch {machine['torch']}. "
+        f"{machine['filesystem']}, kernel {machine['kernel']}, torch {machine['torch']}, "
+        f"code {machine.get('code', '?')}; 1-min load average at start "
+        f"{machine.get('load_average', [float('nan')])[0]:.1f}. "
         f"Median of {repeats} run(s), each in a fresh process; load cache: {cache}.",
         "GB/s = tensor bytes / median seconds (10**9 B/s); best GB/s uses the fastest run. `x X` = this row's throughput divided by X's "
         "(1.00 = as fast as X; against the raw-I/O limit row: how close a contender gets to the disk); "

@@ -123,11 +123,12 @@ def run(args: argparse.Namespace) -> int:
                         spec = {**common, "mode": "measure", "op": op, "name": c.name, "path": str(path)}
                         if op == "load":
                             spec["fingerprint"] = fingerprint
+                        load_avg = os.getloadavg()[0]
                         res = _spawn(spec, scratch, args.timeout)
                         if op == "save":
                             shutil.rmtree(path, ignore_errors=True)
                         rec = {"size_gib": size, "op": op, "name": c.name, "role": c.role,
-                               "repeat": rep, "timed": c.timed, **res}
+                               "repeat": rep, "timed": c.timed, "load_avg_1min": load_avg, **res}
                         records.append(rec)
                         if "error" in res:
                             print(f"[{op} {size:g} GiB {rep + 1}/{args.repeats}] {c.name}: FAILED "
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
                         else:
                             print(f"[{op} {size:g} GiB {rep + 1}/{args.repeats}] {c.name}: "
                                   f"{res['seconds']:.3f} s, {res['payload_bytes'] / res['seconds'] / 1e9:.3f}"
-                                  f" GB/s, peak RSS +{(res['peak_rss'] - res['rss_before']) / 2**20:.0f} MiB",
+                                  f" GB/s, peak RSS +{max(0, res['peak_rss'] - res['rss_before']) / 2**20:.0f} MiB",
                                   file=sys.stderr)
                 for fmt in fmts:
                     shutil.rmtree(scratch / f"load-{fmt}", ignore_errors=True)

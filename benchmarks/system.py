@@ -135,6 +135,14 @@ def machine(workdir: Path) -> dict[str, Any]:
     except OSError:
         pass
     total, _, free = shutil.disk_usage(workdir)
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        git = subprocess.run(
+            ["git", "-C", str(repo), "describe", "--always", "--dirty"],
+            capture_output=True, text=True, check=True, timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        git = "unknown"
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -146,4 +154,6 @@ def machine(workdir: Path) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "code": f"{git} ({repo})",
+        "load_average": os.getloadavg(),
     }
