@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 import uuid
+import weakref
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
@@ -168,6 +170,7 @@ class WriterLock:
         self.path = self.directory / LOCK_FILE
         self.stale_after_s = stale_after_s
         self._held = False
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def held(self) -> bool:
@@ -197,11 +200,11 @@ class WriterLock:
                 current = read_lock_owner(self.directory)
                 if current is not None and current.token == holding.owner.token:
                     holding.count += 1
-                    self._held = True
+                    self._hold(key)
                     return self
                 _stop(holding)  # our hold was taken over or removed behind our back
                 del _registry[key]
-            with self._guard():
+            with _guard(self.directory):
                 owner = self._take()
             holding = _Holding(owner=owner, count=1, stop=threading.Event())
             if self.stale_after_s is not None:
@@ -213,8 +216,14 @@ class WriterLock:
                 )
                 holding.heartbeat.start()
             _registry[key] = holding
-        self._held = True
+        self._hold(key)
         return self
+
+    def _hold(self, key: str) -> None:
+        # A WriterLock dropped without release() (a manager never terminated, then garbage collected)
+        # gives its share back, so it cannot keep the directory locked for the rest of the process.
+        self._held = True
+        self._finalizer = weakref.finalize(self, _release_share, key)
 
     def _take(self) -> LockOwner:
         """Create the lock file, or replace a stale one; raise if a live owner holds it."""
@@ -287,56 +296,63 @@ class WriterLock:
             return f"its owner ({owner.describe()}) exited; pid {owner.pid} now belongs to another process", owner
         return None, owner
 
-    @contextlib.contextmanager
-    def _guard(self) -> Any:
-        """Serialize acquire/release between processes, so two takeovers of one stale lock cannot both win."""
-        if fcntl is None:  # pragma: no cover - Windows
-            yield
-            return
-        fd = os.open(self.directory / _GUARD_FILE, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            deadline = time.monotonic() + _GUARD_TIMEOUT_S
-            locked = False
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    locked = True
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise CheckpointLockError(
-                            f"save_dir {str(self.directory)!r}: timed out waiting for {_GUARD_FILE}"
-                        ) from None
-                    time.sleep(0.01)
-                except OSError as exc:  # no flock on this filesystem: the link/replace protocol alone
-                    log.debug("flock unavailable on %s (%s)", self.directory, exc)
-                    break
-            try:
-                yield
-            finally:
-                if locked:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-
     # -- release ----------------------------------------------------------------------------------
     def release(self) -> None:
         """Let go; the file is removed when the last holder in this process lets go (if still ours)."""
         if not self._held:
             return
         self._held = False
-        key = self._key()
-        with _registry_lock:
-            holding = _registry.get(key)
-            if holding is None:
-                return
-            holding.count -= 1
-            if holding.count > 0:
-                return
-            del _registry[key]
-            _stop(holding)
-            with self._guard():
-                _remove_if_ours(self.path, holding.owner.token)
+        if self._finalizer is not None:
+            self._finalizer()  # runs _release_share once
+
+
+def _release_share(key: str) -> None:
+    """Drop one holder's share of this process's hold on ``key``; the last one removes the file."""
+    with _registry_lock:
+        holding = _registry.get(key)
+        if holding is None or holding.owner.pid != os.getpid():
+            return  # already released, or inherited through fork: not ours to remove
+        holding.count -= 1
+        if holding.count > 0:
+            return
+        del _registry[key]
+        _stop(holding)
+        path = Path(key)
+        with _guard(path.parent):
+            _remove_if_ours(path, holding.owner.token)
+
+
+@contextlib.contextmanager
+def _guard(directory: Path) -> Iterator[None]:
+    """Serialize acquire/release between processes, so two takeovers of one stale lock cannot both win."""
+    if fcntl is None:  # pragma: no cover - Windows
+        yield
+        return
+    fd = os.open(directory / _GUARD_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        deadline = time.monotonic() + _GUARD_TIMEOUT_S
+        locked = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise CheckpointLockError(
+                        f"save_dir {str(directory)!r}: timed out waiting for {_GUARD_FILE}"
+                    ) from None
+                time.sleep(0.01)
+            except OSError as exc:  # no flock on this filesystem: the link/replace protocol alone
+                log.debug("flock unavailable on %s (%s)", directory, exc)
+                break
+        try:
+            yield
+        finally:
+            if locked:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _remove_if_ours(path: Path, token: str) -> None:

@@ -259,6 +259,11 @@ class Pruner:
             pointer_symlinks=config.pointer_symlinks,
         )
 
+    @property
+    def active(self) -> bool:
+        """Whether a pass after a commit has anything to do (rules, a ``best`` to track, symlinks)."""
+        return self.policy is not None or self.monitor is not None or self.pointer_symlinks
+
     # -- discovery --------------------------------------------------------------------------------
     def scan(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest → newest, read from their ``checkpoint.json`` files now."""

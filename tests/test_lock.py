@@ -46,7 +46,7 @@ print("ready", flush=True)
 while not os.path.exists(sys.argv[2]):
     time.sleep(0.001)
 try:
-    WriterLock(sys.argv[1]).acquire()
+    held = WriterLock(sys.argv[1]).acquire()  # held while referenced
     print("won", flush=True)
 except CheckpointLockError:
     print("lost", flush=True)
@@ -246,3 +246,54 @@ def test_release_never_removes_a_lock_taken_over_by_someone_else(
     owner = read_lock_owner(tmp_path)
     assert owner is not None and owner.host == "other-host"
     assert any("it was taken over by pid" in r.getMessage() for r in caplog.records)
+
+
+def test_a_dropped_lock_object_gives_the_directory_back(tmp_path: Path) -> None:
+    WriterLock(tmp_path).acquire()  # never released, never referenced: collected at once
+    assert not (tmp_path / LOCK_FILE).exists()
+    kept = WriterLock(tmp_path).acquire()
+    assert (tmp_path / LOCK_FILE).exists()
+    del kept
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_second_run_cannot_open_a_manager_on_a_directory_being_written(
+    tmp_path: Path, children: list[subprocess.Popen[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    from torch import nn
+
+    from checkpoint_manager import (
+        CheckpointConfig,
+        DefaultCheckpointManager,
+        LoadContext,
+        SaveContext,
+        TrainState,
+    )
+
+    save_dir = tmp_path / "run"
+    with DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir), fsync=False)) as first:
+        first.save(SaveContext(model=nn.Linear(2, 2), train_state=TrainState(step=1), force=True))
+    assert not (save_dir / LOCK_FILE).exists()
+
+    other = spawn(HOLD, str(save_dir), "hold")  # another run is writing there now
+    children.append(other)
+    expect_line(other, "acquired")
+    (save_dir / ".pending" / "step_00000002.in-flight").mkdir()  # its save in progress
+    with pytest.raises(CheckpointLockError, match=f"already being written by another run: pid {other.pid}"):
+        DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir)))
+    assert (save_dir / ".pending" / "step_00000002.in-flight").exists()  # failing fast swept nothing
+
+    # reading needs no lock: a manager that only loads from there writes somewhere else
+    reader = DefaultCheckpointManager(CheckpointConfig(save_dir=str(tmp_path / "eval"), load_dir=str(save_dir)))
+    assert reader.load(LoadContext(model=nn.Linear(2, 2))).step == 1
+    assert reader.list_checkpoints(load_dir=True)[0].step == 1
+
+    other.send_signal(signal.SIGKILL)
+    other.wait(timeout=30)
+    cfg = CheckpointConfig(save_dir=str(save_dir), fsync=False)
+    with caplog.at_level(logging.WARNING, logger="checkpoint_manager"), DefaultCheckpointManager(cfg) as resumed:
+        assert read_lock_owner(save_dir).pid == os.getpid()  # type: ignore[union-attr]
+        assert resumed.save(SaveContext(model=nn.Linear(2, 2), train_state=TrainState(step=3), force=True))
+    assert any("taking over the writer lock" in r.getMessage() and "no longer running" in r.getMessage()
+               for r in caplog.records)
+    assert not (save_dir / LOCK_FILE).exists()

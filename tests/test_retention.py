@@ -449,3 +449,143 @@ RetentionHistory.TestCase.settings = settings(
     max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_random_histories_keep_the_invariants = RetentionHistory.TestCase
+
+
+# -- through the manager ----------------------------------------------------------------------------
+def _manager_cfg(save_dir: Path, **kw: Any) -> Any:
+    from checkpoint_manager import CheckpointConfig
+
+    return CheckpointConfig(save_dir=str(save_dir), fsync=False, background_deletion=False, **kw)
+
+
+def _save(mgr: Any, step: int, **metrics: float) -> Any:
+    import torch
+    from torch import nn
+
+    from checkpoint_manager import SaveContext, TrainState
+
+    torch.manual_seed(step)
+    return mgr.save(SaveContext(model=nn.Linear(2, 2), train_state=TrainState(step=step), metrics=metrics, force=True))
+
+
+def test_manager_keeps_last_and_best_names_them_and_points_at_them(tmp_path: Path) -> None:
+    from checkpoint_manager import DefaultCheckpointManager
+    from checkpoint_manager.naming import parse_name
+
+    template = "step={step:04d}-val_loss={val_loss:.3f}"
+    cfg = _manager_cfg(tmp_path, keep_last=2, keep_best=1, monitor="val_loss", name_template=template,
+                       pointer_symlinks=True)
+    losses = {1: 0.9, 2: 0.3, 3: 0.5, 4: math.nan, 5: 0.4, 6: 0.8}
+    with DefaultCheckpointManager(cfg) as mgr:
+        for step, loss in losses.items():
+            _save(mgr, step, val_loss=loss)
+    assert listed(tmp_path) == ["step=0002-val_loss=0.300", "step=0005-val_loss=0.400", "step=0006-val_loss=0.800"]
+    assert [parse_name(n, template)["step"] for n in listed(tmp_path)] == [2, 5, 6]
+    assert read_pointer(tmp_path, BEST_POINTER) == {
+        "name": "step=0002-val_loss=0.300", "step": 2, "monitor": "val_loss", "mode": "min", "value": 0.3,
+    }
+    assert read_pointer(tmp_path, "latest")["name"] == "step=0006-val_loss=0.800"  # type: ignore[index]
+    assert os.readlink(tmp_path / LATEST_LINK) == "step=0006-val_loss=0.800"
+    assert os.readlink(tmp_path / BEST_LINK) == "step=0002-val_loss=0.300"
+    assert not (tmp_path / LOCK_FILE).exists()  # released on terminate
+
+
+def test_manager_protects_the_checkpoint_it_resumed_from(tmp_path: Path) -> None:
+    from torch import nn
+
+    from checkpoint_manager import DefaultCheckpointManager, LoadContext, TrainState
+
+    with DefaultCheckpointManager(_manager_cfg(tmp_path)) as mgr:
+        for step in (10, 20, 30):
+            _save(mgr, step)
+    cfg = _manager_cfg(tmp_path, keep_last=1, load_step=10)
+    with DefaultCheckpointManager(cfg) as mgr:
+        state = TrainState()
+        assert mgr.load(LoadContext(model=nn.Linear(2, 2), train_state=state)).step == 10
+        for step in (11, 12):
+            _save(mgr, step)
+            # newest by step is still 30 (another branch); 10 is in use; the save just made is kept
+            assert listed(tmp_path) == ["step_00000010", f"step_{step:08d}", "step_00000030"]
+    with DefaultCheckpointManager(_manager_cfg(tmp_path, keep_last=1)) as mgr:
+        _save(mgr, 40)  # a new run that resumed nothing: only the newest stays
+    assert listed(tmp_path) == ["step_00000040"]
+
+
+def test_a_retention_failure_never_fails_the_save(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from checkpoint_manager import DefaultCheckpointManager
+
+    with DefaultCheckpointManager(_manager_cfg(tmp_path, keep_last=1)) as mgr:
+        _save(mgr, 1)
+        first = tmp_path / "step_00000001"
+        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(first)], capture_output=True).returncode:
+            pytest.skip("needs chattr +i (an immutable directory) to make a deletion fail for real")
+        try:
+            with caplog.at_level(logging.WARNING, logger="checkpoint_manager"):
+                result = _save(mgr, 2)
+            assert result is not None and result.committed and Path(result.path).name == "step_00000002"
+            assert listed(tmp_path) == ["step_00000001", "step_00000002"]
+            assert [r for r in caplog.records if "could not delete checkpoint" in r.getMessage()]
+        finally:
+            subprocess.run(["chattr", "-i", str(first)], check=True)
+        _save(mgr, 3)  # retried at the next prune
+    assert listed(tmp_path) == ["step_00000003"]
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path: Path) -> Any:
+    """A real 1 MiB tmpfs that fills up (needs root; skipped elsewhere)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True, timeout=20, check=False)
+
+
+def test_a_save_that_fails_prunes_nothing(tiny_filesystem: Path) -> None:
+    """Megatron-Bridge #4678: retention ran before the new checkpoint was durable and lost the only one."""
+    from torch import nn
+
+    from checkpoint_manager import DefaultCheckpointManager, SaveContext, TrainState
+
+    save_dir = tiny_filesystem / "ck"
+    with DefaultCheckpointManager(_manager_cfg(save_dir, keep_last=1)) as mgr:
+        _save(mgr, 1)
+        with pytest.raises(OSError):
+            mgr.save(SaveContext(model=nn.Linear(1024, 512), train_state=TrainState(step=2), force=True))  # 2 MB
+        assert listed(save_dir) == ["step_00000001"]
+        _save(mgr, 3)
+    assert listed(save_dir) == ["step_00000003"]
+
+
+def test_pruning_happens_after_the_new_checkpoint_and_latest_are_durable(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from checkpoint_manager import DefaultCheckpointManager
+
+    seen: list[tuple[str, bool, str | None]] = []
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("retention: removed checkpoint"):
+                newest = f"step_{len(seen) + 2:08d}"
+                pointer = read_pointer(tmp_path, "latest")
+                seen.append((newest, (tmp_path / newest / CHECKPOINT_JSON).is_file(), pointer and pointer["name"]))
+
+    handler = Watch()
+    logging.getLogger("checkpoint_manager").addHandler(handler)
+    caplog.set_level(logging.INFO, logger="checkpoint_manager")
+    try:
+        with DefaultCheckpointManager(_manager_cfg(tmp_path, keep_last=1)) as mgr:
+            for step in (1, 2, 3):
+                _save(mgr, step)
+    finally:
+        logging.getLogger("checkpoint_manager").removeHandler(handler)
+    assert seen == [("step_00000002", True, "step_00000002"), ("step_00000003", True, "step_00000003")]
