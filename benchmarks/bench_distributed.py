@@ -10,7 +10,8 @@ and loads it once with the manager (sync, fsync on) and once with dcp.save / dcp
 FileSystemWriter: also fsync on), in alternating order. Before each load the checkpoint's pages are
 dropped from the page cache (posix_fadvise DONTNEED on clean pages), so loads read the disk, for both.
 
-A time is the slowest rank's (barrier, run, max over ranks); throughput is total bytes / that time.
+A time is the slowest rank's (barrier, run, max over ranks); throughput is total bytes / that time;
+the table shows medians and, for a loaded machine, the ratio of the best runs too.
 The floor (issue 5): ours >= 0.9x DCP's throughput at every world size, for save and for load; the
 exit status is 1 when ``--fail-under-floor`` is given and a floor is missed.
 """
@@ -200,7 +201,9 @@ def _summary(result: dict[str, Any]) -> dict[str, Any]:
     for op in ("save", "load"):
         ours = gb / statistics.median(result["seconds"]["ours"][op])
         theirs = gb / statistics.median(result["seconds"]["dcp"][op])
-        rows[op] = {"ours_gbps": ours, "dcp_gbps": theirs, "ratio": ours / theirs, "floor_ok": ours >= FLOOR * theirs}
+        best = (gb / min(result["seconds"]["ours"][op])) / (gb / min(result["seconds"]["dcp"][op]))
+        rows[op] = {"ours_gbps": ours, "dcp_gbps": theirs, "ratio": ours / theirs, "best_ratio": best,
+                    "floor_ok": ours >= FLOOR * theirs}
     return rows
 
 
@@ -222,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"size_mib": args.size_mib, "repeats": args.repeats, "floor": FLOOR,
                               "cpu_count": os.cpu_count(), "results": {}}
     print(f"distributed save/load, {args.size_mib:g} MiB total, median of {args.repeats}, work dir {work}")
-    print(f"{'ranks':>5}  {'op':<4}  {'ours GB/s':>9}  {'dcp GB/s':>9}  {'ours/dcp':>8}  floor {FLOOR}x")
+    print(f"{'ranks':>5}  {'op':<4}  {'ours GB/s':>9}  {'dcp GB/s':>9}  {'ours/dcp':>8}  {'best/best':>9}  "
+          f"floor {FLOOR}x (medians)")
     ok = True
     try:
         for ws in [int(x) for x in args.world_sizes.split(",")]:
@@ -232,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             for op, row in rows.items():
                 ok &= row["floor_ok"]
                 print(f"{ws:>5}  {op:<4}  {row['ours_gbps']:>9.3f}  {row['dcp_gbps']:>9.3f}  "
-                      f"{row['ratio']:>8.2f}  {'ok' if row['floor_ok'] else 'MISSED'}", flush=True)
+                      f"{row['ratio']:>8.2f}  {row['best_ratio']:>9.2f}  {'ok' if row['floor_ok'] else 'MISSED'}",
+                      flush=True)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
