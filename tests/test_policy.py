@@ -193,11 +193,13 @@ def _rank_disagreement_worker(rank: int, world: int, init: str, out: str) -> Non
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         # each rank's own rule disagrees with rank 0's: only rank 0's decision may count
         rule = (lambda step, last: step % 3 == 0) if rank == 0 else (lambda step, last: True)
-        cfg = CheckpointConfig(save_dir=os.path.join(os.path.dirname(out), "ckpt"), fsync=False, save_policy=rule)
+        save_dir = os.path.join(os.path.dirname(out), "ckpt")
+        cfg = CheckpointConfig(save_dir=save_dir, fsync=False, save_policy=rule, keep_last=1)
         torch.manual_seed(0)
         saved = _save_loop(cfg, range(1, 8))
+        listing = sorted(n for n in os.listdir(save_dir) if n.startswith("step_"))
         with open(f"{out}.{rank}", "w") as f:
-            json.dump(saved, f)
+            json.dump([saved, listing], f)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -223,4 +225,6 @@ def test_ranks_follow_rank_zeros_decision(tmp_path: Path) -> None:
                 proc.kill()
             pytest.fail("the ranks did not finish within 120 s")
     results: list[Any] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
-    assert results == [[3, 6], [3, 6]], results
+    # every rank saved where rank 0 decided; rank 0 alone pruned (keep_last=1) and held the lock
+    assert results == [[[3, 6], ["step_00000006"]]] * 2, results
+    assert not (tmp_path / "ckpt" / ".writer.lock").exists()

@@ -589,3 +589,17 @@ def test_pruning_happens_after_the_new_checkpoint_and_latest_are_durable(
     finally:
         logging.getLogger("checkpoint_manager").removeHandler(handler)
     assert seen == [("step_00000002", True, "step_00000002"), ("step_00000003", True, "step_00000003")]
+
+
+def test_async_saves_prune_in_the_background_writer_and_finish_on_terminate(tmp_path: Path) -> None:
+    from checkpoint_manager import DefaultCheckpointManager
+
+    cfg = _manager_cfg(tmp_path, keep_last=2, keep_every_n_steps=4, async_save=True)
+    cfg.background_deletion = True
+    with DefaultCheckpointManager(cfg) as mgr:
+        for step in range(1, 10):
+            result = _save(mgr, step)
+            assert result is not None
+    assert listed(tmp_path) == ["step_00000004", "step_00000008", "step_00000009"]
+    assert sorted(p.name for p in (tmp_path / ".pending").iterdir()) == []
+    assert read_pointer(tmp_path, "latest")["name"] == "step_00000009"  # type: ignore[index]
