@@ -1,6 +1,6 @@
 """Distributed save/load: ours against dcp.save / dcp.load at 1, 2 and 4 ranks, same total state, one run.
 
-    .venv/bin/python benchmarks/bench_distributed.py --size-mib 256 --world-sizes 1,2,4 --repeats 3 \
+    .venv/bin/python benchmarks/bench_distributed.py --size-mib 1024 --world-sizes 1,2,4 --repeats 3 \
         --out bench_results/distributed.json
 
 For each world size, N worker processes join a gloo group (a FileStore; one process and no group at
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(REPO))
         return _worker(sys.argv[2])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mib", type=float, default=256.0, help="total state (fp32 weights), all ranks")
+    parser.add_argument("--size-mib", type=float, default=1024.0, help="total state (fp32 weights), all ranks")
     parser.add_argument("--world-sizes", default="1,2,4")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the results here as JSON")
