@@ -10,7 +10,9 @@ DefaultCheckpointManager (8 ranks' worth of file entries, so its size is realist
 - retention: one pass as after a commit (scan, ``best`` pointer, plan keep_last + keep_best, hide
   the one checkpoint that falls out; removal of its files runs in the background, as by default).
 
-Prints the median and worst time of each and exits 1 if a median misses the 0.2 s floor.
+Each twice: in a new process (nothing parsed yet: a resume) and in a running one (descriptions
+parsed before are reused while their file's stat is unchanged). Prints the median and worst time
+of each and exits 1 if a median misses the 0.2 s floor.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ if __package__ in (None, ""):  # run as a script: make the checkout importable
 
 import torch
 
-from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
+from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState, layout
 from checkpoint_manager.layout import CHECKPOINT_JSON, scan_checkpoints
 from checkpoint_manager.retention import Pruner, build_retention_policy
 from checkpoint_manager.storage.local import LocalStorage
@@ -96,48 +98,75 @@ def main() -> int:
         storage = LocalStorage(root, fsync=False)
         json_bytes = len(json.dumps(meta, indent=1))
 
-        discovery: list[float] = []
-        for _ in range(args.repeats):
+        # In a real run the old checkpoints were written long ago; files younger than this are
+        # always re-read (see layout._SETTLED_S), so let them age past it first.
+        time.sleep(layout._SETTLED_S + 0.5)
+
+        def discover(cold: bool) -> float:
+            if cold:  # a new process (a resume): nothing parsed yet
+                layout._scan_cache.clear()
             t0 = time.perf_counter()
             infos, bad = scan_checkpoints(root, storage.list_names())
             newest = infos[-1]
-            discovery.append(time.perf_counter() - t0)
-            assert not bad and len(infos) == args.count and newest.step == args.count * 100
+            seconds = time.perf_counter() - t0
+            assert not bad and newest.step == max(i.step for i in infos)
+            return seconds
+
+        discovery_cold = [discover(cold=True) for _ in range(args.repeats)]
+        discovery_warm = [discover(cold=False) for _ in range(args.repeats)]
 
         policy = build_retention_policy(keep_last=args.count - 10, keep_best=5, monitor="val_loss")
         pruner = Pruner(LocalStorage(root, fsync=True), policy, monitor="val_loss", background=True)
         pruner.after_commit(protected=())  # settle to steady state: from now on each commit drops one
-        retention: list[float] = []
         step = args.count * 100
-        for _ in range(args.repeats):
+
+        def one_pass(cold: bool) -> float:
+            nonlocal step
             step += 100
             add_checkpoint(root, meta, step)  # the commit that triggers the pass (not timed)
+            if cold:  # the first pass after a resume
+                layout._scan_cache.clear()
             t0 = time.perf_counter()
             plan = pruner.after_commit(protected=())
-            retention.append(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
             assert len(plan.delete) == 1, [c.name for c in plan.delete]
+            return seconds
+
+        retention_cold = [one_pass(cold=True) for _ in range(args.repeats)]
+        retention_warm = [one_pass(cold=False) for _ in range(args.repeats)]
         pruner.close()
 
-        numbers = {
+        series = {
+            "discovery_cold": discovery_cold,
+            "discovery_warm": discovery_warm,
+            "retention_cold": retention_cold,
+            "retention_warm": retention_warm,
+        }
+        numbers: dict[str, Any] = {
             "count": args.count,
             "checkpoint_json_bytes": json_bytes,
-            "discovery_median_s": statistics.median(discovery),
-            "discovery_max_s": max(discovery),
-            "retention_median_s": statistics.median(retention),
-            "retention_max_s": max(retention),
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
             "floor_s": FLOOR_S,
         }
         print(f"{args.count} committed checkpoints, checkpoint.json {json_bytes} bytes each, "
-              f"{os.cpu_count()} CPUs")
-        print(f"discovery (newest):  median {numbers['discovery_median_s'] * 1e3:7.1f} ms   "
-              f"max {numbers['discovery_max_s'] * 1e3:7.1f} ms")
-        print(f"retention pass:      median {numbers['retention_median_s'] * 1e3:7.1f} ms   "
-              f"max {numbers['retention_max_s'] * 1e3:7.1f} ms   (floor {FLOOR_S * 1e3:.0f} ms)")
+              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+        labels = {
+            "discovery_cold": "discovery, new process",
+            "discovery_warm": "discovery, same process",
+            "retention_cold": "retention, first pass",
+            "retention_warm": "retention, after a commit",
+        }
+        for key, values in series.items():
+            numbers[f"{key}_median_s"] = statistics.median(values)
+            numbers[f"{key}_max_s"] = max(values)
+            print(f"{labels[key]:<27} median {statistics.median(values) * 1e3:7.1f} ms   "
+                  f"max {max(values) * 1e3:7.1f} ms")
         if args.json is not None:
             args.json.write_text(json.dumps(numbers, indent=1))
-        ok = numbers["discovery_median_s"] < FLOOR_S and numbers["retention_median_s"] < FLOOR_S
-        print("PASS" if ok else "FAIL: a median is over the floor")
-        return 0 if ok else 1
+        over = [k for k in series if numbers[f"{k}_median_s"] >= FLOOR_S]
+        print(f"PASS (every median under {FLOOR_S * 1e3:.0f} ms)" if not over else f"FAIL: {over} over the floor")
+        return 0 if not over else 1
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -131,8 +131,11 @@ def markdown(rows: list[dict[str, Any]], machine: dict[str, Any], repeats: int, 
             lines.append("")
             for r in group:
                 if r.get("sub_timings"):
-                    parts = ", ".join(f"{k} {v:.3f}s" for k, v in r["sub_timings"].items())
-                    lines.append(f"{r['name']} {op} breakdown (median): {parts}")
+                    total = r["seconds_median"]
+                    parts = ", ".join(
+                        f"{k} {v:.3f}s ({100 * v / total:.0f}%)" for k, v in r["sub_timings"].items()
+                    )
+                    lines.append(f"{r['name']} {op} breakdown (median; % of the median total): {parts}")
                     lines.append("")
     checks = floor_checks(rows)
     if checks:
@@ -144,3 +147,20 @@ def markdown(rows: list[dict[str, Any]], machine: dict[str, Any], repeats: int, 
                          f"{c['ratio']:.2f} (floor {c['floor']}) **{verdict}**")
         lines.append("")
     return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """Re-render the tables of a results.json: ``python -m benchmarks.report RESULTS.json``."""
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(argv[1]).read_text())
+    rows = summarize(data["records"])
+    print(markdown(rows, data["machine"], data["args"]["repeats"], data["args"]["cache"]))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv))
