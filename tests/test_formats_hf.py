@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,6 +30,7 @@ from checkpoint_manager import (  # noqa: E402
 )
 from checkpoint_manager.formats import export_hf, load_hf_weights  # noqa: E402
 from checkpoint_manager.formats.cli import main as cli_main  # noqa: E402
+from checkpoint_manager.integrity import verify  # noqa: E402
 
 VOCAB = 96
 
@@ -355,19 +357,32 @@ def _sharded_worker(rank: int, world: int, port: int, out: str) -> None:
         state.step = 5
         with DefaultCheckpointManager(CheckpointConfig(save_dir=f"{out}/ckpt", fsync=False)) as mgr:
             mgr.save(SaveContext(model=model, train_state=state, force=True))
+        # initial weights from a Hugging Face directory into a sharded model
+        fresh = tiny_llama(seed=3)
+        for layer in fresh.model.layers:
+            fully_shard(layer)
+        fully_shard(fresh)
+        load_hf_weights(fresh, f"{out}/community")
+        full = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save({k: v.clone() for k, v in full.items()}, f"{out}/loaded.pt")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
-def test_export_from_a_checkpoint_sharded_over_two_ranks(tmp_path: Path, artifacts: Path) -> None:
+def test_sharded_over_two_ranks_export_and_initial_load(tmp_path: Path, artifacts: Path) -> None:
     import torch.multiprocessing as mp
 
-    # fork: the children inherit the imported modules instead of importing transformers again
+    community = tiny_llama(seed=1)
+    community.save_pretrained(tmp_path / "community")
+    # forkserver: both ranks fork from one fresh server (one import of transformers, not two), and
+    # not from this process, whose earlier tests leave state (threads, I/O buffers) behind
     mp.start_processes(_sharded_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
+                       start_method="forkserver")
     ckpt = tmp_path / "ckpt" / "step_00000005"
     assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert verify(ckpt, "full") == []  # every file's CRC32 as recorded
     export_hf(ckpt, tmp_path / "hf", artifacts_dir=artifacts, max_shard_size="20KB", buffer_size="8KB")
     reference = torch.load(tmp_path / "reference.pt", weights_only=True)
     tensors = file_tensors(tmp_path / "hf")
@@ -376,3 +391,7 @@ def test_export_from_a_checkpoint_sharded_over_two_ranks(tmp_path: Path, artifac
         assert torch.equal(tensor, reference[key]), key
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(logits(loaded), logits(tiny_llama()))
+    # and the sharded model that took its initial weights from the Hugging Face directory
+    got = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    want = community.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

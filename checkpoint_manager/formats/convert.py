@@ -30,6 +30,7 @@ from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
 from checkpoint_manager.formats.publish import publish_dir, staging_dir
 from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
 from checkpoint_manager.formats.sizes import parse_size
+from checkpoint_manager.integrity import describe_files
 from checkpoint_manager.layout import CHECKPOINT_JSON, FORMAT_NAME, FORMAT_VERSION, STATE_JSON, now
 from checkpoint_manager.storage import LocalStorage
 
@@ -206,7 +207,7 @@ def write_weights_checkpoint(
             dcp_save(part, storage_writer=CheckpointWriter(staging, fsync=fsync), no_dist=True)
         storage = LocalStorage(out.parent, fsync=fsync)
         storage.write_json(staging / STATE_JSON, {model_key: skeleton})
-        files = {e.name: {"size": e.stat().st_size} for e in sorted(os.scandir(staging), key=lambda e: e.name)}
+        files = describe_files(staging, {})  # sizes and CRC32s, as the manager records them
         created_unix, created = now()
         meta: dict[str, Any] = {
             "format": FORMAT_NAME,

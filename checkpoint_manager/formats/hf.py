@@ -110,6 +110,8 @@ def export_hf(
     config = _read_config(artifacts_dir)
     drop = _tied_to_drop({e.name for e in entries}, config, tied_weights)
     entries = [e for e in entries if e.name not in drop]
+    if not entries:
+        raise ValueError(f"{src}: nothing left to export under {model_key!r} after key_map")
     shards = list(group_entries(entries, shard_limit, cast))
     out = Path(out_dir)
     staging = staging_dir(out)
