@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,18 +94,50 @@ def info_from_meta(path: Path, meta: dict[str, Any]) -> CheckpointInfo:
     )
 
 
+# Parsed checkpoint.json files, reused while the file's stat is unchanged: a committed checkpoint's
+# description never changes, so a directory of 1,000 checkpoints costs 1,000 stats, not 1,000 parses.
+# Like git's "racy" index entries, a file changed within the last _SETTLED_S seconds is never cached
+# (timestamps are coarse: an in-place rewrite of the same size could otherwise look unchanged).
+_SETTLED_S = 2.0
+_scan_cache: dict[str, dict[str, tuple[tuple[int, int, int, int], CheckpointInfo]]] = {}
+_scan_cache_lock = threading.Lock()
+
+
 def scan_checkpoints(root: Path, names: list[str]) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
-    """Committed checkpoints sorted oldest → newest by step, and the (name, problem) of broken ones."""
+    """Committed checkpoints sorted oldest → newest by step, and the (name, problem) of broken ones.
+
+    Every call looks at the files on disk; the returned infos may be shared between calls, so treat
+    them (and their ``meta``) as read-only.
+    """
     good: list[CheckpointInfo] = []
     bad: list[tuple[str, str]] = []
+    root_s = os.fspath(root)
+    with _scan_cache_lock:
+        previous = _scan_cache.get(root_s, {})
+    current: dict[str, tuple[tuple[int, int, int, int], CheckpointInfo]] = {}
+    wall = time.time()
     for name in names:
-        path = root / name
-        if not (path / CHECKPOINT_JSON).exists():
-            continue  # not ours (or a user directory): ignore silently
         try:
-            good.append(info_from_meta(path, read_checkpoint_json(path)))
+            st = os.stat(os.path.join(root_s, name, CHECKPOINT_JSON))
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not ours (or a user directory): ignore silently
+        key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        hit = previous.get(name)
+        if hit is not None and hit[0] == key:
+            good.append(hit[1])
+            current[name] = hit
+            continue
+        path = root / name
+        try:
+            info = info_from_meta(path, read_checkpoint_json(path))
         except CheckpointCorruptError as exc:
             bad.append((name, str(exc)))
+            continue
+        good.append(info)
+        if wall - st.st_mtime > _SETTLED_S and wall - st.st_ctime > _SETTLED_S:
+            current[name] = (key, info)
+    with _scan_cache_lock:
+        _scan_cache[root_s] = current
     good.sort(key=lambda i: i.sort_key)
     return good, bad
 

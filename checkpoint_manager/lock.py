@@ -200,7 +200,7 @@ class WriterLock:
                 current = read_lock_owner(self.directory)
                 if current is not None and current.token == holding.owner.token:
                     holding.count += 1
-                    self._hold(key)
+                    self._hold(key, holding)
                     return self
                 _stop(holding)  # our hold was taken over or removed behind our back
                 del _registry[key]
@@ -216,14 +216,14 @@ class WriterLock:
                 )
                 holding.heartbeat.start()
             _registry[key] = holding
-        self._hold(key)
+        self._hold(key, holding)
         return self
 
-    def _hold(self, key: str) -> None:
+    def _hold(self, key: str, holding: _Holding) -> None:
         # A WriterLock dropped without release() (a manager never terminated, then garbage collected)
         # gives its share back, so it cannot keep the directory locked for the rest of the process.
         self._held = True
-        self._finalizer = weakref.finalize(self, _release_share, key)
+        self._finalizer = weakref.finalize(self, _release_share, key, holding)
 
     def _take(self) -> LockOwner:
         """Create the lock file, or replace a stale one; raise if a live owner holds it."""
@@ -306,20 +306,22 @@ class WriterLock:
             self._finalizer()  # runs _release_share once
 
 
-def _release_share(key: str) -> None:
+def _release_share(key: str, holding: _Holding) -> None:
     """Drop one holder's share of this process's hold on ``key``; the last one removes the file."""
     with _registry_lock:
-        holding = _registry.get(key)
-        if holding is None or holding.owner.pid != os.getpid():
-            return  # already released, or inherited through fork: not ours to remove
+        if _registry.get(key) is not holding or holding.owner.pid != os.getpid():
+            return  # already released or replaced, or inherited through fork: not ours to remove
         holding.count -= 1
         if holding.count > 0:
             return
         del _registry[key]
         _stop(holding)
         path = Path(key)
-        with _guard(path.parent):
-            _remove_if_ours(path, holding.owner.token)
+        try:
+            with _guard(path.parent):
+                _remove_if_ours(path, holding.owner.token)
+        except OSError as exc:  # the directory is gone (or unreachable): nothing left to release
+            log.debug("releasing %s: %s", path, exc)
 
 
 @contextlib.contextmanager
@@ -392,5 +394,6 @@ def _release_all_at_exit() -> None:
             if holding.owner.pid != os.getpid():
                 continue  # inherited through fork: not ours to remove
             _stop(holding)
-            _remove_if_ours(Path(key), holding.owner.token)
+            with contextlib.suppress(OSError):
+                _remove_if_ours(Path(key), holding.owner.token)
         _registry.clear()

@@ -297,3 +297,15 @@ def test_a_second_run_cannot_open_a_manager_on_a_directory_being_written(
     assert any("taking over the writer lock" in r.getMessage() and "no longer running" in r.getMessage()
                for r in caplog.records)
     assert not (save_dir / LOCK_FILE).exists()
+
+
+def test_releasing_after_the_directory_is_gone_is_quiet(tmp_path: Path) -> None:
+    import shutil
+
+    directory = tmp_path / "gone"
+    lock = WriterLock(directory).acquire()
+    shutil.rmtree(directory)
+    lock.release()  # no error: there is nothing left to release
+    again = WriterLock(directory).acquire()  # and the directory can be locked anew
+    assert again.held and read_lock_owner(directory) is not None
+    again.release()

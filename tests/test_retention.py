@@ -603,3 +603,35 @@ def test_async_saves_prune_in_the_background_writer_and_finish_on_terminate(tmp_
     assert listed(tmp_path) == ["step_00000004", "step_00000008", "step_00000009"]
     assert sorted(p.name for p in (tmp_path / ".pending").iterdir()) == []
     assert read_pointer(tmp_path, "latest")["name"] == "step_00000009"  # type: ignore[index]
+
+
+# -- discovery reads the disk at every scan (parsed descriptions are reused only while unchanged) ---
+def test_a_scan_sees_every_change_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from checkpoint_manager import layout
+
+    storage = make_dir(tmp_path, [0.5, 0.4])
+    root = storage.root
+
+    def scan() -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
+        return layout.scan_checkpoints(root, storage.list_names())
+
+    assert [i.step for i in scan()[0]] == [10, 20]
+    # rewritten in place, same size, within the same timestamp tick: never trusted from the cache
+    file = root / "step_00000020" / CHECKPOINT_JSON
+    raw = file.read_bytes()
+    file.write_bytes(raw.replace(b'"step": 20', b'"step": 21'))
+    assert [i.step for i in scan()[0]] == [10, 21]
+    file.write_bytes(raw[:-1] + b"!")  # same size, now broken
+    infos, bad = scan()
+    assert [i.step for i in infos] == [10] and bad[0][0] == "step_00000020" and "not valid JSON" in bad[0][1]
+    file.write_bytes(raw)
+
+    monkeypatch.setattr(layout, "_SETTLED_S", -1.0)  # treat every file as old enough to reuse
+    warm, _ = scan()
+    again, _ = scan()
+    assert [a is b for a, b in zip(warm, again, strict=True)] == [True, True]  # reused: nothing re-parsed
+    commit(storage, 30, {"loss": 0.1})
+    shutil.rmtree(root / "step_00000010")
+    (root / "step_00000020" / CHECKPOINT_JSON).write_text(json.dumps({"format": FORMAT_NAME, "format_version": 1,
+                                                                        "step": 22}))
+    assert [i.step for i in scan()[0]] == [22, 30]
