@@ -2,6 +2,7 @@
 
 from checkpoint_manager._version import __version__
 from checkpoint_manager.config import CheckpointConfig, LoadMode
+from checkpoint_manager.dist import CollectiveTimeoutError
 from checkpoint_manager.errors import (
     AsyncSaveError,
     CheckpointCorruptError,
@@ -22,6 +23,7 @@ from checkpoint_manager.formats import (
     open_bundle,
     pack_bundle,
 )
+from checkpoint_manager.integrity import verify
 from checkpoint_manager.layout import CheckpointInfo
 from checkpoint_manager.lock import CheckpointLockError, WriterLock
 from checkpoint_manager.manager import DefaultCheckpointManager
@@ -71,6 +73,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointVersionError",
+    "CollectiveTimeoutError",
     "DefaultCheckpointManager",
     "EveryNSeconds",
     "EveryNSteps",
@@ -109,4 +112,5 @@ __all__ = [
     "plan_retention",
     "prune",
     "resolve_manager_class",
+    "verify",
 ]

@@ -36,13 +36,24 @@ class _Buffers(threading.local):
 
     def get(self, chunk: int) -> tuple[list[mmap.mmap], list[int]]:
         if self.chunk != chunk:
-            self.maps = [mmap.mmap(-1, chunk) for _ in range(2)]
+            # MAP_PRIVATE: the default anonymous mapping is shared, and a forked child would write
+            # through the very same pages as its parent (and its siblings)
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            self.maps = [mmap.mmap(-1, chunk, flags=flags) for _ in range(2)]
             self.addrs = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in self.maps]
             self.chunk = chunk
         return self.maps, self.addrs
 
 
 _BUFFERS = _Buffers()
+
+
+def _forget_buffers_in_child() -> None:
+    global _BUFFERS
+    _BUFFERS = _Buffers()
+
+
+os.register_at_fork(after_in_child=_forget_buffers_in_child)
 
 
 class AlignedFileWriter:

@@ -148,3 +148,29 @@ def test_fast_and_plain_paths_load_the_same_tensors(tmp_path: Path, direct: bool
     dcp.load(target, checkpoint_id=path, no_dist=True)  # DCP's own reader, torch.load per record
     for k, v in model.state_dict().items():
         assert torch.equal(target["model"][k], v)
+
+
+def _child_write(path: str, seed: int) -> None:
+    t = torch.randn(1 << 20, generator=torch.Generator().manual_seed(seed))
+    w = AlignedFileWriter(path, chunk_bytes=4 * BLOCK)
+    w.write_tensor(t)
+    w.close()
+    os._exit(0)
+
+
+def test_forked_children_never_share_bounce_buffers(tmp_path: Path) -> None:
+    """A process that saved, then forked ranks that save: each child's file holds its own bytes."""
+    parent = AlignedFileWriter(tmp_path / "parent.bin", chunk_bytes=4 * BLOCK)
+    parent.write_tensor(torch.ones(4096))
+    parent.close()
+    pids = []
+    for seed in (1, 2):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            _child_write(str(tmp_path / f"child{seed}.bin"), seed)
+        pids.append(pid)
+    for pid in pids:
+        assert os.waitpid(pid, 0)[1] == 0
+    for seed in (1, 2):
+        expected = torch.randn(1 << 20, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+        assert (tmp_path / f"child{seed}.bin").read_bytes() == expected

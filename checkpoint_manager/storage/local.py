@@ -29,9 +29,15 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def fsync_tree(path: Path) -> None:
-    """fsync every file and directory below ``path`` (bottom-up), then ``path`` itself."""
+def fsync_tree(path: Path, *, top_files_durable: bool = False) -> None:
+    """fsync every file and directory below ``path`` (bottom-up), then ``path`` itself.
+
+    ``top_files_durable``: the files directly in ``path`` were fsynced by their writers (the tensor
+    writer, DCP's metadata, our JSON): syncing them again costs a few ms each for nothing.
+    """
     for root, _dirs, files in os.walk(path, topdown=False):
+        if top_files_durable and Path(root) == Path(path):
+            files = []
         for name in files:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
             try:
@@ -123,7 +129,7 @@ class LocalStorage:
         suffix is used instead: a committed checkpoint is never overwritten.
         """
         if self.fsync:
-            fsync_tree(pending)
+            fsync_tree(pending, top_files_durable=True)
         candidate, version = name, 1
         while True:
             target = self.root / candidate
