@@ -8,6 +8,7 @@ objects: ``.metadata`` goes through an allow-listed unpickler and tensor payload
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
 import mmap
@@ -251,50 +252,98 @@ class CheckpointReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         root = Path(os.fspath(self.path))
         for relative_path, items in per_file.items():
-            file = root / relative_path
-            with open(file, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
-            try:
-                view = memoryview(mm) if mm is not None else memoryview(b"")
+            items.sort(key=lambda r: self.storage_data[r.storage_index].offset)  # one forward pass
+            with _RecordFile(root / relative_path) as records:
                 for req in items:
-                    self._copy_one(req, planner, metadata, view, file)
-                view.release()
-            finally:
-                if mm is not None:
-                    mm.close()
+                    self._copy_one(req, planner, metadata, records)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _copy_one(
-        self, req: ReadItem, planner: LoadPlanner, metadata: Metadata, view: memoryview, file: Path
-    ) -> None:
+    def _copy_one(self, req: ReadItem, planner: LoadPlanner, metadata: Metadata, records: _RecordFile) -> None:
+        """Whole chunks are read straight into their target; slices (resharding) come from a map."""
         sinfo = self.storage_data[req.storage_index]
-        tmeta = metadata.state_dict_metadata[req.storage_index.fqn]
+        fqn = req.storage_index.fqn
+        tmeta = metadata.state_dict_metadata[fqn]
         assert isinstance(tmeta, TensorStorageMetadata)
         chunk = _chunk_of(tmeta, req.storage_index)
         dtype = tmeta.properties.dtype
         numel = math.prod(chunk.sizes)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if sinfo.offset + sinfo.length > len(view):
-            raise CheckpointCorruptError(f"{file}: record of {req.storage_index.fqn!r} runs past the end of the file")
-        try:
-            start = locate_data(view, sinfo.offset, sinfo.length, nbytes)
-        except ValueError as exc:
-            raise CheckpointCorruptError(f"{file}: record of {req.storage_index.fqn!r}: {exc}") from exc
+        start = records.data_offset(sinfo.offset, sinfo.length, tuple(chunk.sizes), dtype, nbytes, fqn)
         target = planner.resolve_tensor(req).detach()
-        if numel:
+        whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(chunk.sizes)
+        if numel and whole and target.is_cpu and target.is_contiguous() and target.dtype == dtype:
+            if tuple(target.shape) != tuple(chunk.sizes):
+                raise CheckpointCorruptError(
+                    f"{records.path}: {fqn!r} has shape {tuple(chunk.sizes)}, expected {tuple(target.shape)}"
+                )
+            records.read_into(target, start, nbytes, fqn)
+        elif numel:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                raw = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=start)
+                raw = torch.frombuffer(records.view(), dtype=torch.uint8, count=nbytes, offset=start)
             src = narrow_tensor_by_index(raw.view(dtype).reshape(chunk.sizes), req.storage_offsets, req.lengths)
             if target.size() != src.size():
                 raise CheckpointCorruptError(
-                    f"{file}: {req.storage_index.fqn!r} has shape {tuple(src.size())}, expected {tuple(target.size())}"
+                    f"{records.path}: {fqn!r} has shape {tuple(src.size())}, expected {tuple(target.size())}"
                 )
             target.copy_(src)
         planner.commit_tensor(req, target)
+
+
+class _RecordFile:
+    """One tensor file of our writer: finds each record's bytes and reads them without pickle."""
+
+    _READ_PIECE = 64 << 20
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
+        self._mm: mmap.mmap | None = None
+        self._view: memoryview | None = None
+
+    def __enter__(self) -> _RecordFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._view is not None:
+            self._view.release()
+        if self._mm is not None:
+            self._mm.close()
+        os.close(self._fd)
+
+    def view(self) -> memoryview:
+        if self._view is None:
+            self._mm = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) if self.size else None
+            self._view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
+        return self._view
+
+    def data_offset(
+        self, offset: int, length: int, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, fqn: str
+    ) -> int:
+        """Where the record's tensor bytes start: after the envelope our writer uses for this shape."""
+        if offset + length > self.size:
+            raise CheckpointCorruptError(f"{self.path}: record of {fqn!r} runs past the end of the file")
+        prefix = envelope_for(shape, dtype).prefix if nbytes else b""
+        if nbytes and os.pread(self._fd, len(prefix), offset) == prefix:
+            return offset + len(prefix)  # byte-identical envelope: storage size, dtype and shape agree
+        try:  # another torch version's envelope: read the zip's directory instead
+            return locate_data(self.view(), offset, length, nbytes)
+        except ValueError as exc:
+            raise CheckpointCorruptError(f"{self.path}: record of {fqn!r}: {exc}") from exc
+
+    def read_into(self, target: torch.Tensor, start: int, nbytes: int, fqn: str) -> None:
+        dest = (ctypes.c_char * nbytes).from_address(target.data_ptr())
+        view = memoryview(dest).cast("B")
+        done = 0
+        while done < nbytes:
+            piece = view[done : done + self._READ_PIECE]
+            n = os.preadv(self._fd, [piece], start + done)
+            if n <= 0:
+                raise CheckpointCorruptError(f"{self.path}: {fqn!r} ends early (file truncated?)")
+            done += n
 
 
 def _chunk_of(tmeta: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata:
