@@ -30,6 +30,7 @@ from checkpoint_manager.dcp_io import WRITER_ID, CheckpointReader, CheckpointWri
 from checkpoint_manager.dist import DistContext
 from checkpoint_manager.errors import (
     AsyncSaveError,
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     ManagerClosedError,
@@ -83,7 +84,9 @@ def _own_failure(exc: BaseException, rank: int) -> BaseException:
     if isinstance(wrapped, CheckpointException) and rank in wrapped.failures:
         return _io_error(wrapped.failures[rank][0])
     if isinstance(exc, CheckpointException):
-        failed = "; ".join(f"rank {r}: {type(f[0]).__name__}: {f[0]}" for r, f in sorted(exc.failures.items()))
+        failed = "; ".join(
+            f"rank {r}: {type(f[0]).__name__}: {f[0]}" for r, f in sorted(exc.failures.items())
+        )
         error = CheckpointError(f"DCP failed on other ranks: {failed}")
         error.__cause__ = exc
         return error
@@ -160,7 +163,9 @@ class DefaultCheckpointManager:
     def _sweep_pending(self) -> None:
         removed = self._storage.sweep_pending()
         if removed:
-            log.warning("removed %d leftover(s) of interrupted saves in %s", len(removed), self.config.save_dir)
+            log.warning(
+                "removed %d leftover(s) of interrupted saves in %s", len(removed), self.config.save_dir
+            )
 
     # -- context manager --------------------------------------------------------------------------
     def __enter__(self) -> DefaultCheckpointManager:
@@ -219,9 +224,9 @@ class DefaultCheckpointManager:
             return matches[-1].path, False
         if self.config.load_mode == "never":
             return None, False
-        latest = self.latest_checkpoint(load_dir=True)
-        if latest is not None:
-            return latest.path, False
+        good = self._newest_intact()
+        if good is not None:
+            return good.path, False
         if self.config.initial_load_path is not None:
             return Path(self.config.initial_load_path), True
         if self.config.load_mode == "required":
@@ -229,6 +234,30 @@ class DefaultCheckpointManager:
                 f"load_mode='required' but {self.config.resolved_load_dir} holds no committed checkpoint"
             )
         return None, False
+
+    def _newest_intact(self) -> CheckpointInfo | None:
+        """Auto-resume's pick: the newest checkpoint that passes ``verify_on_load``.
+
+        A damaged newest checkpoint is skipped with a warning naming its problem and an older one is
+        taken; if every one is damaged that is an error, never a silent fresh start. Explicit steps
+        never fall back.
+        """
+        damaged: list[CheckpointCorruptError] = []
+        for info in reversed(self.list_checkpoints(load_dir=True)):
+            try:
+                check(info.path, info.meta, self.config.verify_on_load)
+            except CheckpointCorruptError as exc:
+                log.warning(
+                    "skipping damaged checkpoint %s (step %d), trying an older one: %s", info.path, info.step, exc
+                )
+                damaged.append(exc)
+                continue
+            return info
+        if damaged:
+            raise CheckpointCorruptError(
+                f"every committed checkpoint in {self.config.resolved_load_dir} is damaged; the newest: {damaged[0]}"
+            ) from damaged[0]
+        return None
 
     # -- protocol ---------------------------------------------------------------------------------
     def should_load(self, ctx: LoadContext) -> bool:
@@ -567,7 +596,9 @@ class DefaultCheckpointManager:
         try:
             self._pruner.after_commit(protected={committed, *filter(None, [self._resumed_from])})
         except Exception as exc:  # the save itself succeeded: report, and try again after the next one
-            log.warning("retention after committing %s failed (retried after the next save): %r", committed, exc)
+            log.warning(
+                "retention after committing %s failed (retried after the next save): %r", committed, exc
+            )
 
     def _checksums_from_ranks(self, pending: Path) -> dict[str, dict[str, int]]:
         """The CRC32s every rank computed while writing its tensor files (recorded in its rank JSON)."""

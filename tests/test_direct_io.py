@@ -174,3 +174,28 @@ def test_forked_children_never_share_bounce_buffers(tmp_path: Path) -> None:
     for seed in (1, 2):
         expected = torch.randn(1 << 20, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
         assert (tmp_path / f"child{seed}.bin").read_bytes() == expected
+
+
+def test_auto_resume_falls_back_past_a_damaged_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    cfg = CheckpointConfig(save_dir=str(tmp_path / "c"), verify_on_load="full")
+    mgr = DefaultCheckpointManager(cfg)
+    saved = {}
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        res = mgr.save(SaveContext(model=model, train_state=TrainState(step=step), force=True))
+        assert res is not None
+        saved[step] = res.path
+    shard = Path(saved[2]) / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    fresh = torch.nn.Linear(32, 32)
+    with caplog.at_level("WARNING", logger="checkpoint_manager"):
+        result = DefaultCheckpointManager(cfg).load(LoadContext(model=fresh))
+    assert result.step == 1 and torch.equal(fresh.weight, torch.full((32, 32), 1.0))
+    assert "skipping damaged checkpoint" in caplog.text and "__0_0.distcp: CRC32" in caplog.text
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp: CRC32"):  # an explicit step fails loudly
+        DefaultCheckpointManager(cfg).load(LoadContext(model=fresh, step=2))
