@@ -7,6 +7,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from checkpoint_manager.storage.local import fsync_tree
+
 __all__ = ["publish_dir", "staging_dir"]
 
 
@@ -21,13 +23,7 @@ def staging_dir(out: Path) -> Path:
 def publish_dir(staging: Path, out: Path, *, overwrite: bool, fsync: bool = True) -> None:
     """Move a fully written directory into place in one rename (an existing one only with ``overwrite``)."""
     if fsync:
-        for root, _dirs, files in os.walk(staging):
-            for name in files:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+        fsync_tree(staging)
     trash: Path | None = None
     if out.exists() or out.is_symlink():
         if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
