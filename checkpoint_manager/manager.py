@@ -185,7 +185,8 @@ class DefaultCheckpointManager:
 
     # -- discovery --------------------------------------------------------------------------------
     def list_checkpoints(self, *, load_dir: bool = False) -> list[CheckpointInfo]:
-        """Committed checkpoints, oldest → newest by step (rank 0 lists; every rank gets the answer)."""
+        """Committed checkpoints, oldest → newest by step, as this process sees them (not collective:
+        the manager's own decisions list on rank 0 and share the answer)."""
         storage = self._load_storage if load_dir else self._storage
         infos, bad = scan_checkpoints(storage.root, storage.list_names())
         for name, problem in bad:
