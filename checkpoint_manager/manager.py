@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from checkpoint_manager._version import __version__
-from checkpoint_manager.codec import encode
+from checkpoint_manager.codec import decode, encode
 from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.dcp_io import WRITER_ID, CheckpointReader, CheckpointWriter, read_dcp_metadata
 from checkpoint_manager.dist import DistContext
@@ -98,6 +98,20 @@ def _io_error(exc: BaseException) -> BaseException:
     if isinstance(exc, RuntimeError) and isinstance(exc.__context__, OSError):
         return exc.__context__
     return exc
+
+
+def _read_state_json(file: Path) -> dict[str, Any]:
+    """``state.json``, fully decoded once before any object is touched: a damaged one is a typed error."""
+    if not file.exists():
+        return {}
+    try:
+        data = LocalStorage.read_json(file)
+        if not isinstance(data, dict):
+            raise ValueError(f"holds a JSON {type(data).__name__}, not an object")
+        decode(data, tensor_hook=lambda placeholder: None)
+    except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        raise CheckpointCorruptError(f"{file}: damaged state ({type(exc).__name__}: {exc})") from exc
+    return data
 
 
 @dataclass
@@ -280,7 +294,7 @@ class DefaultCheckpointManager:
             return hf_result  # initial weights from a Hugging Face directory
         meta = read_checkpoint_json(path)
         check(path, meta, self.config.verify_on_load)
-        global_json = LocalStorage.read_json(path / STATE_JSON) if (path / STATE_JSON).exists() else {}
+        global_json = _read_state_json(path / STATE_JSON)
         rank_json = per_rank_state(  # the world-size rule for RNG and dataloader state
             ctx,
             path=path,
@@ -297,13 +311,16 @@ class DefaultCheckpointManager:
         targets = loader.targets(metadata)
         t_plan = time.perf_counter()
         if targets:
-            with _quiet_single_process(), self._dist.phase(f"load {path.name}: read"):
-                dcp_load(
-                    targets,
-                    storage_reader=CheckpointReader(path, fast=meta.get("writer") == WRITER_ID),
-                    process_group=self._dist.group,
-                    no_dist=self._dist.world_size == 1,
-                )
+            try:
+                with _quiet_single_process(), self._dist.phase(f"load {path.name}: read"):
+                    dcp_load(
+                        targets,
+                        storage_reader=CheckpointReader(path, fast=meta.get("writer") == WRITER_ID),
+                        process_group=self._dist.group,
+                        no_dist=self._dist.world_size == 1,
+                    )
+            except CheckpointException as exc:  # a BaseException: surface the reader's typed error
+                raise _own_failure(exc, self._dist.rank) from exc
         t_read = time.perf_counter()
         loader.apply(targets)
         t_end = time.perf_counter()

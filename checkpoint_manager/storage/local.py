@@ -66,6 +66,13 @@ class LocalStorage:
         """A clear error now if the root exists but is a file, rather than an errno later."""
         if self.root.exists() and not self.root.is_dir():
             raise NotADirectoryError(f"save_dir {str(self.root)!r} exists and is not a directory")
+        for parent in self.root.parents:  # a file above it: errno 20 would not say which
+            if parent.exists():
+                if not parent.is_dir():
+                    raise NotADirectoryError(
+                        f"save_dir {str(self.root)!r} cannot be created: {str(parent)!r} is a file, not a directory"
+                    )
+                break
 
     def ensure_root(self) -> None:
         """Create the root, with a clear error if it is a file or not writable."""
