@@ -89,6 +89,13 @@ def _problems(root: Path, meta: dict[str, Any], level: VerifyLevel) -> list[str]
         if not isinstance(desc, dict) or not isinstance(desc.get("size"), int):
             problems.append(f"{root / CHECKPOINT_JSON}: entry for {rel!r} is malformed")
             continue
+        parts = Path(rel).parts
+        if not parts or Path(rel).is_absolute() or ".." in parts:  # never stat or read outside (/dev/zero)
+            problems.append(f"{root / CHECKPOINT_JSON}: entry {rel!r} points outside the checkpoint directory")
+            continue
+        if not file.is_file() and (file.exists() or file.is_symlink()):  # a fifo or device: blocks or never ends
+            problems.append(f"{file}: not a regular file (listed in {CHECKPOINT_JSON})")
+            continue
         try:
             size = file.stat().st_size
         except FileNotFoundError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import pickle
 import shutil
 import tarfile
@@ -350,15 +351,31 @@ def test_auto_resume_ignores_a_newer_format_with_a_warning(run: Path, golden: An
         ({SHARD: {"size": "12"}}, rf"checkpoint\.json: entry for '{SHARD}' is malformed"),
         ({SHARD: 12}, rf"checkpoint\.json: entry for '{SHARD}' is malformed"),
         ({"not_there.distcp": {"size": 3}}, r"not_there\.distcp: missing \(listed in checkpoint\.json\)"),
+        ({"../../outside": {"size": 3}}, r"checkpoint\.json: entry '\.\./\.\./outside' points outside the checkpoint"),
+        ({"/dev/zero": {"size": 0, "crc32": 1}}, r"checkpoint\.json: entry '/dev/zero' points outside the checkpoint"),
     ],
-    ids=["files_null", "files_list", "size_string", "entry_not_object", "lists_missing_file"],
+    ids=["files_null", "files_list", "size_string", "entry_not_object", "lists_missing_file", "dotdot_entry",
+         "absolute_entry_to_an_endless_device"],
 )
-def test_malformed_files_entries(run: Path, golden: Any, files: Any, message: str) -> None:
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("level", ["sizes", "full"])
+def test_malformed_files_entries(run: Path, golden: Any, files: Any, message: str, level: str) -> None:
     ckpt = run / "step_00000002"
     rewrite_json(ckpt / "checkpoint.json", lambda d: d.__setitem__("files", files))
     before = snapshot(ckpt)
     with pytest.raises(CheckpointCorruptError, match=rf"step_00000002/{message}"):
-        load(run, step=2, verify_on_load="sizes")
+        load(run, step=2, verify_on_load=level)
+    assert_nothing_lost(run, ckpt, before, golden)
+
+
+def test_fifo_listed_in_checkpoint_json_is_refused_without_blocking(run: Path, golden: Any) -> None:
+    ckpt = run / "step_00000002"
+    os.mkfifo(ckpt / "pipe")
+    rewrite_json(ckpt / "checkpoint.json", lambda d: d["files"].__setitem__("pipe", {"size": 0, "crc32": 0}))
+    before = snapshot(ckpt)
+    with pytest.raises(CheckpointCorruptError, match=r"step_00000002/pipe: not a regular file \(listed in checkpoint\.json\)"):
+        load(run, step=2, verify_on_load="full")
+    assert (ckpt / "pipe").exists()
     assert_nothing_lost(run, ckpt, before, golden)
 
 
