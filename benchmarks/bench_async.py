@@ -66,10 +66,10 @@ def w_memcpy(size: float, d: Path) -> dict[str, Any]:
     dst = [torch.empty_like(t) for t in src]
     out: dict[str, Any] = {"bytes": bench.payload_bytes}
     for name, fn in (
-        ("copy_", lambda: [b.copy_(a) for a, b in zip(src, dst)]),
+        ("copy_", lambda: [b.copy_(a) for a, b in zip(src, dst, strict=True)]),
         (
             "memmove",
-            lambda: [ctypes.memmove(b.data_ptr(), a.data_ptr(), a.numel() * a.element_size()) for a, b in zip(src, dst)],
+            lambda: [ctypes.memmove(b.data_ptr(), a.data_ptr(), a.numel() * a.element_size()) for a, b in zip(src, dst, strict=True)],
         ),
     ):
         runs = []
@@ -139,8 +139,8 @@ def w_ours(size: float, d: Path) -> dict[str, Any]:
 def _dcp_worker(size: float, d: Path, mode: str, shm: bool) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     store = dist.FileStore(str(d / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -203,6 +203,7 @@ def w_tc(size: float, d: Path) -> dict[str, Any]:
 def w_train(size: float, d: Path) -> dict[str, Any]:
     """Per-step time of forward/backward/AdamW step, alone vs while our background write runs."""
     import torch
+
     from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
 
     bench = _build(size)
