@@ -106,12 +106,20 @@ def _read_state_json(file: Path) -> dict[str, Any]:
         return {}
     try:
         data = LocalStorage.read_json(file)
-        if not isinstance(data, dict):
-            raise ValueError(f"holds a JSON {type(data).__name__}, not an object")
-        decode(data, tensor_hook=lambda placeholder: None)
-    except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise CheckpointCorruptError(f"{file}: damaged state ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointCorruptError(f"{file}: damaged state (holds a JSON {type(data).__name__}, not an object)")
+    _check_decodes(file, data)
     return data
+
+
+def _check_decodes(file: Path, data: dict[str, Any]) -> None:
+    """A damaged value (unknown tag, bad field) raises here, not halfway through setting the objects."""
+    try:
+        decode(data, tensor_hook=lambda placeholder: None)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(f"{file}: damaged state ({type(exc).__name__}: {exc})") from exc
 
 
 @dataclass
@@ -304,6 +312,8 @@ class DefaultCheckpointManager:
             on_change=self.config.on_world_size_change,
             model_only=model_only,
         )
+        if rank_json is not None:  # decoded before any object is touched, like state.json
+            _check_decodes(path / rank_file(self._dist.rank), rank_json)
         loader = StateLoader(
             ctx, global_json, rank_json, meta.get("train_state"), source=str(path), model_only=model_only
         )

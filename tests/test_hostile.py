@@ -598,3 +598,13 @@ def test_bad_dotted_paths(tmp_path: Path, name: str, error: type[Exception], mes
     with pytest.raises(error, match=message):
         create_checkpoint_manager(CheckpointConfig(save_dir=str(tmp_path / "x"), manager=name))
     assert not (tmp_path / "x").exists()
+
+
+def test_rank_json_with_an_unknown_tag(run: Path, golden: Any) -> None:
+    ckpt = run / "step_00000002"
+    rewrite_json(ckpt / "rank_00000.json", lambda d: d.__setitem__("rng", {"__cm__": "evil", "v": 1}))
+    refresh_records(ckpt)
+    before = snapshot(ckpt)
+    with pytest.raises(CheckpointCorruptError, match=r"step_00000002/rank_00000\.json: .*unknown encoded value tag 'evil'"):
+        load(run, step=2)
+    assert_nothing_lost(run, ckpt, before, golden)
