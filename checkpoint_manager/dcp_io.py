@@ -8,7 +8,6 @@ objects: ``.metadata`` goes through an allow-listed unpickler and tensor payload
 
 from __future__ import annotations
 
-import ctypes
 import io
 import math
 import mmap
@@ -295,7 +294,6 @@ class CheckpointReader(FileSystemReader):
 class _RecordFile:
     """One tensor file of our writer: finds each record's bytes and reads them without pickle."""
 
-    _READ_PIECE = 4 << 20  # measured: whole-tensor reads were ~2x slower than 4 MiB pieces here
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -319,6 +317,8 @@ class _RecordFile:
     def view(self) -> memoryview:
         if self._view is None:
             self._mm = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) if self.size else None
+            if self._mm is not None and hasattr(self._mm, "madvise"):
+                self._mm.madvise(mmap.MADV_SEQUENTIAL)
             self._view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
         return self._view
 
@@ -337,15 +337,17 @@ class _RecordFile:
             raise CheckpointCorruptError(f"{self.path}: record of {fqn!r}: {exc}") from exc
 
     def read_into(self, target: torch.Tensor, start: int, nbytes: int, fqn: str) -> None:
-        dest = (ctypes.c_char * nbytes).from_address(target.data_ptr())
-        view = memoryview(dest).cast("B")
-        done = 0
-        while done < nbytes:
-            piece = view[done : done + self._READ_PIECE]
-            n = os.preadv(self._fd, [piece], start + done)
-            if n <= 0:
-                raise CheckpointCorruptError(f"{self.path}: {fqn!r} ends early (file truncated?)")
-            done += n
+        """Copy a whole record into its (contiguous) target from the file's map.
+
+        Measured against ``preadv`` of 4 MiB pieces straight into the target: the map was steadier
+        (1.5-1.65 GB/s cold vs 0.4-2.4 GB/s here), the kernel reading ahead while the copy runs.
+        """
+        if start + nbytes > self.size:
+            raise CheckpointCorruptError(f"{self.path}: {fqn!r} ends early (file truncated?)")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            raw = torch.frombuffer(self.view(), dtype=torch.uint8, count=nbytes, offset=start)
+        target.view(-1).view(torch.uint8).copy_(raw)
 
 
 def _chunk_of(tmeta: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata:
