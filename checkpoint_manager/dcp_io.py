@@ -317,8 +317,6 @@ class _RecordFile:
     def view(self) -> memoryview:
         if self._view is None:
             self._mm = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) if self.size else None
-            if self._mm is not None and hasattr(self._mm, "madvise"):
-                self._mm.madvise(mmap.MADV_SEQUENTIAL)
             self._view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
         return self._view
 
