@@ -383,7 +383,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default=",".join(CONTENDERS))
     ap.add_argument("--workdir", default=None, help="where checkpoints are written (removed after)")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / ".notes" / "async_results.json"))
+    ap.add_argument("--out", default="bench_results/async_results.json", help="JSON of every raw run")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--size", type=float, help=argparse.SUPPRESS)
