@@ -98,12 +98,15 @@ def test_relative_links_point_to_existing_files(doc: Path) -> None:
     assert broken == [], f"{doc.relative_to(ROOT)} links to missing files: {broken}"
 
 
-@pytest.mark.parametrize("doc", DOC_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
+RUNNABLE_DOCS = [
+    d for d in DOC_FILES if any(b.runnable for b in extract_blocks(d.read_text(encoding="utf-8")))
+]
+
+
+@pytest.mark.parametrize("doc", RUNNABLE_DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_doc_python_blocks_run(doc: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run the file's blocks top to bottom in one namespace, in a fresh temporary working directory."""
     blocks = [b for b in extract_blocks(doc.read_text(encoding="utf-8")) if b.runnable]
-    if not blocks:
-        pytest.skip(f"{doc.name} has no runnable python blocks")
     monkeypatch.chdir(tmp_path)
     rel = doc.relative_to(ROOT).as_posix()
     namespace: dict[str, Any] = {"__name__": f"docs_{doc.stem.replace('-', '_')}"}
