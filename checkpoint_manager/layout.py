@@ -23,6 +23,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointInfo",
     "format_name",
+    "parse_checkpoint_json",
     "read_checkpoint_json",
     "scan_checkpoints",
     "validate_template",
@@ -45,6 +46,13 @@ class CheckpointInfo:
     created: float
     metrics: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    #: the checkpoint's URL in an object store (then ``path`` is its key there, not a local path)
+    url: str | None = None
+
+    @property
+    def location(self) -> str:
+        """Where to load it from: the URL in an object store, else the local path."""
+        return self.url if self.url is not None else str(self.path)
 
     @property
     def sort_key(self) -> tuple[int, float, str]:
@@ -62,6 +70,11 @@ def read_checkpoint_json(path: Path) -> dict[str, Any]:
         raw = file.read_bytes()
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{file}: missing (not a committed checkpoint)") from None
+    return parse_checkpoint_json(raw, file)
+
+
+def parse_checkpoint_json(raw: bytes, file: str | Path) -> dict[str, Any]:
+    """Check the bytes of a ``checkpoint.json`` (local or downloaded); errors name ``file``."""
     try:
         meta = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -82,9 +95,10 @@ def read_checkpoint_json(path: Path) -> dict[str, Any]:
     return meta
 
 
-def info_from_meta(path: Path, meta: dict[str, Any]) -> CheckpointInfo:
+def info_from_meta(path: Path, meta: dict[str, Any], *, url: str | None = None) -> CheckpointInfo:
     metrics = meta.get("metrics") or {}
     return CheckpointInfo(
+        url=url,
         name=path.name,
         path=path,
         step=int(meta["step"]),

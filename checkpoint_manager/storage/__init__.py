@@ -1,5 +1,56 @@
-"""Where checkpoint bytes live, and how a finished checkpoint is published atomically."""
+"""Where checkpoint bytes live, and how a finished checkpoint is published atomically.
 
+``open_storage`` picks the backend: a local path gets :class:`LocalStorage` (commit by rename), an
+fsspec URL (``s3://bucket/prefix``, ``memory://...``) gets :class:`FsspecStorage` (commit by writing
+the marker last).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from checkpoint_manager.storage.base import Storage, basename, is_url
 from checkpoint_manager.storage.local import LocalStorage, fsync_dir
+from checkpoint_manager.storage.remote import FsspecStorage, UploadMode
 
-__all__ = ["LocalStorage", "fsync_dir"]
+__all__ = [
+    "FsspecStorage",
+    "LocalStorage",
+    "Storage",
+    "UploadMode",
+    "basename",
+    "fsync_dir",
+    "is_url",
+    "open_storage",
+]
+
+
+def open_storage(
+    path_or_url: str | Path,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    staging_dir: str | Path | None = None,
+    upload_mode: UploadMode = "staged",
+    retries: int = 4,
+    retry_backoff_s: float = 0.5,
+    fsync: bool = True,
+) -> LocalStorage | FsspecStorage:
+    """The storage for a checkpoint root: a local directory (``/x``, ``file:///x``) or any fsspec URL.
+
+    ``storage_options`` (credentials, endpoint) go to fsspec for URLs; they are never logged.
+    """
+    text = str(path_or_url)
+    if is_url(text):
+        return FsspecStorage(
+            text,
+            storage_options=storage_options,
+            staging_dir=staging_dir,
+            upload_mode=upload_mode,
+            retries=retries,
+            retry_backoff_s=retry_backoff_s,
+            fsync=fsync,
+        )
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    return LocalStorage(text, fsync=fsync)

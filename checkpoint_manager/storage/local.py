@@ -13,7 +13,11 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from checkpoint_manager.dcp_io import CheckpointWriter
+    from checkpoint_manager.layout import CheckpointInfo
 
 __all__ = ["LocalStorage", "fsync_dir"]
 
@@ -50,9 +54,15 @@ def fsync_tree(path: Path, *, top_files_durable: bool = False) -> None:
 class LocalStorage:
     """A checkpoint root directory on a local or POSIX-shared filesystem."""
 
+    is_local = True
+
     def __init__(self, root: str | Path, *, fsync: bool = True) -> None:
         self.root = Path(root)
+        self.url = str(root)
         self.fsync = fsync
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.url!r})"
 
     # -- layout -----------------------------------------------------------------------------------
     @property
@@ -61,6 +71,50 @@ class LocalStorage:
 
     def path_of(self, name: str) -> Path:
         return self.root / name
+
+    def location_of(self, name: str) -> str:
+        return str(self.root / name)
+
+    # -- discovery --------------------------------------------------------------------------------
+    def scan(self) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
+        from checkpoint_manager.layout import scan_checkpoints
+
+        return scan_checkpoints(self.root, self.list_names())
+
+    def read_pointer(self, kind: str) -> dict[str, Any] | None:
+        from checkpoint_manager.pointers import read_pointer
+
+        return read_pointer(self.root, kind)
+
+    def localize(self, location: str) -> Path:
+        return Path(location)
+
+    def release_local(self, local: Path) -> None:
+        return None
+
+    # -- the save path (the manager's hooks; local files need no upload) --------------------------
+    def dcp_writer(self, pending: Path, *, fsync: bool, direct: bool) -> CheckpointWriter:
+        from checkpoint_manager.dcp_io import CheckpointWriter
+
+        return CheckpointWriter(pending, fsync=fsync, direct=direct)
+
+    def upload_part(self, pending: Path, rank: int, files: list[str]) -> None:
+        return None
+
+    def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+        from checkpoint_manager.integrity import describe_files
+
+        return describe_files(pending, known)
+
+    def write_pointer(self, kind: str, data: dict[str, Any]) -> None:
+        self.write_json_atomic(self.root / kind, data)
+
+    def remove_pointer(self, kind: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / kind).unlink()
+
+    def delete_checkpoint(self, name: str) -> None:
+        self.remove_tree(self.root / name)
 
     def check_root(self) -> None:
         """A clear error now if the root exists but is a file, rather than an errno later."""

@@ -1,0 +1,413 @@
+"""Checkpoints in an object store (or any fsspec file system), committed without a rename.
+
+Object stores have no atomic directory rename, so the commit is an object: every rank uploads its
+own files under the checkpoint's prefix, the ranks vote, and only then rank 0 uploads the
+``checkpoint.json`` marker, last. One PUT is atomic, so a prefix either has its marker (committed,
+complete) or it has not (pending: never listed, never loaded, swept by the next start). Deletion
+runs the other way round: the marker goes first, so a half-deleted checkpoint is merely pending.
+
+A save is written into a local staging directory first (``upload_mode="staged"``: our fast writer,
+then uploads) or streamed straight to the store (``"stream"``: tensor files go up while they are
+serialized; only the small JSON files touch the disk). Every call to the store goes through a
+:class:`~checkpoint_manager.storage.retry.RetryPolicy`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import re
+import shutil
+import tempfile
+import uuid
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from checkpoint_manager.errors import CheckpointCorruptError
+from checkpoint_manager.layout import (
+    CHECKPOINT_JSON,
+    CheckpointInfo,
+    info_from_meta,
+    parse_checkpoint_json,
+    rank_file,
+)
+from checkpoint_manager.storage.local import PENDING_DIR, LocalStorage
+from checkpoint_manager.storage.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+    from checkpoint_manager.dcp_io import CheckpointWriter
+
+__all__ = ["FsspecStorage", "UploadMode"]
+
+log = logging.getLogger("checkpoint_manager")
+
+UploadMode = Literal["staged", "stream"]
+
+CACHE_DIR = ".cache"
+METADATA_FILE = ".metadata"
+# what a save of ours puts under a checkpoint prefix: only prefixes made of these are ever swept
+_OURS = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank_\d+\.json|state\.json|hf/.+)$")
+_RANK_JSON = re.compile(r"^rank_\d+\.json$")
+
+
+def _json_bytes(data: Any) -> bytes:
+    return json.dumps(data, indent=1, allow_nan=True).encode("utf-8")
+
+
+class FsspecStorage:
+    """A checkpoint root at an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``).
+
+    ``storage_options`` go to fsspec unchanged (credentials, ``client_kwargs={"endpoint_url": ...}``);
+    they are never logged or shown in ``repr``. ``staging_dir`` (default: a directory in the system
+    temp dir, one per URL) holds pending saves and downloaded copies.
+    """
+
+    is_local = False
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        staging_dir: str | Path | None = None,
+        upload_mode: UploadMode = "staged",
+        retries: int = 4,
+        retry_backoff_s: float = 0.5,
+        fsync: bool = True,
+    ) -> None:
+        import fsspec
+
+        if upload_mode not in ("staged", "stream"):
+            raise ValueError(f"upload_mode must be 'staged' or 'stream', got {upload_mode!r}")
+        self.url = url.rstrip("/")
+        fs, root = fsspec.core.url_to_fs(self.url, **dict(storage_options or {}))
+        self.fs: AbstractFileSystem = fs
+        self.root: str = root.rstrip("/")
+        self.upload_mode: UploadMode = upload_mode
+        self.retry = RetryPolicy(attempts=retries + 1, backoff_s=retry_backoff_s)
+        self.fsync = fsync
+        if staging_dir is None:
+            digest = hashlib.sha1(self.url.encode("utf-8")).hexdigest()[:12]
+            staging_dir = Path(tempfile.gettempdir()) / f"checkpoint-manager-staging-{digest}"
+        self.staging_root = Path(staging_dir)
+        self.pending_root = self.staging_root / PENDING_DIR
+        self.cache_root = self.staging_root / CACHE_DIR
+        self._local = LocalStorage(self.staging_root, fsync=False)  # staging copies need no fsync
+        self._uploaded: dict[str, set[str]] = {}  # pending dir -> files this process already uploaded
+        self._scan_cache: dict[str, tuple[tuple[Any, ...], CheckpointInfo]] = {}
+
+    def __repr__(self) -> str:  # never the options: they may hold credentials
+        return f"FsspecStorage({self.url!r}, upload_mode={self.upload_mode!r})"
+
+    # -- names ------------------------------------------------------------------------------------
+    def key(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def location_of(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def _key_of_location(self, location: str) -> str:
+        stripped: str = self.fs._strip_protocol(location)
+        return stripped.rstrip("/")
+
+    def remote_dir(self, pending: Path) -> str:
+        """The prefix a pending directory uploads to: its name without the random suffix."""
+        return self.key(pending.name.rsplit(".", 1)[0])
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.retry.call(lambda: fn(*args, **kwargs), what)
+
+    # -- discovery --------------------------------------------------------------------------------
+    def _markers(self) -> dict[str, dict[str, Any]]:
+        """name -> listing entry of its ``checkpoint.json``, fresh from the store."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            found = self._call(
+                f"list {self.url}", self.fs.glob, f"{self.root}/*/{CHECKPOINT_JSON}", detail=True
+            )
+        except FileNotFoundError:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        for path, info in dict(found).items():
+            parts = str(path).rstrip("/").split("/")
+            if len(parts) >= 2 and not parts[-2].startswith("."):
+                out[parts[-2]] = dict(info)
+        return out
+
+    def list_names(self) -> list[str]:
+        return sorted(self._markers())
+
+    def scan(self) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
+        """Committed checkpoints from their markers; a marker is immutable, so parsed ones are reused
+        while its listing entry (size, ETag / mtime) is unchanged."""
+        markers = self._markers()
+        good: list[CheckpointInfo] = []
+        bad: list[tuple[str, str]] = []
+        todo: dict[str, str] = {}
+        current: dict[str, tuple[tuple[Any, ...], CheckpointInfo]] = {}
+        for name, entry in markers.items():
+            stamp = (entry.get("size"), entry.get("ETag") or entry.get("etag"), str(entry.get("LastModified", "")))
+            hit = self._scan_cache.get(name)
+            if hit is not None and hit[0] == stamp:
+                good.append(hit[1])
+                current[name] = hit
+            else:
+                todo[self.key(name, CHECKPOINT_JSON)] = name
+        if todo:
+            fetched = self._call(f"read markers in {self.url}", self.fs.cat, list(todo), on_error="return")
+            for path, name in todo.items():
+                raw = fetched.get(path) if isinstance(fetched, dict) else None
+                label = f"{self.location_of(name)}/{CHECKPOINT_JSON}"
+                if not isinstance(raw, bytes):
+                    bad.append((name, f"{label}: unreadable ({raw!r})"))
+                    continue
+                try:
+                    meta = parse_checkpoint_json(raw, label)
+                except CheckpointCorruptError as exc:
+                    bad.append((name, str(exc)))
+                    continue
+                entry = markers[name]
+                stamp = (entry.get("size"), entry.get("ETag") or entry.get("etag"), str(entry.get("LastModified", "")))
+                info = info_from_meta(Path(self.key(name)), meta, url=self.location_of(name))
+                good.append(info)
+                current[name] = (stamp, info)
+        self._scan_cache = current
+        good.sort(key=lambda i: i.sort_key)
+        return good, bad
+
+    def read_pointer(self, kind: str) -> dict[str, Any] | None:
+        try:
+            raw = self._call(f"read {self.url}/{kind}", self.fs.cat_file, self.key(kind))
+            data = json.loads(bytes(raw).decode("utf-8"))
+        except (FileNotFoundError, ValueError):
+            return None
+        return data if isinstance(data, dict) and isinstance(data.get("name"), str) else None
+
+    def read_marker(self, location: str) -> dict[str, Any]:
+        """The checked ``checkpoint.json`` of the checkpoint at ``location`` (typed errors name it)."""
+        label = f"{location.rstrip('/')}/{CHECKPOINT_JSON}"
+        try:
+            raw = self._call(f"read {label}", self.fs.cat_file, f"{self._key_of_location(location)}/{CHECKPOINT_JSON}")
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{label}: missing (not a committed checkpoint)") from None
+        return parse_checkpoint_json(bytes(raw), label)
+
+    def check_sizes(self, info: CheckpointInfo) -> list[str]:
+        """Problems visible without downloading: files the marker lists that are missing or resized."""
+        remote = self._key_of_location(info.location)
+        self.fs.invalidate_cache(remote)
+        listing = self._call(f"list {info.location}", self.fs.find, remote, detail=True)
+        sizes = {str(p)[len(remote) + 1 :]: int(i.get("size") or 0) for p, i in dict(listing).items()}
+        problems: list[str] = []
+        files = info.meta.get("files")
+        if not isinstance(files, dict) or not files:
+            return [f"{info.location}/{CHECKPOINT_JSON}: 'files' missing or malformed"]
+        for rel, desc in files.items():
+            if not isinstance(desc, dict) or not isinstance(desc.get("size"), int):
+                problems.append(f"{info.location}/{CHECKPOINT_JSON}: entry for {rel!r} is malformed")
+            elif rel not in sizes:
+                problems.append(f"{info.location}/{rel}: missing (listed in {CHECKPOINT_JSON})")
+            elif sizes[rel] != desc["size"]:
+                problems.append(
+                    f"{info.location}/{rel}: size {sizes[rel]} bytes, {CHECKPOINT_JSON} records {desc['size']} "
+                    "(truncated or altered)"
+                )
+        return problems
+
+    def localize(self, location: str) -> Path:
+        """Download the checkpoint at ``location`` into the cache (then our fast reader and the CRC
+        check run on the copy). Only a committed checkpoint is downloaded."""
+        remote = self._key_of_location(location)
+        self.fs.invalidate_cache(remote)
+        listing = self._call(f"list {location}", self.fs.find, remote)
+        rels = [str(p)[len(remote) + 1 :] for p in listing]
+        if CHECKPOINT_JSON not in rels:
+            raise CheckpointCorruptError(f"{location.rstrip('/')}/{CHECKPOINT_JSON}: missing (not a committed checkpoint)")
+        local = self.cache_root / f"{remote.rsplit('/', 1)[-1]}.{uuid.uuid4().hex[:12]}"
+        rels = [r for r in rels if r and ".." not in r.split("/")]
+        for rel in rels:
+            (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        self._call(
+            f"download {location}",
+            self.fs.get,
+            [f"{remote}/{r}" for r in rels],
+            [str(local / r) for r in rels],
+        )
+        return local
+
+    def release_local(self, local: Path) -> None:
+        if self.cache_root in local.parents:
+            shutil.rmtree(local, ignore_errors=True)
+
+    # -- writing ----------------------------------------------------------------------------------
+    def check_root(self) -> None:
+        """Nothing to check without a round trip; the lock or the first upload reports a bad bucket."""
+
+    def new_pending(self, name: str) -> Path:
+        """Pick the first free name (``name``, ``name-v2`` ...: a prefix holding any object is taken)
+        and a local directory for it; the chosen name travels in the directory's name to every rank."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self._call(f"list {self.url}", self.fs.ls, self.root, detail=False)
+        except FileNotFoundError:
+            entries = []
+        taken = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
+        candidate, version = name, 1
+        while candidate in taken:
+            version += 1
+            candidate = f"{name}-v{version}"
+        self.pending_root.mkdir(parents=True, exist_ok=True)
+        path = self.pending_root / f"{candidate}.{uuid.uuid4().hex[:12]}"
+        path.mkdir()
+        return path
+
+    def dcp_writer(self, pending: Path, *, fsync: bool, direct: bool) -> CheckpointWriter:
+        if self.upload_mode == "stream":
+            from checkpoint_manager.storage.stream import StreamingWriter
+
+            return StreamingWriter(pending, fs=self.fs, remote_dir=self.remote_dir(pending), retry=self.retry)
+        from checkpoint_manager.dcp_io import CheckpointWriter
+
+        # the staging copy is uploaded at once: its durability comes from the store, not from fsync
+        return CheckpointWriter(pending, fsync=False, direct=direct)
+
+    def _put(self, pending: Path, rels: list[str]) -> None:
+        rels = [r for r in rels if (pending / r).is_file()]
+        if not rels:
+            return
+        remote = self.remote_dir(pending)
+        self._call(
+            f"upload {len(rels)} file(s) to {self.location_of(remote.rsplit('/', 1)[-1])}",
+            self.fs.put,
+            [str(pending / r) for r in rels],
+            [f"{remote}/{r}" for r in rels],
+        )
+        self._uploaded.setdefault(str(pending), set()).update(rels)
+
+    def upload_part(self, pending: Path, rank: int, files: list[str]) -> None:
+        """This rank's tensor files, its rank JSON and (rank 0) DCP's ``.metadata``; the local copies
+        of the tensor files are dropped at once (the disk holds one checkpoint at most)."""
+        rels = [*files, rank_file(rank)] + ([METADATA_FILE] if rank == 0 else [])
+        self._put(pending, rels)
+        for rel in files:
+            with contextlib.suppress(FileNotFoundError):
+                (pending / rel).unlink()
+
+    def _local_files(self, pending: Path) -> list[str]:
+        return sorted(
+            p.relative_to(pending).as_posix() for p in pending.rglob("*") if p.is_file()
+        )
+
+    def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+        """Every rank's files as the store lists them (sizes), CRC32s from the rank JSONs; the small
+        files this process still holds (state, export) are described from the local copy."""
+        from checkpoint_manager.integrity import file_crc32
+
+        remote = self.remote_dir(pending)
+        self.fs.invalidate_cache(remote)
+        try:
+            listing = dict(self._call(f"list {remote}", self.fs.find, remote, detail=True))
+        except FileNotFoundError:
+            listing = {}
+        sizes = {str(p)[len(remote) + 1 :]: int(i.get("size") or 0) for p, i in listing.items()}
+        known = dict(known)
+        for rel in sizes:
+            if _RANK_JSON.match(rel) and not (pending / rel).is_file():  # a rank on another host
+                raw = self._call(f"read {rel}", self.fs.cat_file, f"{remote}/{rel}")
+                known.update(json.loads(bytes(raw).decode("utf-8")).get("files", {}))
+        out: dict[str, dict[str, int]] = {}
+        for rel in self._local_files(pending):
+            if rel == CHECKPOINT_JSON:
+                continue
+            size = (pending / rel).stat().st_size
+            entry = known.get(rel)
+            crc = int(entry["crc32"]) if entry and entry.get("size") == size else file_crc32(pending / rel)
+            out[rel] = {"size": size, "crc32": crc}
+        for rel, size in sizes.items():
+            if rel in out or rel == CHECKPOINT_JSON or not rel:
+                continue
+            entry = known.get(rel)
+            if entry is not None and entry.get("size") == size and "crc32" in entry:
+                out[rel] = {"size": size, "crc32": int(entry["crc32"])}
+            else:
+                raw = self._call(f"read {rel}", self.fs.cat_file, f"{remote}/{rel}")
+                out[rel] = {"size": size, "crc32": zlib.crc32(bytes(raw))}
+        return dict(sorted(out.items()))
+
+    def write_json(self, path: Path, data: Any) -> int:
+        return self._local.write_json(path, data)
+
+    def commit(self, pending: Path, name: str) -> str:
+        """Upload what is still local (state, export), then the marker, last; drop the staging copy."""
+        remote = self.remote_dir(pending)
+        done = self._uploaded.get(str(pending), set())
+        rest = [r for r in self._local_files(pending) if r != CHECKPOINT_JSON and r not in done]
+        self._put(pending, rest)
+        if not (pending / CHECKPOINT_JSON).is_file():
+            raise CheckpointCorruptError(f"{pending / CHECKPOINT_JSON}: missing, nothing to commit")
+        self._put(pending, [CHECKPOINT_JSON])  # the commit point
+        self._uploaded.pop(str(pending), None)
+        shutil.rmtree(pending, ignore_errors=True)
+        return self.location_of(remote.rsplit("/", 1)[-1])
+
+    def remove_tree(self, path: Path) -> None:
+        """Drop a failed save: the staging directory and whatever it uploaded, unless its marker is
+        there (then it is committed, and not ours to remove here)."""
+        if self.pending_root in path.parents:
+            remote = self.remote_dir(path)
+            self._uploaded.pop(str(path), None)
+            shutil.rmtree(path, ignore_errors=True)
+            if self.fs.exists(f"{remote}/{CHECKPOINT_JSON}"):
+                return
+            with contextlib.suppress(FileNotFoundError):
+                self._call(f"delete {remote}", self.fs.rm, remote, recursive=True)
+        elif self.cache_root in path.parents:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def write_pointer(self, kind: str, data: dict[str, Any]) -> None:
+        """One PUT: readers see the old pointer or the new one."""
+        self._call(f"write {self.url}/{kind}", self.fs.pipe_file, self.key(kind), _json_bytes(data))
+
+    def remove_pointer(self, kind: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._call(f"delete {self.url}/{kind}", self.fs.rm_file, self.key(kind))
+
+    def delete_checkpoint(self, name: str) -> None:
+        """Marker first (the checkpoint leaves the listing at once), then the rest."""
+        prefix = self.key(name)
+        with contextlib.suppress(FileNotFoundError):
+            self._call(f"delete {self.location_of(name)}/{CHECKPOINT_JSON}", self.fs.rm_file, f"{prefix}/{CHECKPOINT_JSON}")
+        self._scan_cache.pop(name, None)
+        with contextlib.suppress(FileNotFoundError):
+            self._call(f"delete {self.location_of(name)}", self.fs.rm, prefix, recursive=True)
+
+    def sweep_pending(self) -> list[str]:
+        """Local staging leftovers, and prefixes without a marker that hold only files a save of ours
+        writes (a user's own folder next to the checkpoints is never touched)."""
+        removed = self._local.sweep_pending()
+        if self.cache_root.is_dir():
+            for entry in self.cache_root.iterdir():
+                shutil.rmtree(entry, ignore_errors=True)
+        self.fs.invalidate_cache(self.root)
+        try:
+            listing = self._call(f"list {self.url}", self.fs.find, self.root)
+        except FileNotFoundError:
+            return removed
+        groups: dict[str, list[str]] = {}
+        for path in listing:
+            rel = str(path)[len(self.root) + 1 :]
+            if "/" in rel:
+                top, rest = rel.split("/", 1)
+                groups.setdefault(top, []).append(rest)
+        for name, rels in sorted(groups.items()):
+            if name.startswith(".") or CHECKPOINT_JSON in rels or not all(_OURS.match(r) for r in rels):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                self._call(f"delete {self.location_of(name)}", self.fs.rm, self.key(name), recursive=True)
+            removed.append(name)
+        return removed
