@@ -1,0 +1,204 @@
+"""A PyTorch Lightning callback that checkpoints through any :class:`CheckpointManager`.
+
+Why a callback and not a ``CheckpointIO`` plugin: ``CheckpointIO`` receives one finished dict of
+tensors and pickled objects and a path chosen by Lightning, so a manager would only see bytes, not
+the live module, optimizers and schedulers its protocol is built on (DCP resharding, staging,
+its own naming and retention). The callback hands the live objects to the manager, and restores
+Lightning's own loop progress as one more stateful object, so the trainer continues from the loaded
+step exactly as it would from a Lightning checkpoint saved at the same point.
+
+Works with ``pytorch_lightning`` (the ``[lightning]`` extra) or, when only that is installed, the
+``lightning`` package's ``lightning.pytorch``; the callback subclasses that package's ``Callback``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from checkpoint_manager.config import CheckpointConfig
+from checkpoint_manager.errors import CheckpointMismatchError
+from checkpoint_manager.integrations._common import resolve_manager, scalar_metrics
+from checkpoint_manager.protocol import CheckpointManager, LoadContext, LoadResult, SaveContext, SaveResult
+from checkpoint_manager.state import capture_rng, restore_rng
+from checkpoint_manager.train_state import TrainState
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.utilities.data import extract_batch_size
+else:
+    try:
+        import pytorch_lightning as pl
+        from pytorch_lightning.utilities.data import extract_batch_size
+    except ImportError:  # pragma: no cover - depends on which Lightning distribution is installed
+        import lightning.pytorch as pl
+        from lightning.pytorch.utilities.data import extract_batch_size
+
+__all__ = ["LOOPS_KEY", "PRECISION_KEY", "LightningCheckpointCallback"]
+
+#: ``SaveContext.extra`` names under which Lightning's own state is checkpointed.
+LOOPS_KEY = "lightning_fit_loop"
+PRECISION_KEY = "lightning_precision"
+
+
+class _FitLoopState:
+    """Lightning's fit-loop progress (epoch/batch/optimizer-step counters, stateful dataloader position).
+
+    Restoring it is what makes ``trainer.global_step`` and ``current_epoch`` continue from the loaded
+    step and lets Lightning resume mid-epoch (it is what Lightning itself stores under ``loops``).
+    """
+
+    def __init__(self, trainer: pl.Trainer, frozen: dict[str, Any] | None = None) -> None:
+        self.trainer = trainer
+        self.frozen = frozen
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.frozen if self.frozen is not None else self.trainer.fit_loop.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.trainer.fit_loop.load_state_dict(state_dict)
+
+
+class _PrecisionState:
+    """The precision plugin's state (the AMP grad scaler), checkpointed only when it has any."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.trainer.precision_plugin.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.trainer.precision_plugin.load_state_dict(state_dict)
+
+
+class LightningCheckpointCallback(pl.Callback):
+    """Saves on the manager's policy after every optimizer step, a final save when training ends,
+    and resumes at ``fit`` start when the manager has a checkpoint to load.
+
+    ``manager`` is a manager (left open afterwards; only its background saves are waited for) or a
+    :class:`CheckpointConfig` (the callback creates the manager with ``create_checkpoint_manager`` and
+    terminates it at teardown). ``resume=False`` never loads. ``train_state`` mirrors the trainer:
+    ``step`` is ``global_step`` (optimizer steps), ``epoch`` is ``current_epoch`` and
+    ``consumed_samples`` counts training samples over all ranks.
+    """
+
+    def __init__(self, manager: CheckpointManager | CheckpointConfig, *, resume: bool = True) -> None:
+        super().__init__()
+        self.manager, self._owned = resolve_manager(manager)
+        self.resume = resume
+        self.train_state = TrainState()
+        self.load_result: LoadResult | None = None
+        self.last_save: SaveResult | None = None
+        self._last_offered: int | None = None
+        self._finished = False
+        self._after_step: tuple[dict[str, Any], dict[str, Any]] | None = None
+
+    # -- what is saved ------------------------------------------------------------------------------
+    def _objects(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loops: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        extra: dict[str, Any] = {LOOPS_KEY: _FitLoopState(trainer, loops)}
+        if trainer.precision_plugin.state_dict():
+            extra[PRECISION_KEY] = _PrecisionState(trainer)
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        return {
+            "model": pl_module,
+            "optimizer": list(trainer.optimizers) or None,
+            "scheduler": schedulers or None,
+            "train_state": self.train_state,
+            "extra": extra,
+        }
+
+    def _sync(self, trainer: pl.Trainer) -> None:
+        self.train_state.step = trainer.global_step
+        self.train_state.epoch = trainer.current_epoch
+
+    # -- hooks --------------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Load here: optimizers and schedulers exist, and the fit loop has not started yet."""
+        self.train_state = TrainState()
+        self._last_offered = None
+        self._finished = False
+        self._after_step = None
+        if not self.resume:
+            return
+        ctx = LoadContext(**self._objects(trainer, pl_module))
+        if not self.manager.should_load(ctx):
+            return
+        if trainer.ckpt_path is not None:
+            raise ValueError(
+                f"trainer.fit(ckpt_path={trainer.ckpt_path!r}) and a checkpoint manager with a checkpoint to "
+                "resume: Lightning would overwrite what the manager loads; pass one or the other "
+                "(LightningCheckpointCallback(..., resume=False) keeps the ckpt_path)"
+            )
+        self.load_result = self.manager.load(ctx)
+        if trainer.global_step != self.train_state.step:
+            raise CheckpointMismatchError(
+                f"{self.load_result.path}: the restored fit loop is at global step {trainer.global_step} but "
+                f"the checkpoint's train state says step {self.train_state.step}"
+            )
+        self._last_offered = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.train_state.consumed_samples += extract_batch_size(batch) * trainer.world_size
+        self._sync(trainer)
+        if trainer.global_step == self._last_offered:
+            return  # gradient accumulation: no optimizer step since the last offer
+        self._last_offered = trainer.global_step
+        self._after_step = (trainer.fit_loop.state_dict(), capture_rng())
+        self._save(trainer, pl_module, final=False)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The final save (skipped by the manager when this step was just saved).
+
+        It records the run as it stood right after its last optimizer step, as a save there would
+        have: by now Lightning has closed the epoch (a resume would skip the rest of a stopped
+        epoch) and epoch-end hooks may have drawn random numbers. The weights, optimizers and
+        schedulers are unchanged since that step, so only the loop progress and the global RNG are
+        taken from the snapshot of that moment.
+        """
+        self._sync(trainer)
+        if self._after_step is None:
+            self._save(trainer, pl_module, final=True)
+            return
+        loops, rng = self._after_step
+        now = capture_rng()
+        restore_rng(rng)
+        try:
+            self._save(trainer, pl_module, final=True, loops=loops)
+        finally:
+            restore_rng(now)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._finish()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Commit what finished before the crash; an async-save error raised here chains the crash."""
+        self._finish()
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _save(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        *,
+        final: bool,
+        loops: dict[str, Any] | None = None,
+    ) -> None:
+        ctx = SaveContext(
+            **self._objects(trainer, pl_module, loops),
+            metrics=scalar_metrics(trainer.callback_metrics),
+            final=final,
+        )
+        result = self.manager.save(ctx)
+        if result is not None:
+            self.last_save = result
+
+    def _finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.manager.finalize_async_saves(blocking=True, terminate=self._owned)
