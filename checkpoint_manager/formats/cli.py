@@ -1,6 +1,9 @@
 """Command line for the formats: ``python -m checkpoint_manager.formats <command> ...``.
 
 Every command is one call of the matching API function, so scripts and the CLI behave the same.
+The ``ckpt`` command (:mod:`checkpoint_manager.cli`) offers the same operations as ``ckpt export``,
+``convert``, ``pack``, ``unpack`` and ``list BUNDLE``, with ``--json`` and finer exit codes; this
+older spelling keeps its arguments and its exit status (1 on any error) for existing scripts.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m checkpoint_manager.formats",
         description="Export, bundle and convert checkpoint-manager checkpoints.",
+        epilog="The same operations, with --json and detailed exit codes: ckpt export | convert | pack | "
+        "unpack | list BUNDLE (see ckpt --help).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -110,7 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(f"wrote {out}")
     except (CheckpointError, OSError, ValueError, KeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from checkpoint_manager.cli.errors import describe
+
+        print(f"error: {describe(exc)}", file=sys.stderr)
         return 1
     return 0
 

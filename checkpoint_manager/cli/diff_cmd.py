@@ -1,0 +1,222 @@
+"""``ckpt diff A B``: which tensors differ between two checkpoints, and by how much.
+
+Like ``diff``, it exits 1 when anything differs and 0 when the tensors are equal (bit for bit,
+unless ``--atol`` allows a tolerance). Tensors are read a group at a time from both sides, so
+memory stays near ``--buffer-size`` whatever the model size; train state and metrics that differ
+are reported but do not change the exit status (two steps of one run always differ there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import TYPE_CHECKING, Any
+
+from checkpoint_manager.cli.errors import ExitCode
+from checkpoint_manager.cli.output import Output
+from checkpoint_manager.cli.targets import existing, resolve_checkpoint
+from checkpoint_manager.cli.tensors import TensorInfo, TensorSource, name_filter, open_source
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["add_parser", "compare_tensors", "run"]
+
+EPILOG = """\
+examples:
+  ckpt diff runs/exp1/step_00001000 runs/exp1/step_00002000
+  ckpt diff runs/a runs/b --filter 'model.*'       only the model's tensors
+  ckpt diff run/step_00000100 export/ --section model   a checkpoint against its safetensors export
+  ckpt diff a b --atol 1e-6 --json
+exit status: 0 equal, 1 different (values, shapes, dtypes, or keys missing on one side).
+"""
+
+_CHUNK = 1 << 22  # elements compared at a time (bounds the float64 temporaries)
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "diff",
+        parents=[common],
+        help="compare the tensors of two checkpoints (exit 1 if they differ)",
+        description="Compare two checkpoints tensor by tensor: keys only in A or only in B, shape and "
+        "dtype changes, and for the rest the largest absolute difference and how many elements differ.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("a", metavar="A", help="checkpoint, save directory (newest), bundle or safetensors")
+    p.add_argument("b", metavar="B")
+    p.add_argument("--filter", default=None, metavar="PATTERN", help="only tensors whose name matches (glob)")
+    p.add_argument("--regex", action="store_true", help="--filter is a regular expression")
+    p.add_argument(
+        "--section",
+        default=None,
+        help="compare only this section of DCP checkpoints (e.g. model), named without its prefix; "
+        "the default when one side is safetensors",
+    )
+    p.add_argument("--atol", type=float, default=0.0, help="tensors within this absolute difference are equal")
+    p.add_argument("--buffer-size", default="256MiB", help="tensor bytes held per side at a time")
+    p.set_defaults(run=run)
+
+
+def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+    """``(max |a - b|, differing elements)`` of two same-shaped tensors, compared as numbers.
+
+    NaN at the same place on both sides counts as equal; NaN against a number is an infinite
+    difference. Works in chunks so a large tensor needs no full float64 copy.
+    """
+    import torch
+
+    x = a.reshape(-1)
+    y = b.reshape(-1)
+    if x.numel() == 0 or (a.dtype == b.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))):
+        return 0.0, 0  # bit-identical: the common case, and the cheap one
+    worst = 0.0
+    count = 0
+    for start in range(0, x.numel(), _CHUNK):
+        xs = x[start : start + _CHUNK]
+        ys = y[start : start + _CHUNK]
+        if xs.is_complex() or ys.is_complex():
+            xs, ys = torch.view_as_real(xs.to(torch.complex128)), torch.view_as_real(ys.to(torch.complex128))
+        else:
+            xs, ys = xs.to(torch.float64), ys.to(torch.float64)
+        both_nan = torch.isnan(xs) & torch.isnan(ys)
+        delta = (xs - ys).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=math.inf)
+        differs = (xs != ys) & ~both_nan
+        count += int(differs.sum()) if differs.dim() == 1 else int(differs.any(dim=-1).sum())
+        if delta.numel():
+            worst = max(worst, float(delta.max()))
+    return worst, count
+
+
+def _spec(t: TensorInfo) -> dict[str, Any]:
+    return {"shape": list(t.shape), "dtype": t.dtype}
+
+
+def _open(text: str, section: str | None) -> tuple[TensorSource, dict[str, Any]]:
+    from checkpoint_manager.formats.hf import is_hf_weights
+
+    given = existing(text)
+    if is_hf_weights(given):
+        return open_source(given), {}
+    ckpt = resolve_checkpoint(text)
+    return open_source(ckpt.path, section=section), ckpt.meta
+
+
+def _state_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, list[Any]]:
+    """Train state and metrics that differ (only between two of our checkpoints: weights have none)."""
+    out: dict[str, list[Any]] = {}
+    if not a or not b:
+        return out
+    for key in ("train_state", "metrics"):
+        da, db = a.get(key) or {}, b.get(key) or {}
+        for name in sorted(set(da) | set(db)):
+            if da.get(name) != db.get(name):
+                out[f"{key}.{name}"] = [da.get(name), db.get(name)]
+    return out
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    from checkpoint_manager.formats.hf import is_hf_weights
+    from checkpoint_manager.formats.sizes import parse_size
+
+    if args.atol < 0 or math.isnan(args.atol):
+        from checkpoint_manager.cli.errors import CliError
+
+        raise CliError(ExitCode.USAGE, f"--atol {args.atol}: must be a non-negative number")
+    buffer = parse_size(args.buffer_size)
+    section = args.section
+    if section is None and (is_hf_weights(existing(args.a)) != is_hf_weights(existing(args.b))):
+        section = "model"
+    src_a, meta_a = _open(args.a, section)
+    src_b, meta_b = _open(args.b, section)
+    match = name_filter(args.filter, regex=args.regex)
+    ta = {t.name: t for t in src_a.tensors if match(t.name)}
+    tb = {t.name: t for t in src_b.tensors if match(t.name)}
+    missing = [n for n in ta if n not in tb]
+    extra = [n for n in tb if n not in ta]
+    changed = []
+    comparable: list[str] = []
+    for name, t in ta.items():
+        if name not in tb:
+            continue
+        u = tb[name]
+        if t.shape != u.shape or t.dtype != u.dtype:
+            changed.append({"name": name, "a": _spec(t), "b": _spec(u)})
+        if t.shape == u.shape:
+            comparable.append(name)
+
+    different: list[dict[str, Any]] = []
+    equal = 0
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in comparable:
+        nbytes = max(ta[name].nbytes, tb[name].nbytes)
+        if groups[-1] and size + nbytes > buffer:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    with out.progress("comparing tensors", len(comparable)) as advance:
+        for group in groups:
+            if not group:
+                continue
+            va = src_a.read(group)
+            vb = src_b.read(group)
+            for name in group:
+                worst, count = compare_tensors(va.pop(name), vb.pop(name))
+                if worst <= args.atol:  # a dtype change alone is reported under "changed"
+                    equal += 1
+                else:
+                    numel = math.prod(ta[name].shape)
+                    different.append(
+                        {"name": name, "max_abs_diff": worst, "differing_elements": count, "numel": numel,
+                         "dtype": ta[name].dtype, "shape": list(ta[name].shape)}
+                    )
+                advance(1)
+    is_equal = not (missing or extra or changed or different)
+    doc = {
+        "a": str(src_a.path),
+        "b": str(src_b.path),
+        "section": section,
+        "filter": args.filter,
+        "atol": args.atol,
+        "equal": is_equal,
+        "compared": len(comparable),
+        "equal_tensors": equal,
+        "different": different,
+        "changed": changed,
+        "missing": missing,
+        "extra": extra,
+        "state": _state_diff(meta_a, meta_b),
+    }
+    if out.json_mode:
+        out.emit(doc)
+    else:
+        _render(doc, out)
+    return ExitCode.OK if is_equal else ExitCode.DIFFERENT
+
+
+def _render(doc: dict[str, Any], out: Output) -> None:
+    for name in doc["missing"]:
+        out.line(f"- {name}  (only in A)")
+    for name in doc["extra"]:
+        out.line(f"+ {name}  (only in B)")
+    for c in doc["changed"]:
+        a, b = c["a"], c["b"]
+        out.line(f"~ {c['name']}  {a['dtype']}{a['shape']} -> {b['dtype']}{b['shape']}")
+    if doc["different"]:
+        rows = [
+            [d["name"], f"{d['max_abs_diff']:.6g}", f"{d['differing_elements']}/{d['numel']}", d["dtype"]]
+            for d in doc["different"]
+        ]
+        out.table(["tensor", "max |a-b|", "elements differing", "dtype"], rows, right=("max |a-b|",))
+    for key, (va, vb) in doc["state"].items():
+        out.line(f"  {key}: {va} -> {vb}")
+    verdict = "equal" if doc["equal"] else "DIFFERENT"
+    tol = f" (atol {doc['atol']:g})" if doc["atol"] else ""
+    out.line(
+        f"{verdict}{tol}: {doc['compared']} tensor(s) compared, {doc['equal_tensors']} equal, "
+        f"{len(doc['different'])} differ in value, {len(doc['changed'])} changed shape/dtype, "
+        f"{len(doc['missing'])} only in A, {len(doc['extra'])} only in B"
+    )

@@ -1,0 +1,205 @@
+"""``ckpt list DIR``: every checkpoint of a save directory with its state, size, metrics and pointers.
+
+Committed checkpoints come from the library's own discovery (``scan_checkpoints``); what discovery
+skips is shown too, because that is what people are looking for when something went wrong:
+directories whose ``checkpoint.json`` is damaged or missing (``corrupt``), saves still in
+``.pending/`` (``pending``) and deletions under way (``deleting``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from checkpoint_manager.cli.errors import CliError, ExitCode
+from checkpoint_manager.cli.output import Output, human_bytes
+from checkpoint_manager.cli.targets import existing, tree_size
+
+__all__ = ["add_parser", "collect", "run"]
+
+EPILOG = """\
+examples:
+  ckpt list runs/exp1                 table of checkpoints, newest last
+  ckpt list runs/exp1 --verify sizes  also check every recorded file's size
+  ckpt list runs/exp1 --json | jq '.checkpoints[] | select(.state == "committed") | .step'
+  ckpt list model.tar                 the members of a bundle
+"""
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "list",
+        parents=[common],
+        help="list the checkpoints of a save directory (or a bundle's members)",
+        description="List the checkpoints of a save directory: step, name, time, size, metrics, "
+        "state (committed, pending, corrupt) and the latest/best pointers.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("directory", metavar="DIR", help="a save directory, or a bundle (.tar) file")
+    p.add_argument(
+        "--verify",
+        choices=("sizes", "full"),
+        default=None,
+        help="also verify each committed checkpoint (sizes: quick; full: CRC32 of every file)",
+    )
+    p.set_defaults(run=run)
+
+
+def _row(
+    name: str, path: Path, state: str, *, step: int | None = None, meta: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    meta = meta or {}
+    metrics = meta.get("metrics")
+    return {
+        "name": name,
+        "path": str(path),
+        "step": step,
+        "state": state,
+        "created": meta.get("created"),
+        "created_unix": meta.get("created_unix"),
+        "size_bytes": tree_size(path),
+        "metrics": dict(metrics) if isinstance(metrics, dict) else {},
+        "pointers": [],
+        "problems": [],
+    }
+
+
+def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]:
+    """The listing of ``root`` as one JSON-able document (what ``--json`` prints)."""
+    from checkpoint_manager.layout import CHECKPOINT_JSON, read_checkpoint_json, scan_checkpoints
+    from checkpoint_manager.pointers import BEST_POINTER, LATEST_POINTER, read_pointer
+    from checkpoint_manager.storage.local import PENDING_DIR, LocalStorage
+
+    names = LocalStorage(root).list_names()
+    infos, bad = scan_checkpoints(root, names)
+    rows: list[dict[str, Any]] = []
+    for info in infos:
+        rows.append(_row(info.name, info.path, "committed", step=info.step, meta=dict(info.meta)))
+    for name, problem in bad:
+        row = _row(name, root / name, "corrupt")
+        row["problems"].append(problem)
+        rows.append(row)
+    seen = {r["name"] for r in rows}
+    for name in names:  # DCP files but no checkpoint.json: a save that never committed in place
+        path = root / name
+        if name not in seen and not (path / CHECKPOINT_JSON).exists() and (path / ".metadata").exists():
+            row = _row(name, path, "corrupt")
+            row["problems"].append(f"{path / CHECKPOINT_JSON}: missing (not a committed checkpoint)")
+            rows.append(row)
+    pending_root = root / PENDING_DIR
+    if pending_root.is_dir():
+        with os.scandir(pending_root) as it:
+            entries = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+        for entry in entries:
+            state = "deleting" if "~deleting~" in entry else "pending"
+            base = entry.split(".~deleting~")[0] if state == "deleting" else entry.rsplit(".", 1)[0]
+            meta: dict[str, Any] = {}
+            try:
+                meta = read_checkpoint_json(pending_root / entry)
+            except Exception:  # a pending save has no checkpoint.json until its last moment
+                meta = {}
+            step = meta.get("step") if isinstance(meta.get("step"), int) else None
+            row = _row(base, pending_root / entry, state, step=step, meta=meta)
+            rows.append(row)
+
+    latest = read_pointer(root, LATEST_POINTER)
+    best = read_pointer(root, BEST_POINTER)
+    for row in rows:
+        if row["state"] != "committed":
+            continue
+        if latest is not None and latest["name"] == row["name"]:
+            row["pointers"].append("latest")
+        if best is not None and best["name"] == row["name"]:
+            row["pointers"].append("best")
+
+    if verify_level is not None:
+        from checkpoint_manager.integrity import verify
+
+        committed = [r for r in rows if r["state"] == "committed"]
+        with out.progress("verifying", len(committed)) as advance:
+            for row in committed:
+                problems = verify(Path(row["path"]), verify_level)  # type: ignore[arg-type]
+                if problems:
+                    row["state"] = "corrupt"
+                    row["problems"].extend(problems)
+                advance(1)
+
+    order = {"committed": 0, "corrupt": 0, "pending": 1, "deleting": 2}
+    rows.sort(key=lambda r: (order[r["state"]], r["step"] if r["step"] is not None else -1, r["name"]))
+    return {
+        "directory": str(root),
+        "checkpoints": rows,
+        "latest": latest,
+        "best": best,
+        "committed": sum(r["state"] == "committed" for r in rows),
+        "total_bytes": sum(r["size_bytes"] for r in rows),
+        "verified": verify_level,
+    }
+
+
+def _metrics_text(metrics: dict[str, Any]) -> str:
+    parts = []
+    for key, value in metrics.items():
+        parts.append(f"{key}={value:.6g}" if isinstance(value, float) else f"{key}={value}")
+    return " ".join(parts)
+
+
+def _time_text(created: Any) -> str:
+    return created.replace("T", " ").removesuffix("Z") if isinstance(created, str) else ""
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    root = existing(args.directory)
+    if root.is_file():
+        return _list_bundle(root, args, out)
+    from checkpoint_manager.layout import CHECKPOINT_JSON
+
+    if (root / CHECKPOINT_JSON).exists():
+        raise CliError(
+            ExitCode.USAGE,
+            f"{args.directory}: is one checkpoint, not a save directory (try: ckpt inspect {args.directory})",
+        )
+    doc = collect(root, args.verify, out)
+    if out.json_mode:
+        out.emit(doc)
+    else:
+        rows = [
+            [
+                "" if r["step"] is None else str(r["step"]),
+                r["name"],
+                _time_text(r["created"]),
+                human_bytes(r["size_bytes"]),
+                _metrics_text(r["metrics"]),
+                r["state"],
+                ",".join(r["pointers"]),
+            ]
+            for r in doc["checkpoints"]
+        ]
+        out.table(
+            ["step", "name", "time", "size", "metrics", "state", "pointers"], rows, right=("step", "size")
+        )
+        out.line(
+            f"{doc['committed']} committed checkpoint(s), {human_bytes(doc['total_bytes'])} in {root}"
+        )
+        for r in doc["checkpoints"]:
+            for problem in r["problems"]:
+                out.line(f"{r['name']}: {problem}")
+    corrupt = any(r["state"] == "corrupt" for r in doc["checkpoints"])
+    return ExitCode.DIFFERENT if (args.verify is not None and corrupt) else ExitCode.OK
+
+
+def _list_bundle(path: Path, args: argparse.Namespace, out: Output) -> int:
+    from checkpoint_manager.formats.bundle import is_bundle, list_bundle
+
+    if not is_bundle(path):
+        raise CliError(ExitCode.USAGE, f"{args.directory}: a file, but not a checkpoint bundle (.tar)")
+    members = list_bundle(path)
+    if out.json_mode:
+        out.emit({"bundle": str(path), "members": members})
+    else:
+        for name in members:
+            out.line(name)
+    return ExitCode.OK

@@ -1,0 +1,245 @@
+"""``ckpt export``, ``convert``, ``pack`` and ``unpack``: checkpoints in and out of other formats.
+
+Each is one call of the matching ``checkpoint_manager.formats`` function (the same ones the Python
+API offers), so the shell and scripts produce identical files. ``python -m
+checkpoint_manager.formats`` is the older spelling of the same commands and delegates here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from checkpoint_manager.cli.errors import CliError, ExitCode
+from checkpoint_manager.cli.output import Output, human_bytes
+from checkpoint_manager.cli.targets import existing, resolve_checkpoint, tree_size
+
+__all__ = ["add_parsers"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+EXPORT_EPILOG = """\
+examples:
+  ckpt export runs/exp1/step_00001000 --to hf --out hf_model --artifacts-dir tokenizer/
+  ckpt export runs/exp1 --to hf --out hf_model --dtype bfloat16 --max-shard-size 2GB   (newest checkpoint)
+  ckpt export runs/exp1 --step 500 --to safetensors --out weights/   -> weights/model.safetensors
+  ckpt export runs/exp1 --to torch --out weights/model.pt
+"""
+
+CONVERT_EPILOG = """\
+examples:
+  ckpt convert runs/exp1/step_00001000 model.safetensors --to safetensors
+  ckpt convert model.safetensors runs/imported --to dcp --step 0
+  ckpt convert pretrained.pt runs/imported --to dcp --subkey state_dict
+"""
+
+PACK_EPILOG = """\
+examples:
+  ckpt pack runs/exp1/step_00001000 exp1-1000.tar --config exp1.yaml --artifacts-dir tokenizer/
+  ckpt pack runs/exp1 exp1-latest.tar.gz --compression gz          (newest checkpoint)
+  ckpt unpack exp1-1000.tar restored/
+  ckpt list exp1-1000.tar                                          (members, after the safety checks)
+"""
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    raw = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser(
+        "export",
+        parents=[common],
+        help="write a checkpoint's model as Hugging Face, safetensors or torch.save files",
+        description="Export the model weights of a checkpoint. hf: a Hugging Face directory "
+        "(model.safetensors or shards + index, tied copies dropped, artifacts copied); "
+        "safetensors: one .safetensors file; torch: one torch.save file of {name: tensor}.",
+        epilog=EXPORT_EPILOG,
+        formatter_class=raw,
+    )
+    p.add_argument("path", metavar="PATH", help="checkpoint, save directory (newest or --step) or bundle")
+    p.add_argument("--to", choices=("hf", "safetensors", "torch"), required=True)
+    p.add_argument(
+        "--out", required=True, metavar="DIR", help="output directory (or, for safetensors/torch, a file name)"
+    )
+    p.add_argument("--step", type=int, default=None, help="in a save directory: the checkpoint of this step")
+    p.add_argument("--model-key", default="model", help="model section (model_0, ... for lists of models)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="cast floating-point weights")
+    p.add_argument("--max-shard-size", default="5GB", help="hf: largest shard")
+    p.add_argument("--artifacts-dir", default=None, help="hf: config/tokenizer files to copy in")
+    p.add_argument("--keep-tied", action="store_true", help="hf: also write tied copies (e.g. lm_head)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.set_defaults(run=run_export)
+
+    p = sub.add_parser(
+        "convert",
+        parents=[common],
+        help="convert weights between dcp, safetensors and torch.save",
+        description="Convert model weights from whatever SRC is (checkpoint, bundle, safetensors, "
+        "torch.save file) to the format --to, written at DST.",
+        epilog=CONVERT_EPILOG,
+        formatter_class=raw,
+    )
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--to", choices=("dcp", "safetensors", "torch"), required=True)
+    p.add_argument("--model-key", default="model")
+    p.add_argument("--dtype", choices=DTYPES, default=None)
+    p.add_argument("--subkey", default=None, help="torch.save sources: the entry holding the tensors")
+    p.add_argument("--step", type=int, default=0, help="step recorded in a DCP target")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(run=run_convert)
+
+    p = sub.add_parser(
+        "pack",
+        parents=[common],
+        help="pack a checkpoint (+ config, artifacts) into one tar file",
+        description="Pack a committed checkpoint, optionally with its config and artifacts, into one "
+        "tar bundle that every command (and the library's load) accepts in place of a directory.",
+        epilog=PACK_EPILOG,
+        formatter_class=raw,
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint, or save directory (newest or --step)")
+    p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--artifacts-dir", default=None)
+    p.add_argument("--config", default=None, help="a JSON/YAML CheckpointConfig file to include")
+    p.add_argument("--compression", choices=("gz", "bz2", "xz"), default=None)
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(run=run_pack)
+
+    p = sub.add_parser(
+        "unpack",
+        parents=[common],
+        help="safely unpack a bundle into a new directory",
+        description="Unpack a bundle into a new (or empty) directory after checking every member "
+        "(no absolute paths, no '..', no links out, no devices).",
+        epilog=PACK_EPILOG,
+        formatter_class=raw,
+    )
+    p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("dest", metavar="DEST")
+    p.set_defaults(run=run_unpack)
+
+
+@contextlib.contextmanager
+def _cli_errors() -> Iterator[None]:
+    """The library speaks of ``overwrite=True``; on the command line that is ``--overwrite``."""
+    try:
+        yield
+    except FileExistsError as exc:
+        raise CliError(ExitCode.CONFLICT, str(exc).replace("overwrite=True", "--overwrite")) from exc
+
+
+def _out_file(out: str, name: str, suffixes: tuple[str, ...]) -> Path:
+    path = Path(out)
+    return path if path.name.endswith(suffixes) else path / name
+
+
+def run_export(args: argparse.Namespace, out: Output) -> int:
+    ckpt = resolve_checkpoint(args.path, step=args.step)
+    doc: dict[str, Any] = {"source": str(ckpt.path), "to": args.to, "step": ckpt.meta.get("step")}
+    with _cli_errors(), out.progress(f"exporting {ckpt.path.name} ({args.to})", None):
+        if args.to == "hf":
+            from checkpoint_manager.formats.hf import export_hf
+
+            result = export_hf(
+                ckpt.path,
+                args.out,
+                model_key=args.model_key,
+                max_shard_size=args.max_shard_size,
+                dtype=args.dtype,
+                artifacts_dir=args.artifacts_dir,
+                tied_weights="keep" if args.keep_tied else "auto",
+                overwrite=args.overwrite,
+            )
+            doc.update(
+                path=str(result.path), files=list(result.files), tensors=result.tensors,
+                bytes=tree_size(result.path), dropped=list(result.dropped), artifacts=list(result.artifacts),
+            )
+        elif args.to == "safetensors":
+            from checkpoint_manager.formats.convert import dcp_to_safetensors
+            from checkpoint_manager.formats.safetensors_io import SafetensorsFile
+
+            target = _out_file(args.out, "model.safetensors", (".safetensors",))
+            path = dcp_to_safetensors(
+                ckpt.path, target, model_key=args.model_key, dtype=args.dtype, overwrite=args.overwrite
+            )
+            with SafetensorsFile(path) as st:
+                tensors = len(st.keys())
+            doc.update(path=str(path), files=[path.name], tensors=tensors, bytes=path.stat().st_size)
+        else:
+            from checkpoint_manager.formats.convert import dcp_to_torch
+            from checkpoint_manager.formats.dcp_stream import tensor_entries
+
+            target = _out_file(args.out, "model.pt", _TORCH_SUFFIXES)
+            path = dcp_to_torch(ckpt.path, target, model_key=args.model_key, dtype=args.dtype, overwrite=args.overwrite)
+            tensors = len(tensor_entries(ckpt.path, args.model_key))
+            doc.update(path=str(path), files=[path.name], tensors=tensors, bytes=path.stat().st_size)
+    if out.json_mode:
+        out.emit(doc)
+    else:
+        out.line(
+            f"wrote {doc['path']}: {', '.join(doc['files'])} ({doc['tensors']} tensors, "
+            f"{doc['bytes']} bytes, {human_bytes(doc['bytes'])})"
+        )
+    return ExitCode.OK
+
+
+def run_convert(args: argparse.Namespace, out: Output) -> int:
+    from checkpoint_manager.formats.convert import convert, detect_format
+
+    src = existing(args.src)
+    kind = detect_format(src)
+    with _cli_errors(), out.progress(f"converting {kind} -> {args.to}", None):
+        path = convert(
+            src, args.dst, to=args.to, model_key=args.model_key, dtype=args.dtype, step=args.step,
+            subkey=args.subkey, overwrite=args.overwrite,
+        )
+    doc: dict[str, Any] = {"source": str(src), "from": kind, "to": args.to, "path": str(path), "bytes": tree_size(path)}
+    if out.json_mode:
+        out.emit(doc)
+    else:
+        out.line(f"wrote {path} ({kind} -> {args.to}, {human_bytes(doc['bytes'])})")
+    return ExitCode.OK
+
+
+def run_pack(args: argparse.Namespace, out: Output) -> int:
+    from checkpoint_manager.formats.bundle import pack_bundle
+
+    ckpt = resolve_checkpoint(args.checkpoint, step=args.step)
+    if ckpt.via == "bundle":
+        raise CliError(ExitCode.USAGE, f"{args.checkpoint}: is already a bundle")
+    config = None
+    if args.config is not None:
+        from checkpoint_manager.config import CheckpointConfig
+
+        existing(args.config)
+        config = CheckpointConfig.from_file(args.config)
+    with _cli_errors(), out.progress(f"packing {ckpt.path.name}", None):
+        path = pack_bundle(
+            ckpt.path, args.bundle, config=config, artifacts_dir=args.artifacts_dir,
+            compression=args.compression, overwrite=args.overwrite,
+        )
+    doc: dict[str, Any] = {"source": str(ckpt.path), "step": ckpt.meta.get("step"), "path": str(path), "bytes": path.stat().st_size}
+    if out.json_mode:
+        out.emit(doc)
+    else:
+        out.line(f"wrote {path} (step {doc['step']}, {human_bytes(doc['bytes'])})")
+    return ExitCode.OK
+
+
+def run_unpack(args: argparse.Namespace, out: Output) -> int:
+    from checkpoint_manager.formats.bundle import extract_bundle, list_bundle
+
+    bundle = existing(args.bundle)
+    with out.progress(f"unpacking {bundle.name}", None):
+        dest = extract_bundle(bundle, args.dest)
+    members = list_bundle(bundle)
+    doc: dict[str, Any] = {"bundle": str(bundle), "path": str(dest), "members": members, "bytes": tree_size(dest)}
+    if out.json_mode:
+        out.emit(doc)
+    else:
+        out.line(f"unpacked into {dest} ({len(members)} entries, {human_bytes(doc['bytes'])})")
+    return ExitCode.OK
