@@ -1,0 +1,593 @@
+"""A checkpoint manager whose bytes are written and read by Meta's torch_checkpointing engine.
+
+The state is gathered exactly as the default manager gathers it (:func:`gather_state`): every tensor
+of the model, optimizer, scheduler and extras goes to the engine as one safetensors item, and the
+rest (state-dict structure, RNG, dataloader position) as one JSON item, so nothing is pickled on
+disk. The engine writes into its own temporary directory and renames it; it does not fsync, so the
+commit is ours: the files are fsynced, ``cm_commit.json`` (step, train state, metrics, tensor
+manifest, file sizes) is written last, and one rename publishes ``step_NNNNNNNN``. A directory
+with that name is therefore always complete; a crash leaves only hidden leftovers that the next
+manager sweeps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, ClassVar
+
+import torch
+import torch_checkpointing as tc
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
+from torch_checkpointing.checkpoint_layout import JsonSerialization, LayoutInfo, SafetensorsSerialization
+from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+from checkpoint_manager import (
+    AsyncSaveError,
+    CheckpointConfig,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    LoadContext,
+    LoadResult,
+    ManagerClosedError,
+    SaveContext,
+    SaveResult,
+)
+from checkpoint_manager.codec import decode, dtype_from_name, dtype_name, encode
+from checkpoint_manager.factory import fields_set
+from checkpoint_manager.policy import build_save_policy
+from checkpoint_manager.staging import StagingBuffers
+from checkpoint_manager.state import StateLoader, gather_state
+from cm_torch_checkpointing.config import TorchCheckpointingConfig
+
+__all__ = ["COMMIT_FILE", "FORMAT", "FORMAT_VERSION", "TorchCheckpointingManager"]
+
+log = logging.getLogger("cm_torch_checkpointing")
+
+FORMAT = "cm-torch-checkpointing"
+FORMAT_VERSION = 1
+COMMIT_FILE = "cm_commit.json"
+TENSORS_ITEM = "tensors"
+STATE_ITEM = "state"
+_NAME = re.compile(r"step_(\d{8,})")
+_TMP_PREFIX = ".tmp-"  # the engine's temporary directory: <_TMP_PREFIX><checkpoint id>
+_LEFTOVER_PREFIXES = (_TMP_PREFIX, ".pending-", ".trash-")
+
+
+@dataclass
+class _Job:
+    """One save after gathering, so the write can run now or in the background."""
+
+    step: int
+    name: str
+    pending: Path
+    tensors: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    train_state: dict[str, Any] | None
+    metrics: dict[str, float]
+    started: float
+    manifest: dict[str, list[Any]] = field(default_factory=dict)
+    stall: float | None = None
+
+
+class TorchCheckpointingManager:
+    """Model, optimizer, scheduler, TrainState, RNG, dataloader and extras through torch_checkpointing."""
+
+    config_class: ClassVar[type[CheckpointConfig]] = TorchCheckpointingConfig
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        if not isinstance(config, TorchCheckpointingConfig):
+            config = TorchCheckpointingConfig.model_validate(fields_set(config))
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                "the torch-checkpointing manager is single-process for now; use the default manager "
+                "for multi-process runs"
+            )
+        self.config: TorchCheckpointingConfig = config
+        self.root = Path(config.save_dir)
+        self.load_root = Path(config.resolved_load_dir)
+        self._policy = build_save_policy(config)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._sync_engine: tc.CheckpointManager | None = None
+        self._async_engine: tc.CheckpointManager | None = None
+        self._staging = StagingBuffers()
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: Future[SaveResult] | None = None
+        self._inflight_step: int | None = None
+        self._resumed_from: str | None = None
+        if self.root.exists() and not self.root.is_dir():
+            raise NotADirectoryError(f"save_dir {self.root} exists and is not a directory")
+        if config.sweep_pending_on_start:
+            _sweep(self.root)
+        newest = _committed(self.root)
+        self._last_saved: int | None = newest[-1][0] if newest else None
+
+    # -- context manager --------------------------------------------------------------------------
+    def __enter__(self) -> TorchCheckpointingManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.finalize_async_saves(blocking=True, terminate=True)
+            return
+        try:
+            self.finalize_async_saves(blocking=True, terminate=True)
+        except Exception as final_exc:  # the user's exception stays primary; ours is not lost
+            exc.add_note(f"cm_torch_checkpointing: finalizing pending saves also failed: {final_exc!r}")
+
+    # -- engines ----------------------------------------------------------------------------------
+    def _engine_config(self, *, async_save: bool) -> tc.CheckpointManager.Config:
+        """Two items with fixed layouts: tensors as safetensors, the rest as JSON (no torch.save)."""
+        cfg = (
+            tc.CheckpointManager.Config.with_async_save()
+            if async_save
+            else tc.CheckpointManager.Config.with_sync_save()
+        )
+        cfg.items = {
+            TENSORS_ITEM: tc.ItemSpec(
+                layout=LayoutInfo("tensors_{rank}.safetensors", SafetensorsSerialization({"format": FORMAT})),
+                requires_copy=True,
+                required=False,
+            ),
+            STATE_ITEM: tc.ItemSpec(
+                layout=LayoutInfo("state_{rank}.json", JsonSerialization()), requires_copy=False, required=False
+            ),
+        }
+        cfg.default = None  # a strict schema: an unknown item is an error, never a pickled .pt file
+        cfg.storage_config = LocalFileSystemStorageConfig(use_direct_io=self.config.engine_direct_io)
+        cfg.save.wait_timeout_secs = self.config.engine_timeout_s
+        cfg.save.writer_config.temp_dir_prefix = _TMP_PREFIX
+        return cfg
+
+    def _engine(self) -> tc.CheckpointManager:
+        """The synchronous engine: sync saves, thread-mode async saves and every load."""
+        if self._sync_engine is None:
+            self._sync_engine = self._engine_config(async_save=False).build()
+        return self._sync_engine
+
+    def _process_engine(self) -> tc.CheckpointManager:
+        """torch_checkpointing's own async saver; its writer process starts on the first save."""
+        if self._async_engine is None:
+            self._async_engine = self._engine_config(async_save=True).build()
+        return self._async_engine
+
+    # -- protocol ---------------------------------------------------------------------------------
+    def should_load(self, ctx: LoadContext) -> bool:
+        return self._resolve(ctx) is not None
+
+    def load(self, ctx: LoadContext) -> LoadResult:
+        started = time.perf_counter()
+        path = self._resolve(ctx)
+        if path is None:
+            why = "load_mode='never'" if self.config.load_mode == "never" else "no committed checkpoint"
+            raise CheckpointNotFoundError(f"nothing to load from {self.load_root}: {why}")
+        meta = _read_commit(path)
+        _verify(path, meta, self.config.verify_on_load)
+        engine = self._engine()
+        state = self._engine_load(engine, path, {STATE_ITEM: None}, strict=True)[STATE_ITEM]
+        if not isinstance(state, dict) or not isinstance(state.get("global"), dict):
+            raise CheckpointCorruptError(f"{path}: state_0.json is not a state object of this format")
+        try:
+            decode(state, tensor_hook=lambda placeholder: None)  # a damaged value raises before any object changes
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointCorruptError(f"{path}: damaged state ({type(exc).__name__}: {exc})") from exc
+        loader = StateLoader(
+            ctx=ctx,
+            global_json=state["global"],
+            rank_json=state.get("rank") if isinstance(state.get("rank"), dict) else None,
+            train_state=meta.get("train_state"),
+            source=str(path),
+        )
+        targets = loader.targets(_dcp_metadata(meta, path))
+        t_read = time.perf_counter()
+        loaded: dict[str, torch.Tensor] = {}
+        if targets:
+            loaded = self._engine_load(engine, path, {TENSORS_ITEM: targets}, strict=True)[TENSORS_ITEM]
+        t_apply = time.perf_counter()
+        loader.apply(loaded)
+        if path.parent.resolve() == self.root.resolve():
+            self._resumed_from = path.name  # retention never deletes what this run resumed from
+            with self._lock:
+                self._last_saved = int(meta["step"])  # a final save of the resumed step is not repeated
+        nbytes = sum(int(t.numel() * t.element_size()) for t in targets.values())
+        seconds = time.perf_counter() - started
+        log.info("loaded %s (step %d) in %.3fs", path, meta["step"], seconds)
+        return LoadResult(
+            path=str(path),
+            step=int(meta["step"]),
+            metrics=decode(meta.get("metrics") or {}),
+            restored=tuple(loader.restored),
+            skipped=tuple(loader.skipped),
+            bytes=nbytes,
+            seconds=seconds,
+            timings={"plan": t_read - started, "read": t_apply - t_read, "apply": time.perf_counter() - t_apply},
+        )
+
+    def save(self, ctx: SaveContext) -> SaveResult | None:
+        self._check_open()
+        self._collect(wait=False)  # a failed background save is reported here, never swallowed
+        if ctx.train_state is None:
+            raise ValueError("SaveContext.train_state is required: it carries the step being saved")
+        step = ctx.train_state.step
+        if not self._decide(step, ctx):
+            return None
+        if self.config.async_save and not ctx.final:
+            return self._save_async(ctx, step)
+        self._collect(wait=True)
+        return self._write_and_commit(self._prepare(ctx, step))
+
+    def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None:
+        try:
+            self._collect(wait=blocking or terminate)
+        finally:
+            if terminate and not self._closed:
+                self._closed = True
+                if self._executor is not None:
+                    self._executor.shutdown(wait=True)
+                    self._executor = None
+                for engine in (self._async_engine, self._sync_engine):
+                    if engine is not None:
+                        engine.close()
+                self._async_engine = self._sync_engine = None
+
+    @property
+    def save_in_flight(self) -> bool:
+        """Whether an async save is still writing."""
+        return self._inflight is not None and not self._inflight.done()
+
+    # -- save internals ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ManagerClosedError(
+                "this torch-checkpointing manager was terminated (finalize_async_saves(terminate=True)); "
+                "create a new one to save again"
+            )
+
+    def _decide(self, step: int, ctx: SaveContext) -> bool:
+        with self._lock:
+            last = self._last_saved
+        if ctx.force:
+            return True
+        if step == last:
+            return False  # e.g. a final save right after the periodic save of the same step
+        return ctx.final or self._policy.should_save(step, last)
+
+    def _prepare(self, ctx: SaveContext, step: int) -> _Job:
+        started = time.perf_counter()
+        assert ctx.train_state is not None
+        gathered = gather_state(ctx)  # before any file exists: a bad state leaves nothing behind
+        name = f"step_{step:08d}"
+        self.root.mkdir(parents=True, exist_ok=True)
+        pending = self.root / f".pending-{name}-{uuid.uuid4().hex[:8]}"
+        state = {"global": gathered.global_json, "rank": gathered.rank_json}
+        job = _Job(step, name, pending, _unshare(gathered.tensors), state, gathered.train_state, dict(ctx.metrics), started)
+        job.manifest = {k: [dtype_name(t.dtype), list(t.shape)] for k, t in gathered.tensors.items()}
+        return job
+
+    def _save_async(self, ctx: SaveContext, step: int) -> SaveResult | None:
+        if self.save_in_flight and self.config.async_when_busy == "skip":
+            log.warning(
+                "skipping the save of step %d: the async save of step %s is still writing "
+                "(async_when_busy='skip')",
+                step,
+                self._inflight_step,
+            )
+            return None
+        self._collect(wait=True)  # one save in flight: its buffers are reused by this one
+        job = self._prepare(ctx, step)
+        if self.config.async_engine == "process":
+            engine = self._process_engine()
+            try:
+                write = self._engine_save(engine, job)
+                with engine.lock():  # returns once the engine's staging copy is complete
+                    pass
+            except BaseException:
+                _remove_attempt(job.pending)
+                raise
+            job.stall = time.perf_counter() - job.started
+            task: Any = (self._finish_process_write, job, write)
+        else:
+            job.tensors = self._staging.stage(job.tensors)  # a snapshot: training may go on now
+            job.stall = time.perf_counter() - job.started
+            task = (self._write_and_commit, job)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cm-tc-writer")
+        self._inflight = self._executor.submit(*task)
+        self._inflight_step = step
+        with self._lock:
+            self._last_saved = step
+        return SaveResult(
+            path=str(self.root / job.name),
+            step=step,
+            bytes=_nbytes(job.tensors),
+            seconds=job.stall,
+            stall_seconds=job.stall,
+            committed=False,
+            timings={"stall": job.stall},
+        )
+
+    def _collect(self, *, wait: bool) -> None:
+        """Surface the outcome of the in-flight save; its error is raised, never swallowed."""
+        future = self._inflight
+        if future is None or (not wait and not future.done()):
+            return
+        step = self._inflight_step
+        self._inflight, self._inflight_step = None, None
+        try:
+            future.result()
+        except Exception as exc:
+            with self._lock:
+                newest = _committed(self.root)
+                self._last_saved = newest[-1][0] if newest else None  # that step is not saved
+            raise AsyncSaveError(
+                f"the async save of step {step} (not committed) failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _engine_save(self, engine: tc.CheckpointManager, job: _Job) -> Future[Any] | None:
+        return engine.save(str(job.pending), {TENSORS_ITEM: job.tensors, STATE_ITEM: job.state})
+
+    def _write_and_commit(self, job: _Job) -> SaveResult:
+        try:
+            self._engine_save(self._engine(), job)
+        except BaseException:
+            _remove_attempt(job.pending)
+            raise
+        return self._commit(job)
+
+    def _finish_process_write(self, job: _Job, write: Future[Any] | None) -> SaveResult:
+        try:
+            if write is not None:
+                write.result(timeout=self.config.engine_timeout_s)
+        except BaseException:
+            _remove_attempt(job.pending)
+            raise
+        return self._commit(job)
+
+    def _commit(self, job: _Job) -> SaveResult:
+        """fsync what the engine wrote, write the commit marker last, and publish with one rename."""
+        pending = job.pending
+        try:
+            if not pending.is_dir():
+                raise CheckpointCorruptError(f"the engine reported success but wrote no {pending}")
+            fsync = self.config.fsync
+            files = {}
+            for file in sorted(pending.iterdir()):
+                if fsync:
+                    _fsync_path(file)
+                files[file.name] = {"size": file.stat().st_size}
+            meta = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "engine": "torch_checkpointing",
+                "engine_version": str(tc.__version__),
+                "step": job.step,
+                "name": job.name,
+                "created_unix": time.time(),
+                "world_size": 1,
+                "train_state": job.train_state,
+                "metrics": encode(job.metrics),
+                "tensors": job.manifest,
+                "files": files,
+            }
+            _write_file(pending / COMMIT_FILE, json.dumps(meta, allow_nan=False, indent=1).encode(), fsync=fsync)
+            if fsync:
+                _fsync_path(pending)
+            final = self.root / job.name
+            trash = None
+            if final.exists():  # the same step saved again: swap, then delete the old one
+                trash = self.root / f".trash-{job.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(final, trash)
+            os.rename(pending, final)
+            if fsync:
+                _fsync_path(self.root)
+        except BaseException:
+            _remove_attempt(pending)
+            raise
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        self._retain(final.name)
+        seconds = time.perf_counter() - job.started
+        log.info("saved %s (step %d) in %.3fs", final, job.step, seconds)
+        return SaveResult(
+            path=str(final),
+            step=job.step,
+            bytes=_nbytes(job.tensors),
+            seconds=seconds,
+            stall_seconds=job.stall if job.stall is not None else seconds,
+            committed=True,
+        )
+
+    def _retain(self, committed: str) -> None:
+        """keep_last / keep_every_n_steps, after the new checkpoint is durable; never fatal."""
+        keep_last, keep_every = self.config.keep_last, self.config.keep_every_n_steps
+        if keep_last is None and keep_every is None:
+            return
+        found = _committed(self.root)
+        newest = {path.name for _, path in found[-keep_last:]} if keep_last is not None else set()
+        protected = {committed, *filter(None, [self._resumed_from])}
+        for step, path in found:
+            if path.name in newest or path.name in protected:
+                continue
+            if keep_every is not None and step % keep_every == 0:
+                continue
+            if keep_last is None:
+                continue  # only keep_every_n_steps set: nothing else is ever deleted
+            try:
+                doomed = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(path, doomed)  # gone from the listing at once, never half-deleted
+                shutil.rmtree(doomed, ignore_errors=True)
+            except OSError as exc:
+                log.warning("retention could not delete %s (retried after the next save): %r", path, exc)
+
+    # -- load internals ---------------------------------------------------------------------------
+    def _engine_load(
+        self, engine: tc.CheckpointManager, path: Path, into: dict[str, Any], *, strict: bool
+    ) -> Any:
+        try:
+            return engine.load(str(path), into=into, strict=strict)
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointCorruptError(
+                f"{path}: the engine could not read {sorted(into)} ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def _resolve(self, ctx: LoadContext) -> Path | None:
+        if ctx.path is not None:
+            path = Path(ctx.path)
+            _read_commit(path)  # a typed error if it is not a committed checkpoint of this format
+            return path
+        found = _committed(self.load_root)
+        step = ctx.step if ctx.step is not None else self.config.load_step
+        if step is not None:
+            for saved_step, path in found:
+                if saved_step == step:
+                    return path
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at step {step} in {self.load_root}; saved steps: {[s for s, _ in found]}"
+            )
+        if self.config.load_mode == "never":
+            return None
+        damaged: list[CheckpointCorruptError] = []
+        for saved_step, path in reversed(found):
+            try:
+                _verify(path, _read_commit(path), self.config.verify_on_load)
+            except CheckpointCorruptError as exc:
+                log.warning("skipping damaged checkpoint %s (step %d), trying an older one: %s", path, saved_step, exc)
+                damaged.append(exc)
+                continue
+            return path
+        if damaged:
+            raise CheckpointCorruptError(
+                f"every committed checkpoint in {self.load_root} is damaged; the newest: {damaged[0]}"
+            ) from damaged[0]
+        if self.config.load_mode == "required":
+            raise CheckpointNotFoundError(f"load_mode='required' but {self.load_root} holds no committed checkpoint")
+        return None
+
+
+# ---- files --------------------------------------------------------------------------------------
+
+
+def _committed(root: Path) -> list[tuple[int, Path]]:
+    """Committed checkpoints, oldest first: the name pattern and the commit marker, both."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _NAME.fullmatch(entry.name)
+        if match and (entry / COMMIT_FILE).is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def _sweep(root: Path) -> None:
+    """Remove what interrupted saves and deletions left behind (all hidden, never listed)."""
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if entry.name.startswith(_LEFTOVER_PREFIXES):
+            log.warning("removing leftover of an interrupted save: %s", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _remove_attempt(pending: Path) -> None:
+    """A failed save leaves nothing: neither the engine's temporary directory nor ours."""
+    for path in (pending, pending.parent / f"{_TMP_PREFIX}{pending.name}"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _read_commit(path: Path) -> dict[str, Any]:
+    file = path / COMMIT_FILE
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{path} is not a committed checkpoint of this format (no {COMMIT_FILE})") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(f"{file}: not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointCorruptError(f"{file}: not a {FORMAT} checkpoint")
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointVersionError(f"{file}: format_version {version!r}; this plugin reads up to {FORMAT_VERSION}")
+    if not isinstance(meta.get("step"), int):
+        raise CheckpointCorruptError(f"{file}: 'step' missing or not an integer")
+    if not isinstance(meta.get("files"), dict) or not isinstance(meta.get("tensors"), dict):
+        raise CheckpointCorruptError(f"{file}: 'files' or 'tensors' missing")
+    return meta
+
+
+def _verify(path: Path, meta: dict[str, Any], mode: str) -> None:
+    """Every file the commit recorded exists with its recorded size (a torn or truncated copy fails)."""
+    if mode == "off":
+        return
+    for name, entry in meta["files"].items():
+        if "/" in name or name.startswith("."):
+            raise CheckpointCorruptError(f"{path / COMMIT_FILE}: bad file name {name!r}")
+        file = path / name
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{file}: missing") from None
+        if not isinstance(entry, dict) or size != entry.get("size"):
+            raise CheckpointCorruptError(f"{file}: {size} bytes, the commit recorded {entry!r}")
+
+
+def _dcp_metadata(meta: dict[str, Any], path: Path) -> Metadata:
+    """The tensor manifest in the shape :class:`StateLoader` checks targets against."""
+    entries: dict[str, Any] = {}
+    try:
+        for key, (dtype, shape) in meta["tensors"].items():
+            entries[key] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype_from_name(dtype)), size=torch.Size(shape), chunks=[]
+            )
+    except (TypeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{path / COMMIT_FILE}: bad tensor manifest ({exc})") from exc
+    return Metadata(state_dict_metadata=entries)
+
+
+def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (tied weights): copy all but the first."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else 0
+        if ptr and ptr in seen:
+            tensor = tensor.detach().clone()
+        elif ptr:
+            seen.add(ptr)
+        out[key] = tensor
+    return out
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(int(t.numel() * t.element_size()) for t in tensors.values())
+
+
+def _write_file(path: Path, data: bytes, *, fsync: bool) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
