@@ -151,6 +151,38 @@ class CheckpointConfig(BaseModel):
         "(None: only locks of dead processes on this host are stale).",
     )
 
+    # -- object storage: save_dir / load_dir as fsspec URLs (see docs/object-storage.md) --------------
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        repr=False,
+        description="Options for fsspec when save_dir/load_dir is a URL (credentials, "
+        "client_kwargs={'endpoint_url': ...}); never logged or shown in repr.",
+    )
+    staging_dir: str | None = Field(
+        default=None,
+        description="Local directory where object-store saves are staged (and downloads cached) before "
+        "upload; None: a directory in the system temp dir, one per save_dir.",
+    )
+    upload_mode: Literal["staged", "stream"] = Field(
+        default="staged",
+        description="Object stores only. staged: write to staging_dir with the fast local writer, then "
+        "upload; stream: tensor files go straight from memory to the store (no local copy).",
+    )
+    storage_retries: int = Field(
+        default=4,
+        ge=0,
+        le=100,
+        description="Retries of an object-store request that failed transiently (5xx, throttling, "
+        "timeouts, dropped connections); permanent errors (403, no such bucket) are never retried.",
+    )
+    storage_retry_backoff_s: float = Field(
+        default=0.5,
+        ge=0,
+        le=600,
+        description="First wait before retrying an object-store request; doubles per retry (with jitter, "
+        "capped at 20 s).",
+    )
+
     # -- distributed runs (see docs/distributed.md) ---------------------------------------------------
     collective_timeout_s: float = Field(
         default=600.0,
@@ -210,9 +242,24 @@ class CheckpointConfig(BaseModel):
             raise ValueError(f"{info.field_name} must not be empty")
         return value
 
+    @field_validator("storage_options")
+    @classmethod
+    def _check_storage_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = [k for k in value if not isinstance(k, str) or not k]
+        if bad:
+            raise ValueError(f"storage_options keys must be non-empty strings, got {bad!r}")
+        return value
+
+    @field_validator("staging_dir")
+    @classmethod
+    def _check_staging_dir(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or "://" in value):
+            raise ValueError(f"staging_dir must be a local directory, got {value!r}")
+        return value
+
     @field_validator(
         "save_every_n_steps", "load_step", "final_step", "keep_last", "keep_best", "keep_every_n_steps",
-        "save_at_steps", mode="before",
+        "save_at_steps", "storage_retries", mode="before",
     )
     @classmethod
     def _no_bools(cls, value: Any, info: ValidationInfo) -> Any:

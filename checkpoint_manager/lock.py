@@ -28,16 +28,29 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpoint_manager.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from checkpoint_manager.storage.base import Storage
+    from checkpoint_manager.storage.remote import FsspecStorage
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_FILE", "CheckpointLockError", "LockOwner", "WriterLock", "read_lock_owner"]
+__all__ = [
+    "LOCK_FILE",
+    "AnyWriterLock",
+    "CheckpointLockError",
+    "LockOwner",
+    "ObjectWriterLock",
+    "WriterLock",
+    "read_lock_owner",
+    "writer_lock_for",
+]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -397,3 +410,166 @@ def _release_all_at_exit() -> None:
             with contextlib.suppress(OSError):
                 _remove_if_ours(Path(key), holding.owner.token)
         _registry.clear()
+
+
+# -- object stores ------------------------------------------------------------------------------------
+# No link(), no O_EXCL, no flock: the lock is an object holding its owner and a heartbeat time, written
+# and then read back. Best effort: two runs starting within one round trip of each other can both
+# believe they won (the read-back narrows that window, it cannot close it); a run that stops
+# heartbeating is taken over after ``lock_stale_after_s`` (default for object stores: 120 s).
+
+OBJECT_LOCK_STALE_S = 120.0
+
+
+def _owner_stale_reason(owner: LockOwner, age: float, stale_after_s: float) -> str | None:
+    """Why a lock held by ``owner``, refreshed ``age`` seconds ago, may be taken over (None: live)."""
+    if owner.host == socket.gethostname():
+        if owner.pid == os.getpid():
+            return f"it was left by an earlier writer in this process ({owner.describe()})"
+        if owner.boot_id and _boot_id() and owner.boot_id != _boot_id():
+            return f"its owner ({owner.describe()}) ran before this host rebooted"
+        if not _pid_alive(owner.pid):
+            return f"its owner ({owner.describe()}) is no longer running"
+        start, state = _process_start(owner.pid)
+        if state in ("Z", "X"):
+            return f"its owner ({owner.describe()}) has exited"
+        if owner.process_start is not None and start is not None and start != owner.process_start:
+            return f"its owner ({owner.describe()}) exited; pid {owner.pid} now belongs to another process"
+    if age > stale_after_s:
+        return f"its owner ({owner.describe()}) has not refreshed it for {age:.0f}s (stale after {stale_after_s:g}s)"
+    return None
+
+
+_object_registry: dict[str, tuple[LockOwner, list[int], threading.Event]] = {}
+
+
+class ObjectWriterLock:
+    """The writer lock of a save directory in an object store: ``<root>/.writer.lock``, heartbeated."""
+
+    def __init__(self, storage: FsspecStorage, *, stale_after_s: float | None = None) -> None:
+        if stale_after_s is not None and not stale_after_s > 0:
+            raise ValueError(f"stale_after_s must be > 0, got {stale_after_s}")
+        self.storage = storage
+        self.key = storage.key(LOCK_FILE)
+        self.url = f"{storage.url}/{LOCK_FILE}"
+        self.stale_after_s = stale_after_s if stale_after_s is not None else OBJECT_LOCK_STALE_S
+        self._held = False
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def __enter__(self) -> ObjectWriterLock:
+        return self.acquire()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def read(self) -> tuple[LockOwner | None, float]:
+        """The owner and the seconds since its last heartbeat (None, 0 when unlocked)."""
+        try:
+            raw = self.storage.retry.call(lambda: self.storage.fs.cat_file(self.key), f"read {self.url}")
+        except FileNotFoundError:
+            return None, 0.0
+        owner = _parse_owner(bytes(raw))
+        try:
+            beat = float(json.loads(bytes(raw).decode("utf-8")).get("heartbeat_unix"))
+        except (ValueError, TypeError, AttributeError):
+            beat = owner.started_unix if owner is not None else 0.0
+        return owner, time.time() - beat
+
+    def _write(self, owner: LockOwner) -> None:
+        data = {**asdict(owner), "heartbeat_unix": time.time()}
+        raw = json.dumps(data, indent=1).encode("utf-8")
+        self.storage.retry.call(lambda: self.storage.fs.pipe_file(self.key, raw), f"write {self.url}")
+
+    def acquire(self) -> ObjectWriterLock:
+        if self._held:
+            return self
+        with _registry_lock:
+            entry = _object_registry.get(self.key)
+            if entry is not None:
+                current, _ = self.read()
+                if current is not None and current.token == entry[0].token:
+                    entry[1][0] += 1
+                    self._held = True
+                    return self
+                entry[2].set()
+                del _object_registry[self.key]
+            previous, age = self.read()
+            if previous is not None:
+                reason = _owner_stale_reason(previous, age, self.stale_after_s)
+                if reason is None:
+                    raise CheckpointLockError(
+                        f"save_dir {self.storage.url!r} is already being written by another run: "
+                        f"{previous.describe()} (heartbeat {age:.0f}s ago). Two runs writing one "
+                        f"directory would corrupt each other's checkpoints. Stop that run or use another "
+                        f"save_dir; if you are sure it is dead, delete {self.url!r}. (Loading needs no lock.)"
+                    )
+                log.warning("taking over the writer lock of %s: %s", self.storage.url, reason)
+            me = _current_owner()
+            self._write(me)
+            time.sleep(0.05)  # let a racing writer's PUT land, then see whose lock survived
+            current, _ = self.read()
+            if current is None or current.token != me.token:
+                raise CheckpointLockError(
+                    f"save_dir {self.storage.url!r}: another run took the writer lock at the same moment "
+                    f"({current.describe() if current else 'unknown owner'})"
+                )
+            stop = threading.Event()
+            _object_registry[self.key] = (me, [1], stop)
+            threading.Thread(
+                target=self._heartbeat, args=(me, stop), name="checkpoint-lock-heartbeat", daemon=True
+            ).start()
+        self._held = True
+        return self
+
+    def _heartbeat(self, me: LockOwner, stop: threading.Event) -> None:
+        while not stop.wait(self.stale_after_s / 4):
+            try:
+                current, _ = self.read()
+                if current is None or current.token != me.token:
+                    log.error("the writer lock %s is no longer ours (now: %s)", self.url, current and current.describe())
+                    return
+                self._write(me)
+            except Exception as exc:  # a missed beat is not fatal; a long outage makes the lock stale
+                log.warning("could not refresh the writer lock %s: %r", self.url, exc)
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        with _registry_lock:
+            entry = _object_registry.get(self.key)
+            if entry is None:
+                return
+            entry[1][0] -= 1
+            if entry[1][0] > 0:
+                return
+            del _object_registry[self.key]
+            entry[2].set()
+            try:
+                current, _ = self.read()
+                if current is not None and current.token == entry[0].token:
+                    self.storage.fs.rm_file(self.key)
+                else:
+                    log.warning("not removing %s: it was taken over by %s", self.url, current and current.describe())
+            except OSError as exc:
+                log.warning("could not release the writer lock %s: %r", self.url, exc)
+
+
+AnyWriterLock = WriterLock | ObjectWriterLock
+
+
+def writer_lock_for(storage: Storage, *, stale_after_s: float | None = None) -> AnyWriterLock:
+    """The writer lock of a checkpoint root: a lock file locally, a heartbeated object in a store."""
+    from checkpoint_manager.storage.local import LocalStorage
+    from checkpoint_manager.storage.remote import FsspecStorage
+
+    if isinstance(storage, LocalStorage):
+        return WriterLock(storage.root, stale_after_s=stale_after_s)
+    if isinstance(storage, FsspecStorage):
+        return ObjectWriterLock(storage, stale_after_s=stale_after_s)
+    raise TypeError(f"no writer lock for {type(storage).__name__}")

@@ -36,7 +36,7 @@ from checkpoint_manager.errors import (
     ManagerClosedError,
 )
 from checkpoint_manager.formats.integration import export_consolidated, load_initial_hf, resolve_load_path
-from checkpoint_manager.integrity import check, describe_files
+from checkpoint_manager.integrity import check
 from checkpoint_manager.layout import (
     CHECKPOINT_JSON,
     FORMAT_NAME,
@@ -49,17 +49,16 @@ from checkpoint_manager.layout import (
     now,
     rank_file,
     read_checkpoint_json,
-    scan_checkpoints,
     validate_template,
 )
-from checkpoint_manager.lock import WriterLock
+from checkpoint_manager.lock import AnyWriterLock, writer_lock_for
 from checkpoint_manager.policy import build_save_policy
 from checkpoint_manager.preemption import PreemptionWatcher
 from checkpoint_manager.protocol import LoadContext, LoadResult, SaveContext, SaveResult
 from checkpoint_manager.retention import Pruner
 from checkpoint_manager.staging import StagingBuffers
 from checkpoint_manager.state import GatheredState, StateLoader, gather_state, per_rank_state
-from checkpoint_manager.storage import LocalStorage
+from checkpoint_manager.storage import FsspecStorage, LocalStorage, basename, is_url, open_storage
 
 __all__ = ["DefaultCheckpointManager"]
 
@@ -150,12 +149,13 @@ class DefaultCheckpointManager:
         # one for the (possibly background) writer, so their collectives never interleave.
         self._dist = DistContext(config.collective_timeout_s)
         self._io_dist = DistContext(config.collective_timeout_s)
-        self._storage = LocalStorage(config.save_dir, fsync=config.fsync)
+        self._storage = self._open_storage(config.save_dir)  # a local directory or an fsspec URL
         self._load_storage = (
             self._storage
             if config.resolved_load_dir == config.save_dir
-            else LocalStorage(config.resolved_load_dir, fsync=config.fsync)
+            else self._open_storage(config.resolved_load_dir)
         )
+        self._local_copies: list[tuple[FsspecStorage, Path]] = []  # downloads made by load()
         self._policy = build_save_policy(config)
         self._closed = False
         self._last_saved_step: int | None = None
@@ -171,15 +171,43 @@ class DefaultCheckpointManager:
         self._storage.check_root()
         self._pruner = Pruner.from_config(config, self._storage)
         self._resumed_from: str | None = None  # protected from retention while this run lives
-        self._writer_lock: WriterLock | None = None
+        self._writer_lock: AnyWriterLock | None = None
         if config.writer_lock:  # before the sweep: the sweep must never touch another run's saves
             self._dist.on_coordinator(self._take_writer_lock, "start: writer lock")
         if config.sweep_pending_on_start:
             self._dist.on_coordinator(self._sweep_pending, "start: sweep pending saves")
         self._dist.barrier("start")
 
+    def _open_storage(self, root: str) -> LocalStorage | FsspecStorage:
+        c = self.config
+        return open_storage(
+            root,
+            c.storage_options,
+            staging_dir=c.staging_dir,
+            upload_mode=c.upload_mode,
+            retries=c.storage_retries,
+            retry_backoff_s=c.storage_retry_backoff_s,
+            fsync=c.fsync,
+        )
+
+    def _remote_for(self, location: str) -> FsspecStorage:
+        """The object-store root holding the checkpoint at URL ``location``."""
+        parent = location.rstrip("/").rsplit("/", 1)[0]
+        for storage in (self._load_storage, self._storage):
+            if isinstance(storage, FsspecStorage) and storage.url == parent:
+                return storage
+        storage = self._open_storage(parent)
+        assert isinstance(storage, FsspecStorage)
+        return storage
+
+    def _release_copies(self) -> None:
+        """Drop the local copies of object-store checkpoints that earlier loads downloaded."""
+        while self._local_copies:
+            storage, local = self._local_copies.pop()
+            storage.release_local(local)
+
     def _take_writer_lock(self) -> None:
-        lock = WriterLock(self.config.save_dir, stale_after_s=self.config.lock_stale_after_s)
+        lock = writer_lock_for(self._storage, stale_after_s=self.config.lock_stale_after_s)
         self._writer_lock = lock.acquire()
 
     def _sweep_pending(self) -> None:
@@ -210,7 +238,7 @@ class DefaultCheckpointManager:
         """Committed checkpoints, oldest → newest by step, as this process sees them (not collective:
         the manager's own decisions list on rank 0 and share the answer)."""
         storage = self._load_storage if load_dir else self._storage
-        infos, bad = scan_checkpoints(storage.root, storage.list_names())
+        infos, bad = storage.scan()
         for name, problem in bad:
             log.warning("ignoring broken checkpoint %s: %s", name, problem)
         return infos
@@ -219,7 +247,7 @@ class DefaultCheckpointManager:
         infos = self.list_checkpoints(load_dir=load_dir)
         return infos[-1] if infos else None
 
-    def _resolve(self, ctx: LoadContext) -> tuple[Path | None, bool]:
+    def _resolve(self, ctx: LoadContext) -> tuple[str | None, bool]:
         """The checkpoint to load (or None) and whether it is model-only initial weights."""
 
         def resolve() -> list[Any]:
@@ -228,13 +256,16 @@ class DefaultCheckpointManager:
 
         # rank 0 alone lists the directory; every rank gets its answer (or its error)
         answer = self._dist.on_coordinator(resolve, "resolve checkpoint")
-        return (Path(answer[0]) if answer[0] is not None else None), bool(answer[1])
+        return (str(answer[0]) if answer[0] is not None else None), bool(answer[1])
 
-    def _resolve_local(self, ctx: LoadContext) -> tuple[Path | None, bool]:
+    def _resolve_local(self, ctx: LoadContext) -> tuple[str | None, bool]:
+        if ctx.path is not None and is_url(ctx.path):
+            self._remote_for(str(ctx.path)).read_marker(str(ctx.path))  # typed error if not committed
+            return str(ctx.path), False
         if ctx.path is not None:
             path = Path(ctx.path)  # a bundle stays a bundle: every rank unpacks it in load()
             read_checkpoint_json(resolve_load_path(path))  # a typed error if it is not a committed checkpoint
-            return path, False
+            return str(path), False
         step = ctx.step if ctx.step is not None else self.config.load_step
         if step is not None:
             infos = self.list_checkpoints(load_dir=True)
@@ -244,14 +275,14 @@ class DefaultCheckpointManager:
                     f"no committed checkpoint at step {step} in {self.config.resolved_load_dir}; "
                     f"available steps: {[i.step for i in infos]}"
                 )
-            return matches[-1].path, False
+            return matches[-1].location, False
         if self.config.load_mode == "never":
             return None, False
         good = self._newest_intact()
         if good is not None:
-            return good.path, False
+            return good.location, False
         if self.config.initial_load_path is not None:
-            return Path(self.config.initial_load_path), True
+            return str(self.config.initial_load_path), True
         if self.config.load_mode == "required":
             raise CheckpointNotFoundError(
                 f"load_mode='required' but {self.config.resolved_load_dir} holds no committed checkpoint"
@@ -268,7 +299,7 @@ class DefaultCheckpointManager:
         damaged: list[CheckpointCorruptError] = []
         for info in reversed(self.list_checkpoints(load_dir=True)):
             try:
-                check(info.path, info.meta, self.config.verify_on_load)
+                self._load_storage.check_info(info, self.config.verify_on_load)
             except CheckpointCorruptError as exc:
                 log.warning(
                     "skipping damaged checkpoint %s (step %d), trying an older one: %s", info.path, info.step, exc
@@ -289,15 +320,23 @@ class DefaultCheckpointManager:
 
     def load(self, ctx: LoadContext) -> LoadResult:
         t0 = time.perf_counter()
-        path, model_only = self._resolve(ctx)
-        if path is None:
+        location, model_only = self._resolve(ctx)
+        if location is None:
             reason = (
                 "load_mode='never'"
                 if self.config.load_mode == "never"
                 else f"{self.config.resolved_load_dir} holds no committed checkpoint"
             )
             raise CheckpointNotFoundError(f"nothing to load: {reason}")
-        path = resolve_load_path(path)  # a bundle: its unpacked checkpoint
+        source = location
+        self._release_copies()
+        if is_url(location):  # object store: download, then the fast reader and the CRC check run locally
+            remote = self._remote_for(location)
+            self._local_copies.append((remote, remote.localize(location)))
+            location = str(self._local_copies[-1][1])
+        path = resolve_load_path(Path(location))  # a bundle: its unpacked checkpoint
+        if not is_url(source):
+            source = str(path)
         if model_only and (hf_result := load_initial_hf(ctx, path, self.config)) is not None:
             return hf_result  # initial weights from a Hugging Face directory
         meta = read_checkpoint_json(path)
@@ -337,8 +376,9 @@ class DefaultCheckpointManager:
         if not model_only:
             self._last_saved_step = int(meta["step"])
             self._last_saved_known = True
-            if path.parent.resolve() == self._storage.root.resolve():
-                self._resumed_from = path.name
+            if self._in_save_dir(source):
+                self._resumed_from = basename(source)
+        self._release_copies()
         nbytes = sum(int(t.numel() * t.element_size()) for t in targets.values())
         seconds = t_end - t0
         log.info(
@@ -351,7 +391,7 @@ class DefaultCheckpointManager:
             " [model weights only]" if model_only else "",
         )
         return LoadResult(
-            path=str(path),
+            path=source,
             step=int(meta["step"]),
             metrics=dict(meta.get("metrics") or {}),
             restored=tuple(loader.restored),
@@ -407,8 +447,15 @@ class DefaultCheckpointManager:
                 if self._preemption is not None:
                     self._preemption.close()
                 self._pruner.close()
+                self._release_copies()
                 if self._writer_lock is not None:
                     self._writer_lock.release()
+
+    def _in_save_dir(self, location: str) -> bool:
+        """Whether the checkpoint at ``location`` is one of save_dir's (retention then protects it)."""
+        if isinstance(self._storage, FsspecStorage):
+            return is_url(location) and location.rstrip("/").rsplit("/", 1)[0] == self._storage.url
+        return not is_url(location) and Path(location).parent.resolve() == self._storage.root.resolve()
 
     # -- async internals --------------------------------------------------------------------------
     def _save_async(self, ctx: SaveContext, step: int) -> SaveResult | None:
@@ -446,7 +493,7 @@ class DefaultCheckpointManager:
         self._inflight_step = step
         self._last_saved_step, self._last_saved_known = step, True
         return SaveResult(
-            path=str(self._storage.root / job.name),
+            path=self._storage.location_of(job.name),
             step=step,
             bytes=job.state.nbytes,
             seconds=stall,
@@ -537,7 +584,11 @@ class DefaultCheckpointManager:
         failure: BaseException | None = None
         t0 = time.perf_counter()
         try:
-            writer = CheckpointWriter(job.pending, fsync=self.config.fsync, direct=self.config.direct_io)
+            writer = (  # object stores: staged locally, or streamed
+                CheckpointWriter(job.pending, fsync=self.config.fsync, direct=self.config.direct_io)
+                if self._storage.is_local
+                else self._storage.dcp_writer(job.pending, fsync=self.config.fsync, direct=self.config.direct_io)
+            )
             with _quiet_single_process(), io.phase(f"step {job.step}: write"):
                 dcp_save(
                     job.state.tensors,
@@ -547,6 +598,7 @@ class DefaultCheckpointManager:
                 )
             rank_json = {**job.state.rank_json, "files": writer.checksums}
             self._storage.write_json(job.pending / rank_file(io.rank), rank_json)
+            self._storage.upload_part(job.pending, io.rank, list(writer.checksums))  # object stores
         except BaseException as exc:
             failure = _own_failure(exc, io.rank)
         t1 = time.perf_counter()
@@ -589,7 +641,7 @@ class DefaultCheckpointManager:
         pending = job.pending
         self._storage.write_json(pending / STATE_JSON, job.state.global_json)
         export_consolidated(self.config, pending, final=job.final)  # inside: committed with the rest
-        files = describe_files(pending, self._checksums_from_ranks(pending))
+        files = self._storage.describe_files(pending, self._checksums_from_ranks(pending))
         created_unix, created = now()
         meta = {
             "format": FORMAT_NAME,
@@ -609,12 +661,11 @@ class DefaultCheckpointManager:
             "files": files,
         }
         self._storage.write_json(pending / CHECKPOINT_JSON, meta)
-        final = self._storage.commit(pending, job.name)
-        self._storage.write_json_atomic(
-            self._storage.root / LATEST_POINTER, {"name": final.name, "step": job.step}
-        )
-        info_from_meta(final, meta)
-        self._retain(final.name)
+        final = self._storage.commit(pending, job.name)  # object stores: the marker is written last
+        final_name = basename(final)
+        self._storage.write_pointer(LATEST_POINTER, {"name": final_name, "step": job.step})
+        info_from_meta(Path(final_name), meta)
+        self._retain(final_name)
         return str(final)
 
     def _retain(self, committed: str) -> None:

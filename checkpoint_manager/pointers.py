@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_manager.layout import CheckpointInfo, metric_value
+from checkpoint_manager.storage.base import Storage
 from checkpoint_manager.storage.local import LocalStorage, fsync_dir
 
 __all__ = [
@@ -92,18 +93,18 @@ def update_symlink(root: Path, link: str, target: str | None) -> None:
 
 
 def update_pointers(
-    storage: LocalStorage,
+    storage: Storage,
     checkpoints: list[CheckpointInfo],
     *,
     monitor: str | None,
     mode: str,
     symlinks: bool,
 ) -> CheckpointInfo | None:
-    """Move ``best`` (when a metric is monitored) and the symlinks to what is on disk; return the best.
+    """Move ``best`` (when a metric is monitored) and the symlinks to what is committed; return the best.
 
-    ``latest`` is written by the commit itself; this only refreshes its symlink.
+    ``latest`` is written by the commit itself; this only refreshes its symlink. Symlinks exist only
+    on local storage (object stores have none).
     """
-    root = storage.root
     best = best_checkpoint(checkpoints, monitor, mode) if monitor else None
     if best is not None:
         pointer = {
@@ -113,11 +114,12 @@ def update_pointers(
             "mode": mode,
             "value": best.metrics[monitor] if monitor else None,
         }
-        if read_pointer(root, BEST_POINTER) != pointer:
-            storage.write_json_atomic(root / BEST_POINTER, pointer)
-    elif monitor and (root / BEST_POINTER).is_file():
-        (root / BEST_POINTER).unlink()  # nothing ranks any more (e.g. the monitored metric changed)
-    if symlinks:
+        if storage.read_pointer(BEST_POINTER) != pointer:
+            storage.write_pointer(BEST_POINTER, pointer)
+    elif monitor and storage.read_pointer(BEST_POINTER) is not None:
+        storage.remove_pointer(BEST_POINTER)  # nothing ranks any more (e.g. the monitored metric changed)
+    if symlinks and isinstance(storage, LocalStorage):
+        root = storage.root
         latest = checkpoints[-1].name if checkpoints else None
         update_symlink(root, LATEST_LINK, latest)
         update_symlink(root, BEST_LINK, best.name if best is not None else None)

@@ -18,20 +18,19 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from checkpoint_manager.config import CheckpointConfig, MonitorMode
-from checkpoint_manager.layout import CheckpointInfo, metric_value, scan_checkpoints
-from checkpoint_manager.lock import WriterLock
+from checkpoint_manager.layout import CheckpointInfo, metric_value
+from checkpoint_manager.lock import writer_lock_for
 from checkpoint_manager.pointers import (
     BEST_POINTER,
     LATEST_POINTER,
     best_checkpoint,
     rank_by_metric,
-    read_pointer,
     update_pointers,
 )
-from checkpoint_manager.storage.local import LocalStorage, fsync_dir
+from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, fsync_dir, open_storage
 
 __all__ = [
     "KeepAll",
@@ -229,7 +228,7 @@ class Pruner:
 
     def __init__(
         self,
-        storage: LocalStorage,
+        storage: Storage,
         policy: RetentionPolicy | None,
         *,
         monitor: str | None = None,
@@ -249,7 +248,7 @@ class Pruner:
         self._mutex = threading.Lock()
 
     @classmethod
-    def from_config(cls, config: CheckpointConfig, storage: LocalStorage) -> Pruner:
+    def from_config(cls, config: CheckpointConfig, storage: Storage) -> Pruner:
         return cls(
             storage,
             retention_from_config(config),
@@ -267,7 +266,7 @@ class Pruner:
     # -- discovery --------------------------------------------------------------------------------
     def scan(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest → newest, read from their ``checkpoint.json`` files now."""
-        infos, bad = scan_checkpoints(self.storage.root, self.storage.list_names())
+        infos, bad = self.storage.scan()
         for name, problem in bad:
             log.warning("retention ignores broken checkpoint %s: %s", name, problem)
         return infos
@@ -277,7 +276,7 @@ class Pruner:
         names: set[str] = set()
         kinds = [LATEST_POINTER] if self.monitor is not None else [LATEST_POINTER, BEST_POINTER]
         for kind in kinds:
-            pointer = read_pointer(self.storage.root, kind)
+            pointer = self.storage.read_pointer(kind)
             if pointer is not None:
                 names.add(pointer["name"])
         return names
@@ -303,6 +302,9 @@ class Pruner:
             return plan
         self._retry_leftovers()
         for info in plan.delete:
+            if isinstance(self.storage, FsspecStorage):
+                self._delete_remote(self.storage, info, plan)
+                continue
             try:
                 hidden = self._hide(info.path)
             except OSError as exc:
@@ -318,8 +320,40 @@ class Pruner:
             self._remove(hidden)
         return plan
 
+    def _delete_remote(self, storage: FsspecStorage, info: CheckpointInfo, plan: RetentionPlan) -> None:
+        """Object stores: the marker goes first (one DELETE unlists it), the prefix's objects follow,
+        in the background if configured; a failure leaves a marker-less prefix the next start sweeps."""
+        try:
+            storage.unlist(info.name)
+        except OSError as exc:
+            log.warning(
+                "could not delete checkpoint %s (%s: %s); retrying at the next prune",
+                info.location,
+                type(exc).__name__,
+                exc,
+            )
+            plan.failed.append(info.name)
+            return
+        log.info("retention: removed checkpoint %s (step %d)", info.location, info.step)
+        if not self.background:
+            self._purge(storage, info.name)
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-prune")
+        future = self._executor.submit(self._purge, storage, info.name)
+        with self._mutex:
+            self._futures = [f for f in self._futures if not f.done()] + [future]
+
+    @staticmethod
+    def _purge(storage: FsspecStorage, name: str) -> None:
+        try:
+            storage.purge(name)
+        except OSError as exc:
+            log.warning("could not finish deleting %s (%s); the next start sweeps it", storage.location_of(name), exc)
+
     def _hide(self, path: Path) -> Path:
         """Move a checkpoint out of the listing in one rename; the slow removal can follow later."""
+        assert isinstance(self.storage, LocalStorage)
         pending = self.storage.pending_root
         pending.mkdir(exist_ok=True)
         hidden = pending / f"{path.name}.{_DELETING}{uuid.uuid4().hex[:8]}"
@@ -354,7 +388,9 @@ class Pruner:
                 self._deleting.discard(hidden.name)
 
     def _retry_leftovers(self) -> None:
-        """Finish deletions that failed or were interrupted before."""
+        """Finish deletions that failed or were interrupted before (object stores: the start sweep does)."""
+        if not isinstance(self.storage, LocalStorage):
+            return
         try:
             entries = [e for e in os.scandir(self.storage.pending_root) if _DELETING in e.name]
         except FileNotFoundError:
@@ -391,11 +427,13 @@ def prune(
     protected: Iterable[str] = (),
     dry_run: bool = True,
     fsync: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> list[CheckpointInfo]:
     """Apply retention to ``directory`` outside a run (for the CLI); returns what is (or would be) deleted.
 
     ``dry_run`` (the default) only reports. A real pass takes the directory's writer lock, so it
-    refuses to run while a training run writes there.
+    refuses to run while a training run writes there. ``directory`` may be an fsspec URL
+    (``s3://bucket/prefix``; ``storage_options`` go to fsspec).
     """
     policy = build_retention_policy(
         keep_last=keep_last,
@@ -407,12 +445,12 @@ def prune(
     )
     if policy is None:
         raise ValueError("prune needs at least one of keep_last, keep_best or keep_every_n_steps")
-    if not Path(directory).is_dir():
+    storage = open_storage(directory, storage_options, fsync=fsync)
+    if isinstance(storage, LocalStorage) and not storage.root.is_dir():
         raise FileNotFoundError(f"prune: {str(directory)!r} is not a directory")
-    storage = LocalStorage(directory, fsync=fsync)
     pruner = Pruner(storage, policy, monitor=monitor, mode=mode)
     if dry_run:
         return pruner.prune(protected, dry_run=True).delete
-    with WriterLock(directory):
+    with writer_lock_for(storage):
         plan = pruner.prune(protected)
     return [c for c in plan.delete if c.name not in plan.failed]

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.storage import StorageWriter
-
+    from checkpoint_manager.dcp_io import CheckpointWriter
+    from checkpoint_manager.integrity import VerifyLevel
     from checkpoint_manager.layout import CheckpointInfo
 
 __all__ = ["Storage", "basename", "is_url"]
@@ -39,13 +39,23 @@ def basename(location: str | Path) -> str:
 class Storage(Protocol):
     """A checkpoint root: lists committed checkpoints, commits pending ones, deletes old ones."""
 
-    #: the root as the user gave it (a path or a URL), for messages
-    url: str
-    #: whether ``location_of`` names paths readers can open directly (no download needed)
-    is_local: bool
-    #: local directory holding pending saves (``.pending`` of the root, or of the staging directory)
-    pending_root: Path
-    fsync: bool
+    @property
+    def url(self) -> str:
+        """The root as the user gave it (a path or a URL), for messages."""
+        ...
+
+    @property
+    def is_local(self) -> bool:
+        """Whether ``location_of`` names paths readers can open directly (no download needed)."""
+        ...
+
+    @property
+    def pending_root(self) -> Path:
+        """Local directory holding pending saves (the root's ``.pending``, or the staging directory's)."""
+        ...
+
+    @property
+    def fsync(self) -> bool: ...
 
     # -- discovery (any process, read-only) -------------------------------------------------------
     def location_of(self, name: str) -> str:
@@ -64,6 +74,11 @@ class Storage(Protocol):
         """The ``latest`` / ``best`` pointer's JSON, or None when absent or unreadable."""
         ...
 
+    def check_info(self, info: CheckpointInfo, level: VerifyLevel) -> None:
+        """Raise CheckpointCorruptError if the listed checkpoint is visibly damaged (object stores
+        check sizes from a listing here; CRC32s are checked on the downloaded copy)."""
+        ...
+
     def localize(self, location: str) -> Path:
         """A local directory with a complete copy of the checkpoint at ``location`` (may download)."""
         ...
@@ -79,7 +94,7 @@ class Storage(Protocol):
         """A fresh local directory for a save of ``name``; nobody lists it until committed."""
         ...
 
-    def dcp_writer(self, pending: Path, *, fsync: bool, direct: bool) -> StorageWriter:
+    def dcp_writer(self, pending: Path, *, fsync: bool, direct: bool) -> CheckpointWriter:
         """The DCP storage writer for this rank's part of ``pending`` (must expose ``checksums``)."""
         ...
 
@@ -93,7 +108,7 @@ class Storage(Protocol):
 
     def write_json(self, path: Path, data: Any) -> int: ...
 
-    def commit(self, pending: Path, name: str) -> str:
+    def commit(self, pending: Path, name: str) -> str | Path:
         """Publish ``pending`` (whose ``checkpoint.json`` is written) as ``name`` or ``name-vN``; its location."""
         ...
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from checkpoint_manager.dcp_io import CheckpointWriter
+    from checkpoint_manager.integrity import VerifyLevel
     from checkpoint_manager.layout import CheckpointInfo
 
 __all__ = ["LocalStorage", "fsync_dir"]
@@ -85,6 +86,11 @@ class LocalStorage:
         from checkpoint_manager.pointers import read_pointer
 
         return read_pointer(self.root, kind)
+
+    def check_info(self, info: CheckpointInfo, level: VerifyLevel) -> None:
+        from checkpoint_manager.integrity import check
+
+        check(info.path, info.meta, level)
 
     def localize(self, location: str) -> Path:
         return Path(location)

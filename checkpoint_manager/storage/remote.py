@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
     from checkpoint_manager.dcp_io import CheckpointWriter
+    from checkpoint_manager.integrity import VerifyLevel
 
 __all__ = ["FsspecStorage", "UploadMode"]
 
@@ -219,6 +220,13 @@ class FsspecStorage:
                 )
         return problems
 
+    def check_info(self, info: CheckpointInfo, level: VerifyLevel) -> None:
+        if level == "off":
+            return
+        problems = self.check_sizes(info)
+        if problems:
+            raise CheckpointCorruptError("; ".join(problems))
+
     def localize(self, location: str) -> Path:
         """Download the checkpoint at ``location`` into the cache (then our fast reader and the CRC
         check run on the copy). Only a committed checkpoint is downloaded."""
@@ -379,12 +387,25 @@ class FsspecStorage:
 
     def delete_checkpoint(self, name: str) -> None:
         """Marker first (the checkpoint leaves the listing at once), then the rest."""
-        prefix = self.key(name)
+        self.unlist(name)
+        self.purge(name)
+
+    def unlist(self, name: str) -> None:
+        """Delete the marker: one request, and the checkpoint is pending (unlisted, swept later)."""
         with contextlib.suppress(FileNotFoundError):
-            self._call(f"delete {self.location_of(name)}/{CHECKPOINT_JSON}", self.fs.rm_file, f"{prefix}/{CHECKPOINT_JSON}")
+            self._call(
+                f"delete {self.location_of(name)}/{CHECKPOINT_JSON}",
+                self.fs.rm_file,
+                self.key(name, CHECKPOINT_JSON),
+            )
         self._scan_cache.pop(name, None)
+
+    def purge(self, name: str) -> None:
+        """Delete every object under an unlisted checkpoint's prefix."""
+        if self.fs.exists(self.key(name, CHECKPOINT_JSON)):
+            raise FileExistsError(f"{self.location_of(name)} is committed: unlist it before purging")
         with contextlib.suppress(FileNotFoundError):
-            self._call(f"delete {self.location_of(name)}", self.fs.rm, prefix, recursive=True)
+            self._call(f"delete {self.location_of(name)}", self.fs.rm, self.key(name), recursive=True)
 
     def sweep_pending(self) -> list[str]:
         """Local staging leftovers, and prefixes without a marker that hold only files a save of ours
