@@ -1,0 +1,239 @@
+"""A two-tier checkpoint manager: frequent saves to fast local storage, every M-th also durable.
+
+Each tier is a complete :class:`DefaultCheckpointManager` with its own config (directory, cadence,
+retention), so all I/O, atomic commits, async staging and integrity checks are the default
+manager's; this class only decides which tier saves and which tier a resume reads. Resume takes
+the newest checkpoint that loads from either tier (local first at equal steps: it is the faster
+read), falling back past damaged ones, so losing the node (and its local tier) costs at most the
+steps since the last durable checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from types import TracebackType
+from typing import ClassVar, TypeVar
+
+from checkpoint_manager import (
+    CheckpointConfig,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    DefaultCheckpointManager,
+    LoadContext,
+    LoadResult,
+    ManagerClosedError,
+    SaveContext,
+    SaveResult,
+)
+from checkpoint_manager.factory import fields_set
+from cm_tiered.config import LOCAL_POLICY_FIELDS, SHARED_FIELDS, TieredConfig
+
+__all__ = ["TieredCheckpointManager", "tier_configs"]
+
+log = logging.getLogger("cm_tiered")
+
+_T = TypeVar("_T")
+_TIERED_ONLY = frozenset({"local_dir", "local_keep_last", "durable_every_n_steps", "manager"})
+_LOAD_FIELDS = frozenset({"load_mode", "load_step"})
+
+
+def tier_configs(config: TieredConfig) -> tuple[CheckpointConfig, CheckpointConfig]:
+    """The (local, durable) configs of the two default managers, from the fields the user set.
+
+    Local: ``local_dir``, the save policy, ``local_keep_last`` and the shared I/O fields. Durable:
+    everything else the user set (retention, exports, event log, ...) with ``durable_every_n_steps``
+    as its interval. Both resume through this manager, so each tier's own load settings are neutral.
+    """
+    given = fields_set(config)
+    shared = {k: v for k, v in given.items() if k in SHARED_FIELDS}
+    local = {
+        **shared,
+        **{k: v for k, v in given.items() if k in LOCAL_POLICY_FIELDS},
+        "save_dir": config.local_dir,
+        "keep_last": config.local_keep_last,
+    }
+    durable = {
+        k: v for k, v in given.items() if k not in _TIERED_ONLY | LOCAL_POLICY_FIELDS | _LOAD_FIELDS
+    }
+    durable["save_every_n_steps"] = config.durable_every_n_steps
+    return CheckpointConfig.model_validate(local), CheckpointConfig.model_validate(durable)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    step: int
+    tier: str
+    location: str
+
+
+class TieredCheckpointManager:
+    """Two :class:`DefaultCheckpointManager` tiers behind the four protocol calls."""
+
+    config_class: ClassVar[type[CheckpointConfig]] = TieredConfig
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        if not isinstance(config, TieredConfig):
+            config = TieredConfig.model_validate(fields_set(config))
+        self.config: TieredConfig = config
+        local_cfg, durable_cfg = tier_configs(config)
+        self.local = DefaultCheckpointManager(local_cfg)
+        try:
+            self.durable = DefaultCheckpointManager(durable_cfg)
+        except BaseException:
+            self.local.finalize_async_saves(terminate=True)
+            raise
+        self._tiers = {"local": self.local, "durable": self.durable}
+        self._closed = False
+
+    # -- context manager --------------------------------------------------------------------------
+    def __enter__(self) -> TieredCheckpointManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.finalize_async_saves(blocking=True, terminate=True)
+            return
+        try:
+            self.finalize_async_saves(blocking=True, terminate=True)
+        except Exception as final_exc:  # the user's exception stays primary; ours is not lost
+            exc.add_note(f"cm_tiered: finalizing pending saves also failed: {final_exc!r}")
+
+    # -- save -------------------------------------------------------------------------------------
+    def save(self, ctx: SaveContext) -> SaveResult | None:
+        """Local tier first (cheap), then the durable tier; each by its own policy.
+
+        Both tiers are always asked, even when the first fails, so a full local disk cannot also
+        cost the durable checkpoint; the first error is raised afterwards.
+        """
+        if self._closed:
+            raise ManagerClosedError(
+                "this tiered manager was terminated (finalize_async_saves(terminate=True)); "
+                "create a new one to save again"
+            )
+        results = _both(self._tiers, lambda tier: tier.save(ctx), "save")
+        durable, local = results["durable"], results["local"]
+        return durable if durable is not None else local
+
+    def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None:
+        """Both tiers, always both: their background errors are raised, never swallowed."""
+        if terminate:
+            self._closed = True
+        _both(
+            self._tiers,
+            lambda tier: tier.finalize_async_saves(blocking=blocking, terminate=terminate),
+            "finalize_async_saves",
+        )
+
+    @property
+    def save_in_flight(self) -> bool:
+        """Whether either tier's async save is still writing."""
+        return self.local.save_in_flight or self.durable.save_in_flight
+
+    # -- load -------------------------------------------------------------------------------------
+    def list_checkpoints(self) -> dict[str, list[int]]:
+        """Committed steps per tier, oldest first."""
+        return {name: [info.step for info in tier.list_checkpoints()] for name, tier in self._tiers.items()}
+
+    def should_load(self, ctx: LoadContext) -> bool:
+        if ctx.path is not None:
+            return self._tier_for_path(str(ctx.path)).should_load(ctx)
+        if self._candidates(ctx):
+            return True
+        return self._initial_weights(ctx)
+
+    def load(self, ctx: LoadContext) -> LoadResult:
+        """The newest checkpoint of either tier that loads; a damaged one falls back to the next.
+
+        The default manager verifies a checkpoint (``verify_on_load``) and decodes its JSON before
+        touching any object, so a damaged candidate is refused with the objects unchanged.
+        """
+        if ctx.path is not None:
+            return self._tier_for_path(str(ctx.path)).load(ctx)
+        candidates = self._candidates(ctx)
+        if not candidates:
+            if self._initial_weights(ctx):
+                return self.durable.load(ctx)  # the durable tier holds the initial_load_path setting
+            why = "load_mode='never'" if self.config.load_mode == "never" else "neither tier holds a checkpoint"
+            raise CheckpointNotFoundError(
+                f"nothing to load from {self.config.local_dir} or {self.config.save_dir}: {why}"
+            )
+        pinned = ctx.step is not None or self.config.load_step is not None
+        damaged: list[CheckpointCorruptError] = []
+        for candidate in candidates:
+            tier = self._tiers[candidate.tier]
+            try:
+                result = tier.load(dataclasses.replace(ctx, path=candidate.location, step=None))
+            except CheckpointCorruptError as exc:
+                log.warning(
+                    "skipping damaged %s checkpoint %s (step %d), trying the next: %s",
+                    candidate.tier,
+                    candidate.location,
+                    candidate.step,
+                    exc,
+                )
+                damaged.append(exc)
+                continue
+            log.info("resumed from the %s tier: %s (step %d)", candidate.tier, result.path, result.step)
+            return result
+        what = f"step {candidates[0].step}" if pinned else "every committed checkpoint"
+        raise CheckpointCorruptError(
+            f"{what} in {self.config.local_dir} and {self.config.save_dir} is damaged; the first: {damaged[0]}"
+        ) from damaged[0]
+
+    def _candidates(self, ctx: LoadContext) -> list[_Candidate]:
+        """What a resume may load, best first: newest step, local before durable at the same step."""
+        step = ctx.step if ctx.step is not None else self.config.load_step
+        if step is None and self.config.load_mode == "never":
+            return []
+        found = [
+            _Candidate(info.step, name, info.location)
+            for name, tier in self._tiers.items()
+            for info in tier.list_checkpoints()
+        ]
+        if step is not None:
+            found = [c for c in found if c.step == step]
+            if not found:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint at step {step} in either tier; saved steps: "
+                    f"{self.list_checkpoints()}"
+                )
+        found.sort(key=lambda c: (-c.step, c.tier != "local"))
+        if not found and self.config.load_mode == "required" and self.config.initial_load_path is None:
+            raise CheckpointNotFoundError(
+                f"load_mode='required' but neither {self.config.local_dir} nor {self.config.save_dir} "
+                "holds a committed checkpoint"
+            )
+        return found
+
+    def _initial_weights(self, ctx: LoadContext) -> bool:
+        if self.config.initial_load_path is None or self.config.load_mode == "never":
+            return False
+        return self.durable.should_load(ctx)
+
+    def _tier_for_path(self, path: str) -> DefaultCheckpointManager:
+        return self.local if path.startswith(self.config.local_dir.rstrip("/") + "/") else self.durable
+
+
+def _both(
+    tiers: dict[str, DefaultCheckpointManager], call: Callable[[DefaultCheckpointManager], _T], what: str
+) -> dict[str, _T | None]:
+    """Run ``call`` on every tier; raise the first failure after all ran, the others as notes."""
+    results: dict[str, _T | None] = {}
+    errors: list[tuple[str, Exception]] = []
+    for name, tier in tiers.items():
+        try:
+            results[name] = call(tier)
+        except Exception as exc:  # the other tier still runs; nothing is swallowed
+            results[name] = None
+            errors.append((name, exc))
+    if errors:
+        (first_tier, first), *rest = errors
+        first.add_note(f"cm_tiered: {what} failed on the {first_tier} tier")
+        for name, exc in rest:
+            first.add_note(f"cm_tiered: {what} also failed on the {name} tier: {type(exc).__name__}: {exc}")
+        raise first
+    return results
