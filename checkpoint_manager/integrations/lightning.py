@@ -55,7 +55,25 @@ class _FitLoopState:
         return self.frozen if self.frozen is not None else self.trainer.fit_loop.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.trainer.fit_loop.load_state_dict(state_dict)
+        self.trainer.fit_loop.load_state_dict(_unmark_last_batch(state_dict))
+
+
+def _unmark_last_batch(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Work around Lightning counting an epoch twice when resuming after its last batch.
+
+    A state taken at ``on_train_batch_end`` of an epoch's last batch carries ``is_last_batch``; on
+    restart Lightning 2.x then closes the epoch in ``FitLoop.reset`` *and* again when the (now empty)
+    epoch iteration ends, so ``current_epoch`` jumps by two and the next epoch is seeded as the one
+    after it. Without the flag the restart finishes the stopped epoch exactly once (its remaining
+    batches are none, its epoch-end hooks run once), as the uninterrupted run did.
+    """
+    batches = state_dict.get("epoch_loop.batch_progress")
+    if not isinstance(batches, dict) or not batches.get("is_last_batch"):
+        return state_dict
+    total = batches.get("total", {})
+    if total.get("processed") != total.get("completed", 0) + 1:
+        return state_dict  # not taken at on_train_batch_end: Lightning's own path is right
+    return {**state_dict, "epoch_loop.batch_progress": {**batches, "is_last_batch": False}}
 
 
 class _PrecisionState:
