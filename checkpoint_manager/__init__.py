@@ -28,6 +28,14 @@ from checkpoint_manager.layout import CheckpointInfo
 from checkpoint_manager.lock import CheckpointLockError, WriterLock
 from checkpoint_manager.manager import DefaultCheckpointManager
 from checkpoint_manager.naming import format_name, parse_name
+from checkpoint_manager.observe import (
+    CheckpointCallback,
+    CheckpointErrorEvent,
+    SaveStartEvent,
+    load_record,
+    read_event_log,
+    save_record,
+)
 from checkpoint_manager.policy import (
     AnyOf,
     AtSteps,
@@ -64,9 +72,11 @@ __all__ = [
     "AnyOf",
     "AsyncSaveError",
     "AtSteps",
+    "CheckpointCallback",
     "CheckpointConfig",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointErrorEvent",
     "CheckpointInfo",
     "CheckpointLockError",
     "CheckpointManager",
@@ -93,6 +103,7 @@ __all__ = [
     "SaveContext",
     "SavePolicy",
     "SaveResult",
+    "SaveStartEvent",
     "Stateful",
     "TrainState",
     "UnsafeCheckpointError",
@@ -106,11 +117,14 @@ __all__ = [
     "extract_bundle",
     "format_name",
     "load_hf_weights",
+    "load_record",
     "open_bundle",
     "pack_bundle",
     "parse_name",
     "plan_retention",
     "prune",
+    "read_event_log",
     "resolve_manager_class",
+    "save_record",
     "verify",
 ]

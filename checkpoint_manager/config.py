@@ -223,6 +223,12 @@ class CheckpointConfig(BaseModel):
         "renames {'old.': 'new.'} (None drops) or a function name -> name | None (not serialized).",
     )
 
+    event_log: bool | str = Field(
+        default=False,
+        description="Append one JSON line per save, load and error: True writes "
+        "<save_dir>/checkpoint_events.jsonl, a string names the file (local paths only).",
+    )
+
     @field_validator("max_shard_size")
     @classmethod
     def _check_shard_size(cls, value: int | str) -> int | str:
@@ -299,6 +305,27 @@ class CheckpointConfig(BaseModel):
         if self.keep_unranked and self.monitor is None:
             raise ValueError("keep_unranked=True needs monitor: without a metric no checkpoint is ranked")
         return self
+
+    @model_validator(mode="after")
+    def _check_event_log(self) -> CheckpointConfig:
+        if isinstance(self.event_log, str):
+            if not self.event_log.strip():
+                raise ValueError("event_log must be True, False or a file path, not an empty string")
+            if "://" in self.event_log:
+                raise ValueError(f"event_log={self.event_log!r}: the event log must be a local file path")
+        elif self.event_log and "://" in self.save_dir:
+            raise ValueError(
+                f"event_log=True writes into save_dir, but {self.save_dir!r} is not a local directory; "
+                "give event_log a local file path"
+            )
+        return self
+
+    @property
+    def event_log_path(self) -> str | None:
+        """Where the JSON-lines event log goes, or None when it is off."""
+        if isinstance(self.event_log, str):
+            return self.event_log
+        return str(Path(self.save_dir) / "checkpoint_events.jsonl") if self.event_log else None
 
     @property
     def resolved_load_dir(self) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import importlib_metadata
@@ -54,6 +54,7 @@ def create_checkpoint_manager(
     config: CheckpointConfig | Mapping[str, Any],
     *,
     allowed_import_prefixes: tuple[str, ...] | None = None,
+    callbacks: Iterable[Any] | None = None,
 ) -> CheckpointManager:
     """Build the manager that ``config.manager`` names, with its config validated for it.
 
@@ -64,6 +65,9 @@ def create_checkpoint_manager(
 
     ``allowed_import_prefixes``: when given, only managers whose import target starts with one of
     these module prefixes may be imported (``PermissionError`` otherwise); ``None`` is always allowed.
+
+    ``callbacks``: :class:`~checkpoint_manager.CheckpointCallback` objects, handed to a manager whose
+    constructor takes ``callbacks=`` or that has ``add_callback``; any other manager is a ``TypeError``.
     """
     if isinstance(config, CheckpointConfig):
         name = config.manager
@@ -81,7 +85,17 @@ def create_checkpoint_manager(
         validated = config_cls.model_validate(fields_set(config))
     else:
         validated = config_cls.model_validate(dict(config))
-    manager = cls(validated)
+    callbacks = list(callbacks or ())
+    takes_kwarg = callbacks and "callbacks" in inspect.signature(cls).parameters
+    if callbacks and not takes_kwarg and not callable(getattr(cls, "add_callback", None)):
+        raise TypeError(
+            f"manager={name!r}: {_qualname(cls)} takes no callbacks "
+            "(its constructor has no callbacks= argument and it has no add_callback method)"
+        )
+    manager = cls(validated, callbacks=callbacks) if takes_kwarg else cls(validated)
+    if callbacks and not takes_kwarg:
+        for cb in callbacks:
+            manager.add_callback(cb)
     if not isinstance(manager, CheckpointManager):  # pragma: no cover - the class checks catch this first
         raise TypeError(
             f"manager={name!r}: {_qualname(cls)}(config) returned an object that is not a CheckpointManager"

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +52,7 @@ from checkpoint_manager.layout import (
     validate_template,
 )
 from checkpoint_manager.lock import AnyWriterLock, writer_lock_for
+from checkpoint_manager.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
 from checkpoint_manager.policy import build_save_policy
 from checkpoint_manager.preemption import PreemptionWatcher
 from checkpoint_manager.protocol import LoadContext, LoadResult, SaveContext, SaveResult
@@ -140,7 +141,7 @@ class DefaultCheckpointManager:
 
     config_class: ClassVar[type[CheckpointConfig]] = CheckpointConfig
 
-    def __init__(self, config: CheckpointConfig) -> None:
+    def __init__(self, config: CheckpointConfig, *, callbacks: Iterable[CheckpointCallback] = ()) -> None:
         if not isinstance(config, CheckpointConfig):
             raise TypeError(f"DefaultCheckpointManager needs a CheckpointConfig, got {type(config).__name__}")
         validate_template(config.name_template)
@@ -149,6 +150,9 @@ class DefaultCheckpointManager:
         # one for the (possibly background) writer, so their collectives never interleave.
         self._dist = DistContext(config.collective_timeout_s)
         self._io_dist = DistContext(config.collective_timeout_s)
+        log_path = config.event_log_path
+        self._observers = Observers(callbacks, EventLog(log_path) if log_path else None)
+        self._observers.rank, self._observers.world_size = self._dist.rank, self._dist.world_size
         self._storage = self._open_storage(config.save_dir)  # a local directory or an fsspec URL
         self._load_storage = (
             self._storage
@@ -177,6 +181,10 @@ class DefaultCheckpointManager:
         if config.sweep_pending_on_start:
             self._dist.on_coordinator(self._sweep_pending, "start: sweep pending saves")
         self._dist.barrier("start")
+
+    def add_callback(self, callback: CheckpointCallback) -> None:
+        """Register a callback for every later save, load and error (see :class:`CheckpointCallback`)."""
+        self._observers.add(callback)
 
     def _open_storage(self, root: str) -> LocalStorage | FsspecStorage:
         c = self.config
@@ -319,6 +327,15 @@ class DefaultCheckpointManager:
         return path is not None
 
     def load(self, ctx: LoadContext) -> LoadResult:
+        try:
+            result = self._load(ctx)
+        except BaseException as exc:
+            self._observers.error("load", ctx.step, exc)
+            raise
+        self._observers.loaded(result)
+        return result
+
+    def _load(self, ctx: LoadContext) -> LoadResult:
         t0 = time.perf_counter()
         location, model_only = self._resolve(ctx)
         if location is None:
@@ -340,7 +357,9 @@ class DefaultCheckpointManager:
         if model_only and (hf_result := load_initial_hf(ctx, path, self.config)) is not None:
             return hf_result  # initial weights from a Hugging Face directory
         meta = read_checkpoint_json(path)
+        t_verify = time.perf_counter()
         check(path, meta, self.config.verify_on_load)
+        t_verify = time.perf_counter() - t_verify
         global_json = _read_state_json(path / STATE_JSON)
         rank_json = per_rank_state(  # the world-size rule for RNG and dataloader state
             ctx,
@@ -398,12 +417,24 @@ class DefaultCheckpointManager:
             skipped=tuple(loader.skipped),
             bytes=nbytes,
             seconds=seconds,
-            timings={"plan": t_plan - t0, "read": t_read - t_plan, "apply": t_end - t_read},
+            timings={
+                "verify": t_verify,
+                "plan": t_plan - t0 - t_verify,
+                "read": t_read - t_plan,
+                "apply": t_end - t_read,
+            },
         )
 
     def save(self, ctx: SaveContext) -> SaveResult | None:
         self._check_open()
-        self._collect_background(wait=False)
+        self._collect_background(wait=False)  # reports a failed background save itself
+        try:
+            return self._save(ctx)
+        except BaseException as exc:
+            self._observers.error("save", ctx.train_state.step if ctx.train_state else None, exc)
+            raise
+
+    def _save(self, ctx: SaveContext) -> SaveResult | None:
         if ctx.train_state is None:
             raise ValueError("SaveContext.train_state is required: it carries the step being saved")
         step = ctx.train_state.step
@@ -420,9 +451,10 @@ class DefaultCheckpointManager:
         if self.config.async_save and not (ctx.final or preempting):
             return self._save_async(ctx, step)
         self._collect_background(wait=True)
-        result = self._write_and_commit(self._prepare(ctx, step))
+        result = self._write_and_commit(self._prepare(ctx, step, async_save=False))
         if preempting:
             self._preempted = True
+        self._observers.save_committed(result)
         return result
 
     @property
@@ -475,7 +507,7 @@ class DefaultCheckpointManager:
                 step,
             )
         self._collect_background(wait=True)
-        job = self._prepare(ctx, step)
+        job = self._prepare(ctx, step, async_save=True)
         t0 = time.perf_counter()
         try:
             job.state.tensors = self._staging.stage(job.state.tensors)
@@ -492,7 +524,7 @@ class DefaultCheckpointManager:
         self._inflight = self._executor.submit(self._write_and_commit, job)
         self._inflight_step = step
         self._last_saved_step, self._last_saved_known = step, True
-        return SaveResult(
+        staged = SaveResult(
             path=self._storage.location_of(job.name),
             step=step,
             bytes=job.state.nbytes,
@@ -501,6 +533,8 @@ class DefaultCheckpointManager:
             committed=False,
             timings=dict(job.timings),
         )
+        self._observers.save_staged(staged)
+        return staged
 
     def _prepare_staging(self, ctx: SaveContext) -> None:
         """On the first skipped step, fault in the staging buffers in the background (off the stall)."""
@@ -521,7 +555,7 @@ class DefaultCheckpointManager:
         step = self._inflight_step
         self._inflight, self._inflight_step = None, None
         try:
-            future.result()
+            result = future.result()
         except Exception as exc:
             what = (
                 "preparing the async staging buffers"
@@ -529,7 +563,12 @@ class DefaultCheckpointManager:
                 else f"the async save of step {step} (not committed)"
             )
             self._last_saved_known = False  # that step is not saved: ask the disk again (so it can be)
-            raise AsyncSaveError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+            error = AsyncSaveError(f"{what} failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            self._observers.error("save", step, error)
+            raise error from exc
+        if isinstance(result, SaveResult):
+            self._observers.save_committed(result)
 
     # -- save internals ---------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -563,12 +602,17 @@ class DefaultCheckpointManager:
 
         return bool(self._dist.on_coordinator(decide, f"step {step}: save decision"))
 
-    def _prepare(self, ctx: SaveContext, step: int) -> _SaveJob:
+    def _prepare(self, ctx: SaveContext, step: int, *, async_save: bool) -> _SaveJob:
         started = time.perf_counter()
         assert ctx.train_state is not None
         fields = {k: v for k, v in ctx.train_state.state_dict().items() if k != "counters"}
         fields.update(ctx.train_state.counters)
         name = format_name(self.config.name_template, step=step, metrics=dict(ctx.metrics), fields=fields)
+        self._observers.save_start(
+            SaveStartEvent(
+                step, name, async_save, bool(ctx.final), bool(ctx.force), self._dist.rank, self._dist.world_size
+            )
+        )
         state = gather_state(ctx)  # before any file exists: a bad state leaves nothing behind
         pending = self._dist.on_coordinator(
             lambda: str(self._storage.new_pending(name)), f"step {step}: create pending directory"
@@ -583,6 +627,7 @@ class DefaultCheckpointManager:
         io = self._io_dist
         failure: BaseException | None = None
         t0 = time.perf_counter()
+        writer: CheckpointWriter | None = None
         try:
             writer = (  # object stores: staged locally, or streamed
                 CheckpointWriter(job.pending, fsync=self.config.fsync, direct=self.config.direct_io)
@@ -602,7 +647,9 @@ class DefaultCheckpointManager:
         except BaseException as exc:
             failure = _own_failure(exc, io.rank)
         t1 = time.perf_counter()
-        job.timings["write"] = t1 - t0
+        fsync_s = writer.fsync_seconds if writer is not None else 0.0
+        job.timings["write"] = t1 - t0 - fsync_s
+        job.timings["fsync"] = fsync_s
         try:
             # collective commit: rank 0 commits only once every rank has written its part
             io.vote(failure, f"step {job.step}: all ranks written")
@@ -612,7 +659,10 @@ class DefaultCheckpointManager:
                 with contextlib.suppress(OSError):
                     self._storage.remove_tree(job.pending)
             raise
-        job.timings["commit"] = time.perf_counter() - t1
+        # rank 0's commit includes the export and retention, reported as their own phases
+        job.timings["commit"] = (
+            time.perf_counter() - t1 - job.timings.get("export", 0.0) - job.timings.get("prune", 0.0)
+        )
         with self._lock:
             if self._last_saved_step is None or job.step >= self._last_saved_step:
                 self._last_saved_step, self._last_saved_known = job.step, True
@@ -640,7 +690,9 @@ class DefaultCheckpointManager:
         """Rank 0: describe the pending directory in checkpoint.json, rename it into place, move pointers."""
         pending = job.pending
         self._storage.write_json(pending / STATE_JSON, job.state.global_json)
-        export_consolidated(self.config, pending, final=job.final)  # inside: committed with the rest
+        t_export = time.perf_counter()
+        if export_consolidated(self.config, pending, final=job.final):  # inside: committed with the rest
+            job.timings["export"] = time.perf_counter() - t_export
         files = self._storage.describe_files(pending, self._checksums_from_ranks(pending))
         created_unix, created = now()
         meta = {
@@ -665,19 +717,22 @@ class DefaultCheckpointManager:
         final_name = basename(final)
         self._storage.write_pointer(LATEST_POINTER, {"name": final_name, "step": job.step})
         info_from_meta(Path(final_name), meta)
-        self._retain(final_name)
+        t_prune = time.perf_counter()
+        if self._retain(final_name):
+            job.timings["prune"] = time.perf_counter() - t_prune
         return str(final)
 
-    def _retain(self, committed: str) -> None:
+    def _retain(self, committed: str) -> bool:
         """``best`` pointer, then retention: only now that the new checkpoint is durable, never fatal."""
         if not self._pruner.active:
-            return
+            return False
         try:
             self._pruner.after_commit(protected={committed, *filter(None, [self._resumed_from])})
         except Exception as exc:  # the save itself succeeded: report, and try again after the next one
             log.warning(
                 "retention after committing %s failed (retried after the next save): %r", committed, exc
             )
+        return True
 
     def _checksums_from_ranks(self, pending: Path) -> dict[str, dict[str, int]]:
         """The CRC32s every rank computed while writing its tensor files (recorded in its rank JSON)."""
