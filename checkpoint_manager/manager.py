@@ -136,6 +136,18 @@ class _SaveJob:
     final: bool = False  # the end of training (save_consolidated="final" exports only then)
 
 
+def _save_context(ctx: LoadContext) -> SaveContext:
+    """The objects a load just restored, as a save would gather them (to prepare staging)."""
+    return SaveContext(
+        model=ctx.model,
+        optimizer=ctx.optimizer,
+        scheduler=ctx.scheduler,
+        dataloader=ctx.dataloader,
+        train_state=ctx.train_state,
+        extra=dict(ctx.extra),
+    )
+
+
 class DefaultCheckpointManager:
     """Saves and restores the whole training state with torch.distributed.checkpoint, atomically."""
 
@@ -397,6 +409,8 @@ class DefaultCheckpointManager:
             self._last_saved_known = True
             if self._in_save_dir(source):
                 self._resumed_from = basename(source)
+            if self.config.async_save and not self._staging_prepared:
+                self._prepare_staging(_save_context(ctx))  # the first save after a resume is warm too
         self._release_copies()
         nbytes = sum(int(t.numel() * t.element_size()) for t in targets.values())
         seconds = t_end - t0
@@ -537,11 +551,19 @@ class DefaultCheckpointManager:
         return staged
 
     def _prepare_staging(self, ctx: SaveContext) -> None:
-        """On the first skipped step, fault in the staging buffers in the background (off the stall)."""
+        """After a resume or on the first skipped step, fault in the staging buffers in the background.
+
+        Fresh pages cost a kernel fault and zeroing each (10-30x a warm copy here), so the first async
+        save would stall for that; done ahead, off the training thread, every save stalls for one copy.
+        """
         self._staging_prepared = True
         if self._inflight is not None:
             return
-        tensors = gather_state(ctx).tensors
+        try:
+            tensors = gather_state(ctx).tensors
+        except Exception as exc:  # the save itself will raise this properly; preparing is best effort
+            log.debug("not preparing staging buffers ahead: %r", exc)
+            return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._inflight = self._executor.submit(self._staging.prepare, tensors)

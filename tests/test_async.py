@@ -544,3 +544,29 @@ def test_sigkill_during_the_background_write_keeps_the_previous_checkpoint(tmp_p
     assert _pending(save_dir) == []
     assert _committed_steps(save_dir) == committed
     shutil.rmtree(save_dir)
+
+
+def test_a_resume_prepares_the_staging_buffers_for_the_first_save(tmp_path: Path) -> None:
+    """After load() the buffers are faulted in off the training thread, so even the first save is warm."""
+    s = Setup()
+    with DefaultCheckpointManager(_config(tmp_path, async_save=False)) as mgr:
+        mgr.save(s.ctx(4, force=True))
+    state_bytes = sum(t.numel() * t.element_size() for t in s.model.state_dict().values())
+    state_bytes += sum(
+        v.numel() * v.element_size()
+        for per_param in s.optimizer.state.values()
+        for v in per_param.values()
+        if isinstance(v, torch.Tensor)
+    )
+    resumed = Setup(seed=1)
+    mgr = DefaultCheckpointManager(_config(tmp_path, save_every_n_steps=10))
+    assert mgr._staging.nbytes == 0
+    mgr.load(LoadContext(model=resumed.model, optimizer=resumed.optimizer, train_state=TrainState()))
+    mgr.finalize_async_saves(blocking=True)  # waits for the background preparation
+    assert mgr._staging.nbytes == state_bytes
+    buffers_before = dict(mgr._staging._buffers)
+    staged = mgr.save(resumed.ctx(10))
+    assert staged is not None
+    assert all(mgr._staging._buffers[k] is b for k, b in buffers_before.items())  # reused, not reallocated
+    mgr.finalize_async_saves(blocking=True, terminate=True)
+    assert _committed_steps(tmp_path) == [4, 10]
