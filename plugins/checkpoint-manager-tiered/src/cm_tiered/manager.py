@@ -233,7 +233,7 @@ def _both(
     if errors:
         (first_tier, first), *rest = errors
         first.add_note(f"cm_tiered: {what} failed on the {first_tier} tier")
-        for name, exc in rest:
-            first.add_note(f"cm_tiered: {what} also failed on the {name} tier: {type(exc).__name__}: {exc}")
+        for name, other in rest:
+            first.add_note(f"cm_tiered: {what} also failed on the {name} tier: {type(other).__name__}: {other}")
         raise first
     return results
