@@ -50,15 +50,20 @@ _TRAINER_STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
 class _TrainerStateHolder:
     """``TrainerState`` as JSON data; on load it is only kept, for the mixin to hand to ``train``."""
 
-    def __init__(self, trainer: Trainer | None = None, state: TrainerState | None = None) -> None:
+    def __init__(
+        self, trainer: Trainer | None = None, state: TrainerState | None = None, log_len: int | None = None
+    ) -> None:
         self.trainer = trainer
         self.state = state
+        self.log_len = log_len
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         if self.state is None:
             raise ValueError("no TrainerState to save")
         data = dataclasses.asdict(self.state)
+        if self.log_len is not None:  # the history as it was at the step being saved
+            data["log_history"] = data["log_history"][: self.log_len]
         if self.trainer is not None:  # what Trainer._save_checkpoint records for stateful callbacks
             stateful = dict(data.get("stateful_callbacks") or {})
             exportable = [
@@ -103,6 +108,8 @@ class HFCheckpointCallback(TrainerCallback):
         self._resume_from: LoadResult | None = None
         self._rng_after_load: dict[str, Any] | None = None
         self._rng_after_step: dict[str, Any] | None = None
+        self._log_len: int | None = None
+        self._last_offered: int | None = None
         self._finished = False
 
     # -- resume, part 1 (before Trainer.train): counters for the Trainer's own resume logic ---------
@@ -132,6 +139,8 @@ class HFCheckpointCallback(TrainerCallback):
         self.train_state = TrainState()
         self._rng_after_load = None
         self._rng_after_step = None
+        self._log_len = None
+        self._last_offered = state.global_step
         self._finished = False
         ctx = LoadContext(**self._objects(state, kwargs))
         if self._resume_from is None:
@@ -157,17 +166,33 @@ class HFCheckpointCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        """With a plain Trainer, the last per-step hook: save here (before this step's log/eval)."""
+        if self.trainer is None:
+            self.step_done(state, kwargs)
+
+    def step_done(self, state: TrainerState, objects: dict[str, Any]) -> None:
+        """Offer this optimizer step to the manager (once per step; it decides whether to save).
+
+        The mixin calls it after the Trainer logged, evaluated and would have written its own
+        checkpoint, where Trainer saves: so the step's metrics (``eval_*`` too, for ``keep_best``)
+        and the RNG after evaluation are what gets saved.
+        """
+        if state.global_step == self._last_offered:
+            return  # the epoch-end call for the same step
+        self._last_offered = state.global_step
         self._sync(state)
         self._rng_after_step = capture_rng()
-        self._save(state, kwargs, final=False)
+        self._log_len = len(state.log_history)
+        self._save(state, objects, final=False)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """The final save, then wait for background saves (errors raise here).
 
-        The RNG saved is the one right after the last optimizer step, as a save there would have
-        recorded: evaluation and logging at the end of training may have drawn from it since.
+        The RNG and log history saved are those right after the last optimizer step, as a save there
+        would have recorded: end-of-epoch evaluation may have drawn random numbers since, and the
+        Trainer logged its run summary.
         """
         try:
             self._sync(state)
@@ -175,7 +200,7 @@ class HFCheckpointCallback(TrainerCallback):
             if self._rng_after_step is not None:
                 restore_rng(self._rng_after_step)
             try:
-                self._save(state, kwargs, final=True)
+                self._save(state, kwargs, final=True, log_len=self._log_len)
             finally:
                 restore_rng(now)
         finally:
@@ -196,7 +221,9 @@ class HFCheckpointCallback(TrainerCallback):
         self._finished = True
         self.manager.finalize_async_saves(blocking=True, terminate=self._owned)
 
-    def _objects(self, state: TrainerState, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _objects(
+        self, state: TrainerState, kwargs: dict[str, Any], log_len: int | None = None
+    ) -> dict[str, Any]:
         optimizer = kwargs.get("optimizer")
         scheduler = kwargs.get("lr_scheduler")
         return {
@@ -204,20 +231,22 @@ class HFCheckpointCallback(TrainerCallback):
             "optimizer": _unwrap(optimizer, "optimizer") if optimizer is not None else None,
             "scheduler": _unwrap(scheduler, "scheduler") if scheduler is not None else None,
             "train_state": self.train_state,
-            "extra": {TRAINER_STATE_KEY: _TrainerStateHolder(self.trainer, state)},
+            "extra": {TRAINER_STATE_KEY: _TrainerStateHolder(self.trainer, state, log_len)},
         }
 
     def _sync(self, state: TrainerState) -> None:
         self.train_state.step = state.global_step
         self.train_state.epoch = int(state.epoch or 0)
 
-    def _save(self, state: TrainerState, kwargs: dict[str, Any], *, final: bool) -> None:
+    def _save(
+        self, state: TrainerState, kwargs: dict[str, Any], *, final: bool, log_len: int | None = None
+    ) -> None:
         metrics: dict[str, float] = {}
         for entry in state.log_history:
             if entry.get("step") == state.global_step:
                 metrics.update(scalar_metrics(entry))
         metrics.pop("step", None)
-        ctx = SaveContext(**self._objects(state, kwargs), metrics=metrics, final=final)
+        ctx = SaveContext(**self._objects(state, kwargs, log_len), metrics=metrics, final=final)
         result = self.manager.save(ctx)
         if result is not None:
             self.last_save = result
@@ -257,6 +286,14 @@ class CheckpointManagerTrainerMixin(_TrainerBase):
         if len(found) > 1:
             raise ValueError(f"{len(found)} HFCheckpointCallbacks on one Trainer; pass one")
         return found[0] if found else None
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        """After the Trainer's log / evaluate / save of a step: where the callback saves."""
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        callback = self._checkpoint_callback()
+        if callback is not None and callback.trainer is self:
+            objects = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
+            callback.step_done(self.state, objects)
 
     def _is_ours(self, checkpoint: str | None) -> bool:
         return checkpoint is not None and checkpoint == getattr(self, "_cm_scratch", None)
