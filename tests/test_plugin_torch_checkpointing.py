@@ -243,6 +243,22 @@ def test_a_failed_save_leaves_nothing(tmp_path: Path) -> None:
     assert not tmp_path.exists() or list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_an_unstorable_dtype_is_refused_before_any_file(tmp_path: Path, async_save: bool) -> None:
+    class Spectrum:
+        def state_dict(self) -> dict[str, Any]:
+            return {"bins": torch.zeros(3, dtype=torch.complex128)}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    rig = Rig(seed=0)
+    with make(tmp_path, async_save=async_save) as manager, pytest.raises(
+        TypeError, match=r"cannot checkpoint 'extra.spectrum.bins': .* cannot store complex128 tensors"
+    ):
+        manager.save(SaveContext(**{**rig.kwargs(), "extra": {"spectrum": Spectrum()}}, force=True))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_damaged_newest_falls_back_and_all_damaged_is_an_error(tmp_path: Path, caplog: Any) -> None:
     train(tmp_path, 6, save_every_n_steps=2)
     with open(tmp_path / "step_00000006" / "tensors_0.safetensors", "r+b") as f:

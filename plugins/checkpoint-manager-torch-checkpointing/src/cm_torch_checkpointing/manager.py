@@ -63,6 +63,14 @@ STATE_ITEM = "state"
 _NAME = re.compile(r"step_(\d{8,})")
 _TMP_PREFIX = ".tmp-"  # the engine's temporary directory: <_TMP_PREFIX><checkpoint id>
 _LEFTOVER_PREFIXES = (_TMP_PREFIX, ".pending-", ".trash-")
+#: What the engine's safetensors layout can store; anything else is refused before a file exists.
+_SAFETENSORS_DTYPES = frozenset(
+    {
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint64, torch.uint32, torch.uint16,
+        torch.uint8, torch.bool, torch.complex64,
+    }
+)
 
 
 @dataclass
@@ -271,6 +279,12 @@ class TorchCheckpointingManager:
         started = time.perf_counter()
         assert ctx.train_state is not None
         gathered = gather_state(ctx)  # before any file exists: a bad state leaves nothing behind
+        for key, tensor in gathered.tensors.items():
+            if tensor.dtype not in _SAFETENSORS_DTYPES:
+                raise TypeError(
+                    f"cannot checkpoint {key!r}: torch_checkpointing's safetensors layout cannot store "
+                    f"{dtype_name(tensor.dtype)} tensors (the default manager can)"
+                )
         name = f"step_{step:08d}"
         self.root.mkdir(parents=True, exist_ok=True)
         pending = self.root / f".pending-{name}-{uuid.uuid4().hex[:8]}"
