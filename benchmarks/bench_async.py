@@ -42,6 +42,8 @@ CONTENDERS = (
     "dcp-process-shm",
     "tc",
     "train",
+    "train-dcp-thread",
+    "train-dcp-process",
 )
 
 
@@ -246,6 +248,60 @@ def w_train(size: float, d: Path) -> dict[str, Any]:
     }
 
 
+def w_train_dcp(size: float, d: Path, mode: str) -> dict[str, Any]:
+    """The same training steps while dcp.async_save writes in a background thread or process.
+
+    Beside ``w_train`` this answers "thread or process writer?": a process escapes the GIL but pays
+    for a second copy into shared memory and for the process start; our thread holds the GIL only
+    between GIL-free memmove / crc32 / write calls.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    store = dist.FileStore(str(d / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    bench = _build(size)
+    model, opt = bench.model, bench.optimizer
+    x = torch.randn(32, bench.width)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    for _ in range(2):
+        step()
+    alone = [step() for _ in range(5)]
+    kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    during: list[float] = []
+    stalls = []
+    for k in (1, 2):
+        t0 = time.perf_counter()
+        res = dcp.async_save(bench.state_dict(), checkpoint_id=str(d / f"t{k}"), async_checkpointer_type=kind)
+        stalls.append(time.perf_counter() - t0)
+        fut = res.upload_completion if hasattr(res, "upload_completion") else res
+        while not fut.done():
+            during.append(step())
+        fut.result()
+        shutil.rmtree(d / f"t{k}")
+    after = [step() for _ in range(5)]
+    dist.destroy_process_group()
+    base = statistics.median(alone + after)
+    dur = statistics.median(during) if during else float("nan")
+    return {
+        "bytes": bench.payload_bytes,
+        "step_alone": base,
+        "step_during_write": dur,
+        "steps_during": len(during),
+        "slowdown": dur / base,
+        "save_stalls": stalls,
+    }
+
+
 WORKERS = {
     "memcpy": w_memcpy,
     "ours": w_ours,
@@ -255,6 +311,8 @@ WORKERS = {
     "dcp-process-shm": lambda s, d: _dcp_worker(s, d, "process", True),
     "tc": w_tc,
     "train": w_train,
+    "train-dcp-thread": lambda s, d: w_train_dcp(s, d, "thread"),
+    "train-dcp-process": lambda s, d: w_train_dcp(s, d, "process"),
 }
 
 
@@ -325,6 +383,16 @@ def summarize(size: float, res: dict[str, list[dict[str, Any]]]) -> dict[str, An
     ours_after_skip = rows["ours async, first after 1 skipped step"]["stall"]
     errors = {k: r["error"] for k, v in res.items() for r in v if "error" in r}
     train = res.get("train", [])
+
+    def _train(name: str) -> dict[str, Any]:
+        runs = res.get(name, [])
+        return {
+            "step_alone_s": _med(runs, "step_alone"),
+            "step_during_write_s": _med(runs, "step_during_write"),
+            "slowdown": _med(runs, "slowdown"),
+            "steps_during": _med(runs, "steps_during"),
+        }
+
     return {
         "size_gib": size,
         "bytes": _med(res.get("memcpy", []), "bytes"),
@@ -338,6 +406,7 @@ def summarize(size: float, res: dict[str, list[dict[str, Any]]]) -> dict[str, An
             "slowdown": _med(train, "slowdown"),
             "steps_during": _med(train, "steps_during"),
         },
+        "train_peers": {n: _train(n) for n in ("train-dcp-thread", "train-dcp-process") if res.get(n)},
         "ours_extra": {
             "skip_call_s": _med(res.get("ours", []), "skip_call"),
             "skip_prepare_s": _med(res.get("ours", []), "skip_prepare"),
@@ -372,6 +441,11 @@ def table(summary: dict[str, Any]) -> str:
         f"Training step alone {_f(t['step_alone_s'])} s, during a background write {_f(t['step_during_write_s'])} s "
         f"(slowdown {_f(t['slowdown'], '{:.2f}x')}, {_f(t['steps_during'], '{:.0f}')} steps measured).",
     ]
+    for name, tp in summary.get("train_peers", {}).items():
+        lines.append(
+            f"Training step during {name.removeprefix('train-')} async_save: {_f(tp['step_during_write_s'])} s "
+            f"(alone {_f(tp['step_alone_s'])} s; slowdown {_f(tp['slowdown'], '{:.2f}x')})."
+        )
     if summary["errors"]:
         lines.append(f"Errors: {summary['errors']}")
     return "\n".join(lines)
