@@ -21,6 +21,7 @@ final parameters, optimizer state and RNG as safetensors and its counters and sc
 from __future__ import annotations
 
 import builtins
+import contextlib
 import datetime
 import io
 import json
@@ -36,22 +37,22 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-import torch._dynamo  # noqa: E402, F401  (optimizers import it lazily: 1.5 s in every fork otherwise)
-import torch.distributed as dist  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+import torch
+import torch._dynamo  # optimizers import it lazily: 1.5 s in every fork otherwise
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-import checkpoint_manager.manager as manager_module  # noqa: E402
-from checkpoint_manager import (  # noqa: E402
+import checkpoint_manager.manager as manager_module
+from checkpoint_manager import (
     CheckpointConfig,
     DefaultCheckpointManager,
     LoadContext,
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.staging import StagingBuffers  # noqa: E402
+from checkpoint_manager.staging import StagingBuffers
 
 PHASES = ("gather", "stage", "write", "fsync", "commit-rename", "pointer", "retention")
 MODES = ("before", "after", "partial")
@@ -140,7 +141,7 @@ class Watcher:
                 return
             mode = spec["mode"]
             if mode == when or (when == "before" and mode == "partial" and op not in ("write", "pwrite")):
-                self.die({**record, "mode": mode})
+                self.die({**record, "mode": when})  # the moment it died: before, after, or half written
 
     def die(self, record: dict[str, Any]) -> None:
         self.log({**record, "kind": "kill"})
@@ -264,10 +265,8 @@ def install(watcher: Watcher) -> None:
         if getattr(w.local, "armed", False) and w.kill is not None and w.kill["mode"] == "partial":
             view = memoryview(data).cast("B")
             half = (len(view) // 2) // 4096 * 4096 if name == "pwrite" else len(view) // 2
-            try:
+            with contextlib.suppress(OSError):
                 _real[name](fd, view[:half], *offset)
-            except OSError:
-                pass
             w.event(phase, name, rel, "partial")
         n = int(_real[name](fd, data, *offset))
         w.event(phase, name, rel, "after")
@@ -469,10 +468,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 os._exit(code)
         if rank == 0:
             pgid = pid
-        try:
-            os.setpgid(pid, pgid)  # also from here: whichever runs first, the group exists before use
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # also from here: whichever runs first, the group exists
+            os.setpgid(pid, pgid)
         pids.append(pid)
     deadline = time.monotonic() + float(job.get("timeout", 90))
     statuses: dict[int, int] = {}
@@ -487,10 +484,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         if len(statuses) < ws:
             if time.monotonic() > deadline and not timed_out:
                 timed_out = True
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(pgid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.002)
     return {"id": job["id"], "codes": [statuses[p] for p in pids], "timed_out": timed_out}
 
