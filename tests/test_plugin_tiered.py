@@ -301,6 +301,13 @@ def test_pinned_step_prefers_local_and_missing_step_is_an_error(tmp_path: Path) 
     assert (result.step, Path(result.path).parent.name) == (6, "durable")
     assert_same(rig.snapshot(), replay(6))
     manager.finalize_async_saves(terminate=True)
+    manager = create_checkpoint_manager(tiered_fields(tmp_path))
+    rig = Rig(seed=1)
+    torch.manual_seed(999)
+    result = manager.load(LoadContext(**rig.kwargs(), path=tmp_path / "local" / "step_00000009"))
+    assert (result.step, Path(result.path)) == (9, tmp_path / "local" / "step_00000009")
+    assert_same(rig.snapshot(), replay(9))
+    manager.finalize_async_saves(terminate=True)
     manager = create_checkpoint_manager(tiered_fields(tmp_path, load_step=5))
     with pytest.raises(
         CheckpointNotFoundError,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, TypeVar
 
@@ -215,7 +216,10 @@ class TieredCheckpointManager:
         return self.durable.should_load(ctx)
 
     def _tier_for_path(self, path: str) -> DefaultCheckpointManager:
-        return self.local if path.startswith(self.config.local_dir.rstrip("/") + "/") else self.durable
+        """The tier whose directory holds ``path`` (so it protects what was resumed); else durable."""
+        if "://" in path:
+            return self.durable
+        return self.local if Path(self.config.local_dir).resolve() in Path(path).resolve().parents else self.durable
 
 
 def _both(
