@@ -7,6 +7,7 @@ they run, so ``--help`` stays quick.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import traceback
 from collections.abc import Sequence
@@ -47,6 +48,10 @@ def _common() -> argparse.ArgumentParser:
     common.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error"
     )
+    common.add_argument(
+        "-o", "--storage-option", action="append", default=argparse.SUPPRESS, metavar="KEY=VALUE",
+        help="fsspec option for URLs (repeatable; JSON values allowed, e.g. -o anon=true)",
+    )
     return common
 
 
@@ -59,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument(
+        "-o", "--storage-option", action="append", default=None, metavar="KEY=VALUE",
+        help="fsspec option for URLs (repeatable)",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = _common()
@@ -82,7 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Output(json_mode=args.json)
     try:
-        return int(args.run(args, out))
+        with contextlib.ExitStack() as cleanup:  # downloaded copies of remote checkpoints
+            args.cleanup = cleanup
+            return int(args.run(args, out))
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED

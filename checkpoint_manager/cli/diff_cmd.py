@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpoint_manager.cli.errors import ExitCode
 from checkpoint_manager.cli.output import Output
-from checkpoint_manager.cli.targets import existing, resolve_checkpoint
+from checkpoint_manager.cli.targets import existing, is_url, resolve_checkpoint
 from checkpoint_manager.cli.tensors import TensorInfo, TensorSource, name_filter, open_source
 
 if TYPE_CHECKING:
@@ -93,13 +93,16 @@ def _spec(t: TensorInfo) -> dict[str, Any]:
     return {"shape": list(t.shape), "dtype": t.dtype}
 
 
-def _open(text: str, section: str | None) -> tuple[TensorSource, dict[str, Any]]:
+def _is_weights(text: str) -> bool:
     from checkpoint_manager.formats.hf import is_hf_weights
 
-    given = existing(text)
-    if is_hf_weights(given):
-        return open_source(given), {}
-    ckpt = resolve_checkpoint(text)
+    return not is_url(text) and is_hf_weights(existing(text))
+
+
+def _open(text: str, section: str | None, args: argparse.Namespace) -> tuple[TensorSource, dict[str, Any]]:
+    if _is_weights(text):
+        return open_source(existing(text)), {}
+    ckpt = resolve_checkpoint(text, args=args)
     return open_source(ckpt.path, section=section), ckpt.meta
 
 
@@ -117,7 +120,6 @@ def _state_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, list[Any]]:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from checkpoint_manager.formats.hf import is_hf_weights
     from checkpoint_manager.formats.sizes import parse_size
 
     if args.atol < 0 or math.isnan(args.atol):
@@ -126,10 +128,10 @@ def run(args: argparse.Namespace, out: Output) -> int:
         raise CliError(ExitCode.USAGE, f"--atol {args.atol}: must be a non-negative number")
     buffer = parse_size(args.buffer_size)
     section = args.section
-    if section is None and (is_hf_weights(existing(args.a)) != is_hf_weights(existing(args.b))):
+    if section is None and _is_weights(args.a) != _is_weights(args.b):
         section = "model"
-    src_a, meta_a = _open(args.a, section)
-    src_b, meta_b = _open(args.b, section)
+    src_a, meta_a = _open(args.a, section, args)
+    src_b, meta_b = _open(args.b, section, args)
     match = name_filter(args.filter, regex=args.regex)
     ta = {t.name: t for t in src_a.tensors if match(t.name)}
     tb = {t.name: t for t in src_b.tensors if match(t.name)}
@@ -176,8 +178,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
                 advance(1)
     is_equal = not (missing or extra or changed or different)
     doc = {
-        "a": str(src_a.path),
-        "b": str(src_b.path),
+        "a": args.a if is_url(args.a) else str(src_a.path),
+        "b": args.b if is_url(args.b) else str(src_b.path),
         "section": section,
         "filter": args.filter,
         "atol": args.atol,

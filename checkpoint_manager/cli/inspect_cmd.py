@@ -7,11 +7,12 @@ allow-listed reader), so inspecting a 100 GB checkpoint costs a few small reads.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from checkpoint_manager.cli.output import Output, human_bytes
-from checkpoint_manager.cli.targets import resolve_checkpoint, tree_size
-from checkpoint_manager.cli.tensors import name_filter, open_source
+from checkpoint_manager.cli.targets import existing, is_url, resolve_checkpoint, storage_options, tree_size
+from checkpoint_manager.cli.tensors import TensorSource, name_filter, open_source
 
 __all__ = ["add_parser", "run"]
 
@@ -22,6 +23,7 @@ examples:
   ckpt inspect runs/exp1 --filter 'model.*'     only the model's tensors (glob)
   ckpt inspect ckpt.tar --filter 'exp_avg$' --regex
   ckpt inspect hf_export/                       safetensors weights too
+  ckpt inspect s3://bucket/exp1 -o anon=false   a URL: reads checkpoint.json and .metadata only
   ckpt inspect runs/exp1 --json | jq '.tensors[] | select(.name == "model.lm_head.weight") | .shape'
 """
 
@@ -47,32 +49,51 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from checkpoint_manager.cli.targets import existing
+    match = name_filter(args.filter, regex=args.regex)
+    if is_url(args.path):
+        from checkpoint_manager.cli.remote import metadata_only, remote_checkpoint, remote_size
+
+        remote = remote_checkpoint(args.path, storage_options(args), args.step)
+        with metadata_only(remote) as local:
+            source = open_source(local)
+        return _show(args, out, match, source, remote.info.location, dict(remote.info.meta), remote.via,
+                     remote_size(remote.storage, remote.info.name))
     from checkpoint_manager.formats.hf import is_hf_weights
 
-    match = name_filter(args.filter, regex=args.regex)
     given = existing(args.path)
     meta: dict[str, Any]
     via: str | None
     if is_hf_weights(given):
         path, meta, via = given, {}, "safetensors weights"
     else:
-        ckpt = resolve_checkpoint(args.path, step=args.step)
+        ckpt = resolve_checkpoint(args.path, step=args.step, args=args)
         path, meta, via = ckpt.path, ckpt.meta, ckpt.via
-    source = open_source(path)
+    return _show(args, out, match, open_source(path), str(path), meta, via, tree_size(path))
+
+
+def _show(
+    args: argparse.Namespace,
+    out: Output,
+    match: Callable[[str], bool],
+    source: TensorSource,
+    where: str,
+    meta: dict[str, Any],
+    via: str | None,
+    size: int,
+) -> int:
     tensors = [t for t in source.tensors if match(t.name)]
     doc: dict[str, Any] = {
-        "path": str(path),
+        "path": where,
         "via": via,
         "kind": source.kind,
-        "name": meta.get("name", path.name),
+        "name": meta.get("name", where.rstrip("/").rsplit("/", 1)[-1]),
         "step": meta.get("step"),
         "created": meta.get("created"),
         "train_state": meta.get("train_state"),
         "metrics": meta.get("metrics") or {},
         "meta": {k: meta[k] for k in _META_KEYS if k in meta},
         "files": meta.get("files") or {},
-        "size_bytes": tree_size(path),
+        "size_bytes": size,
         "filter": args.filter,
         "tensors": [
             {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes} for t in tensors
@@ -83,7 +104,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if out.json_mode:
         out.emit(doc)
         return 0
-    pairs = [("path", str(path) + (f"  ({via})" if via else ""))]
+    pairs = [("path", where + (f"  ({via})" if via else ""))]
     if doc["step"] is not None:
         pairs.append(("step", str(doc["step"])))
     if doc["created"]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
 from checkpoint_manager.cli.output import Output, human_bytes
-from checkpoint_manager.cli.targets import existing, tree_size
+from checkpoint_manager.cli.targets import existing, is_url, storage_options, tree_size
 
 __all__ = ["add_parser", "collect", "run"]
 
@@ -25,6 +26,7 @@ examples:
   ckpt list runs/exp1 --verify sizes  also check every recorded file's size
   ckpt list runs/exp1 --json | jq '.checkpoints[] | select(.state == "committed") | .step'
   ckpt list model.tar                 the members of a bundle
+  ckpt list s3://bucket/exp1 -o 'client_kwargs={"endpoint_url": "http://localhost:9000"}'
 """
 
 
@@ -49,7 +51,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _row(
-    name: str, path: Path, state: str, *, step: int | None = None, meta: dict[str, Any] | None = None
+    name: str,
+    path: Path | str,
+    state: str,
+    *,
+    step: int | None = None,
+    meta: dict[str, Any] | None = None,
+    size: int | None = None,
 ) -> dict[str, Any]:
     meta = meta or {}
     metrics = meta.get("metrics")
@@ -60,7 +68,7 @@ def _row(
         "state": state,
         "created": meta.get("created"),
         "created_unix": meta.get("created_unix"),
-        "size_bytes": tree_size(path),
+        "size_bytes": size if size is not None else tree_size(Path(path)),
         "metrics": dict(metrics) if isinstance(metrics, dict) else {},
         "pointers": [],
         "problems": [],
@@ -105,8 +113,62 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
             row = _row(base, pending_root / entry, state, step=step, meta=meta)
             rows.append(row)
 
-    latest = read_pointer(root, LATEST_POINTER)
-    best = read_pointer(root, BEST_POINTER)
+    return _finish(str(root), rows, read_pointer(root, LATEST_POINTER), read_pointer(root, BEST_POINTER),
+                   verify_level, out, lambda row, level: _verify_local(Path(row["path"]), level))
+
+
+def _verify_local(path: Path, level: str) -> list[str]:
+    from checkpoint_manager.integrity import verify
+
+    return verify(path, level)  # type: ignore[arg-type]
+
+
+def collect_remote(url: str, options: dict[str, Any] | None, verify_level: str | None, out: Output) -> dict[str, Any]:
+    """The listing of a save root at an fsspec URL (committed and damaged checkpoints; pending
+    saves live on the writer's machine, not in the store)."""
+    from checkpoint_manager.cli.remote import open_remote, remote_size
+    from checkpoint_manager.layout import CheckpointInfo
+    from checkpoint_manager.pointers import BEST_POINTER, LATEST_POINTER
+
+    storage = open_remote(url.rstrip("/"), options)
+    infos, bad = storage.scan()
+    if not infos and not bad and not storage.fs.exists(storage.root):
+        raise CliError(ExitCode.NOT_FOUND, f"{url}: nothing stored there")
+    by_name: dict[str, CheckpointInfo] = {i.name: i for i in infos}
+    rows = [
+        _row(i.name, i.location, "committed", step=i.step, meta=dict(i.meta), size=remote_size(storage, i.name))
+        for i in infos
+    ]
+    for name, problem in bad:
+        row = _row(name, storage.location_of(name), "corrupt", size=remote_size(storage, name))
+        row["problems"].append(problem)
+        rows.append(row)
+
+    def check(row: dict[str, Any], level: str) -> list[str]:
+        info = by_name[row["name"]]
+        problems = storage.check_sizes(info)
+        if problems or level == "sizes":
+            return problems
+        local = storage.localize(info.location)
+        try:
+            return [p.replace(str(local), info.location) for p in _verify_local(local, "full")]
+        finally:
+            storage.release_local(local)
+
+    return _finish(url, rows, storage.read_pointer(LATEST_POINTER), storage.read_pointer(BEST_POINTER),
+                   verify_level, out, check)
+
+
+def _finish(
+    where: str,
+    rows: list[dict[str, Any]],
+    latest: dict[str, Any] | None,
+    best: dict[str, Any] | None,
+    verify_level: str | None,
+    out: Output,
+    check: Callable[[dict[str, Any], str], list[str]],
+) -> dict[str, Any]:
+    """Pointers marked, verification done if asked, rows ordered: the document ``--json`` prints."""
     for row in rows:
         if row["state"] != "committed":
             continue
@@ -116,12 +178,10 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
             row["pointers"].append("best")
 
     if verify_level is not None:
-        from checkpoint_manager.integrity import verify
-
         committed = [r for r in rows if r["state"] == "committed"]
         with out.progress("verifying", len(committed)) as advance:
             for row in committed:
-                problems = verify(Path(row["path"]), verify_level)  # type: ignore[arg-type]
+                problems = check(row, verify_level)
                 if problems:
                     row["state"] = "corrupt"
                     row["problems"].extend(problems)
@@ -130,7 +190,7 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
     order = {"committed": 0, "corrupt": 0, "pending": 1, "deleting": 2}
     rows.sort(key=lambda r: (order[r["state"]], r["step"] if r["step"] is not None else -1, r["name"]))
     return {
-        "directory": str(root),
+        "directory": where,
         "checkpoints": rows,
         "latest": latest,
         "best": best,
@@ -152,6 +212,9 @@ def _time_text(created: Any) -> str:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
+    if is_url(args.directory):
+        doc = collect_remote(args.directory, storage_options(args), args.verify, out)
+        return _render(doc, args, out, args.directory)
     root = existing(args.directory)
     if root.is_file():
         return _list_bundle(root, args, out)
@@ -162,7 +225,10 @@ def run(args: argparse.Namespace, out: Output) -> int:
             ExitCode.USAGE,
             f"{args.directory}: is one checkpoint, not a save directory (try: ckpt inspect {args.directory})",
         )
-    doc = collect(root, args.verify, out)
+    return _render(collect(root, args.verify, out), args, out, str(root))
+
+
+def _render(doc: dict[str, Any], args: argparse.Namespace, out: Output, where: str) -> int:
     if out.json_mode:
         out.emit(doc)
     else:
@@ -182,7 +248,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
             ["step", "name", "time", "size", "metrics", "state", "pointers"], rows, right=("step", "size")
         )
         out.line(
-            f"{doc['committed']} committed checkpoint(s), {human_bytes(doc['total_bytes'])} in {root}"
+            f"{doc['committed']} committed checkpoint(s), {human_bytes(doc['total_bytes'])} in {where}"
         )
         for r in doc["checkpoints"]:
             for problem in r["problems"]:

@@ -9,12 +9,15 @@ run while a training job writes there. ``--dry-run`` only prints the plan.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
 from checkpoint_manager.cli.output import Output, human_bytes
-from checkpoint_manager.cli.targets import existing, tree_size
+from checkpoint_manager.cli.targets import existing, is_url, storage_options, tree_size
+
+if TYPE_CHECKING:
+    from checkpoint_manager.layout import CheckpointInfo
+    from checkpoint_manager.storage import Storage
 
 __all__ = ["add_parser", "run"]
 
@@ -24,6 +27,7 @@ examples:
   ckpt prune runs/exp1 --keep-last 3                    delete all but the newest 3
   ckpt prune runs/exp1 --keep-last 2 --keep-best 2 --monitor val_loss --mode min
   ckpt prune runs/exp1 --keep-every 1000 --keep-last 1 --json
+  ckpt prune s3://bucket/exp1 --keep-last 5 -o profile=training
 the newest checkpoint and the best one (by --monitor, else the 'best' pointer) are always kept.
 """
 
@@ -64,14 +68,31 @@ def _check_counts(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, out: Output) -> int:
     from checkpoint_manager.layout import CHECKPOINT_JSON
     from checkpoint_manager.retention import Pruner, build_retention_policy, prune
-    from checkpoint_manager.storage.local import LocalStorage
+    from checkpoint_manager.storage import LocalStorage
 
     _check_counts(args)
-    root = existing(args.directory)
-    if not root.is_dir():
-        raise CliError(ExitCode.USAGE, f"{args.directory}: not a directory")
-    if (root / CHECKPOINT_JSON).exists():
-        raise CliError(ExitCode.USAGE, f"{args.directory}: is one checkpoint; prune takes its save directory")
+    options = storage_options(args)
+    if is_url(args.directory):
+        from checkpoint_manager.cli.remote import open_remote, remote_size
+
+        where = args.directory.rstrip("/")
+        remote = open_remote(where, options)
+        storage: Storage = remote
+
+        def size_of(info: CheckpointInfo) -> int:
+            return remote_size(remote, info.name)
+    else:
+        root = existing(args.directory)
+        if not root.is_dir():
+            raise CliError(ExitCode.USAGE, f"{args.directory}: not a directory")
+        if (root / CHECKPOINT_JSON).exists():
+            raise CliError(ExitCode.USAGE, f"{args.directory}: is one checkpoint; prune takes its save directory")
+        where = str(root)
+        storage = LocalStorage(root, fsync=False)
+
+        def size_of(info: CheckpointInfo) -> int:
+            return tree_size(info.path)
+
     rules: dict[str, Any] = {
         "keep_last": args.keep_last,
         "keep_best": args.keep_best,
@@ -81,20 +102,21 @@ def run(args: argparse.Namespace, out: Output) -> int:
         "keep_every_n_steps": args.keep_every,
     }
     policy = build_retention_policy(**rules)
-    plan = Pruner(LocalStorage(root, fsync=False), policy, monitor=args.monitor, mode=args.mode).prune(dry_run=True)
-    sizes = {c.name: tree_size(c.path) for c in plan.delete}
+    plan = Pruner(storage, policy, monitor=args.monitor, mode=args.mode).prune(dry_run=True)
+    sizes = {c.name: size_of(c) for c in plan.delete}
     if args.dry_run:
         deleted_names = [c.name for c in plan.delete]
         failed: list[str] = []
     else:
         with out.progress("pruning", None):
-            done = prune(root, **rules, dry_run=False)
+            done = prune(args.directory, **rules, dry_run=False, storage_options=options)
         deleted_names = [c.name for c in done]
-        failed = [c.name for c in plan.delete if c.name not in deleted_names and (root / c.name).exists()]
+        remaining = {c.name for c in storage.scan()[0]}
+        failed = [c.name for c in plan.delete if c.name not in deleted_names and c.name in remaining]
     steps = {c.name: c.step for c in [*plan.keep, *plan.delete]}
-    pointed = _pointer_names(root)
+    pointed = _pointer_names(storage)
     doc: dict[str, Any] = {
-        "directory": str(root),
+        "directory": where,
         "dry_run": bool(args.dry_run),
         "rules": {k: v for k, v in rules.items() if v not in (None, False)},
         "kept": [{"name": c.name, "step": c.step, "reasons": _reasons(plan.reasons.get(c.name, []), pointed.get(c.name, []))} for c in plan.keep],
@@ -119,13 +141,13 @@ def run(args: argparse.Namespace, out: Output) -> int:
     return ExitCode.IO_ERROR if failed else ExitCode.OK
 
 
-def _pointer_names(root: Path) -> dict[str, list[str]]:
+def _pointer_names(storage: Storage) -> dict[str, list[str]]:
     """``{checkpoint name: ["latest pointer", ...]}``: why the library's "protected" applies."""
-    from checkpoint_manager.pointers import BEST_POINTER, LATEST_POINTER, read_pointer
+    from checkpoint_manager.pointers import BEST_POINTER, LATEST_POINTER
 
     out: dict[str, list[str]] = {}
     for kind in (LATEST_POINTER, BEST_POINTER):
-        pointer = read_pointer(root, kind)
+        pointer = storage.read_pointer(kind)
         if pointer is not None:
             out.setdefault(pointer["name"], []).append(f"{kind} pointer")
     return out

@@ -6,6 +6,7 @@ Commands accept whatever people have at hand (a checkpoint directory, a run's sa
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,22 +14,29 @@ from typing import Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
 
-__all__ = ["Checkpoint", "existing", "is_url", "resolve_checkpoint", "tree_size"]
+__all__ = ["Checkpoint", "existing", "is_url", "resolve_checkpoint", "storage_options", "tree_size"]
 
 
 def is_url(text: str) -> bool:
-    """``s3://bucket/run`` and friends (``file://`` too); a plain path is not a URL."""
-    head, sep, _ = text.partition("://")
-    return bool(sep) and head.isidentifier()
+    """``s3://bucket/run``, ``memory://x``: what the library's storage opens with fsspec (not ``file://``)."""
+    from checkpoint_manager.storage import is_url as storage_is_url
+
+    return storage_is_url(text)
+
+
+def storage_options(args: argparse.Namespace | None) -> dict[str, Any] | None:
+    """The fsspec options given with ``-o KEY=VALUE``."""
+    from checkpoint_manager.cli.remote import parse_storage_options
+
+    return parse_storage_options(getattr(args, "storage_option", None) if args is not None else None)
 
 
 def existing(text: str) -> Path:
     """The local path ``text`` names, which must exist."""
     if is_url(text):
-        if text.startswith("file://"):
-            text = text[len("file://") :]
-        else:
-            raise CliError(ExitCode.USAGE, f"{text}: this command takes local paths only")
+        raise CliError(ExitCode.USAGE, f"{text}: a URL, but this takes local paths only")
+    if text.startswith("file://"):
+        text = text[len("file://") :]
     path = Path(text)
     if not path.exists() and not path.is_symlink():
         raise CliError(ExitCode.NOT_FOUND, f"{text}: no such file or directory")
@@ -58,14 +66,18 @@ class Checkpoint:
     path: Path
     meta: dict[str, Any] = field(default_factory=dict)
     via: str | None = None  # "bundle", "newest in <dir>", "step N of <dir>"
+    url: str | None = None  # where it was downloaded from (``path`` is then the local copy)
 
 
-def resolve_checkpoint(text: str, *, step: int | None = None) -> Checkpoint:
+def resolve_checkpoint(text: str, *, step: int | None = None, args: argparse.Namespace | None = None) -> Checkpoint:
     """A checkpoint directory as is; a bundle unpacked (cached); a save directory's newest (or ``step``).
 
     A directory DCP wrote without us (``.metadata`` and no ``checkpoint.json``) is accepted with
-    empty metadata, so plain ``dcp.save`` output can be inspected and compared too.
+    empty metadata, so plain ``dcp.save`` output can be inspected and compared too. A URL is
+    downloaded into the storage's cache; the copy goes when the command ends (``args.cleanup``).
     """
+    if is_url(text):
+        return _download(text, step, args)
     from checkpoint_manager.formats.bundle import is_bundle, resolve_checkpoint_path
     from checkpoint_manager.layout import CHECKPOINT_JSON, read_checkpoint_json, scan_checkpoints
     from checkpoint_manager.storage.local import LocalStorage
@@ -95,3 +107,14 @@ def resolve_checkpoint(text: str, *, step: int | None = None) -> Checkpoint:
             return Checkpoint(text, info.path, dict(info.meta), via=f"step {step} of {text}")
     steps = ", ".join(str(i.step) for i in infos)
     raise CliError(ExitCode.NOT_FOUND, f"{text}: no checkpoint at step {step} (steps here: {steps})")
+
+
+def _download(text: str, step: int | None, args: argparse.Namespace | None) -> Checkpoint:
+    from checkpoint_manager.cli.remote import remote_checkpoint
+
+    remote = remote_checkpoint(text, storage_options(args), step)
+    local = remote.storage.localize(remote.info.location)
+    cleanup = getattr(args, "cleanup", None)
+    if cleanup is not None:
+        cleanup.callback(remote.storage.release_local, local)
+    return Checkpoint(text, local, dict(remote.info.meta), via=remote.via, url=remote.info.location)

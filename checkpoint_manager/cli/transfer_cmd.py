@@ -138,8 +138,8 @@ def _out_file(out: str, name: str, suffixes: tuple[str, ...]) -> Path:
 
 
 def run_export(args: argparse.Namespace, out: Output) -> int:
-    ckpt = resolve_checkpoint(args.path, step=args.step)
-    doc: dict[str, Any] = {"source": str(ckpt.path), "to": args.to, "step": ckpt.meta.get("step")}
+    ckpt = resolve_checkpoint(args.path, step=args.step, args=args)
+    doc: dict[str, Any] = {"source": ckpt.url or str(ckpt.path), "to": args.to, "step": ckpt.meta.get("step")}
     with _cli_errors(), out.progress(f"exporting {ckpt.path.name} ({args.to})", None):
         if args.to == "hf":
             from checkpoint_manager.formats.hf import export_hf
@@ -208,7 +208,7 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
 def run_pack(args: argparse.Namespace, out: Output) -> int:
     from checkpoint_manager.formats.bundle import pack_bundle
 
-    ckpt = resolve_checkpoint(args.checkpoint, step=args.step)
+    ckpt = resolve_checkpoint(args.checkpoint, step=args.step, args=args)
     if ckpt.via == "bundle":
         raise CliError(ExitCode.USAGE, f"{args.checkpoint}: is already a bundle")
     config = None
@@ -222,7 +222,7 @@ def run_pack(args: argparse.Namespace, out: Output) -> int:
             ckpt.path, args.bundle, config=config, artifacts_dir=args.artifacts_dir,
             compression=args.compression, overwrite=args.overwrite,
         )
-    doc: dict[str, Any] = {"source": str(ckpt.path), "step": ckpt.meta.get("step"), "path": str(path), "bytes": path.stat().st_size}
+    doc: dict[str, Any] = {"source": ckpt.url or str(ckpt.path), "step": ckpt.meta.get("step"), "path": str(path), "bytes": path.stat().st_size}
     if out.json_mode:
         out.emit(doc)
     else:

@@ -7,12 +7,12 @@ counts as failed, since loading it would fail too. Exit 1 when anything failed.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from checkpoint_manager.cli.errors import ExitCode
+from checkpoint_manager.cli.errors import CliError, ExitCode
 from checkpoint_manager.cli.output import Output
-from checkpoint_manager.cli.targets import existing, resolve_checkpoint
+from checkpoint_manager.cli.targets import existing, is_url, resolve_checkpoint, storage_options
 
 __all__ = ["add_parser", "run"]
 
@@ -22,6 +22,7 @@ examples:
   ckpt verify runs/exp1                    every committed checkpoint of a save directory
   ckpt verify runs/exp1 --sizes            only that every file exists with its size (fast)
   ckpt verify runs/exp1 --json && echo intact
+  ckpt verify s3://bucket/exp1 --sizes     sizes from one listing, nothing downloaded
 exit status: 0 intact, 1 a problem was found, 3 no such path.
 """
 
@@ -46,38 +47,74 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run, level="full")
 
 
-def _targets(text: str) -> tuple[list[tuple[str, Path | None, list[str]]], bool]:
-    """``(name, path, problems found before verifying)`` per checkpoint, and whether ``text`` is a save dir."""
+Target = tuple[str, str, list[str], Callable[[str], list[str]] | None]
+
+
+def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
+    """``(name, where, problems found already, check(level))`` per checkpoint; and whether ``text`` is a
+    save directory. A checkpoint whose ``checkpoint.json`` is unreadable has no check: it failed."""
+    from checkpoint_manager.integrity import verify
     from checkpoint_manager.layout import CHECKPOINT_JSON, scan_checkpoints
     from checkpoint_manager.storage.local import LocalStorage
 
+    if is_url(text):
+        return _remote_targets(text, args)
     path = existing(text)
     if path.is_file() or (path / CHECKPOINT_JSON).exists():
-        ckpt = resolve_checkpoint(text)
-        return [(ckpt.path.name, ckpt.path, [])], False
-    names = LocalStorage(path).list_names()
-    infos, bad = scan_checkpoints(path, names)
-    out: list[tuple[str, Path | None, list[str]]] = [(i.name, i.path, []) for i in infos]
-    out += [(name, None, [problem]) for name, problem in bad]
+        ckpt = resolve_checkpoint(text, args=args)
+        return [(ckpt.path.name, str(ckpt.path), [], lambda level: verify(ckpt.path, level))], False  # type: ignore[arg-type]
+    infos, bad = scan_checkpoints(path, LocalStorage(path).list_names())
+    out: list[Target] = [
+        (i.name, str(i.path), [], lambda level, p=i.path: verify(p, level))  # type: ignore[misc]
+        for i in infos
+    ]
+    out += [(name, str(path / name), [problem], None) for name, problem in bad]
     if not out:
-        from checkpoint_manager.cli.errors import CliError
-
         raise CliError(ExitCode.NOT_FOUND, f"{text}: no checkpoint here (not a checkpoint or save directory)")
     return out, True
 
 
-def run(args: argparse.Namespace, out: Output) -> int:
+def _remote_targets(url: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
+    """Sizes from a listing (nothing downloaded); ``--full`` downloads each checkpoint to check CRC32s."""
+    from checkpoint_manager.cli.remote import open_remote, remote_checkpoint
     from checkpoint_manager.integrity import verify
+    from checkpoint_manager.layout import CheckpointInfo
+    from checkpoint_manager.storage import FsspecStorage
 
-    targets, is_dir = _targets(args.path)
+    options = storage_options(args)
+    storage = open_remote(url.rstrip("/"), options)
+    infos, bad = storage.scan()
+    is_dir = bool(infos or bad)
+    if not is_dir:
+        single = remote_checkpoint(url, options, None)
+        storage, infos = single.storage, [single.info]
+
+    def checker(store: FsspecStorage, info: CheckpointInfo) -> Callable[[str], list[str]]:
+        def check(level: str) -> list[str]:
+            problems = store.check_sizes(info)
+            if problems or level == "sizes":
+                return problems
+            local = store.localize(info.location)
+            try:
+                return [p.replace(str(local), info.location) for p in verify(local, "full")]
+            finally:
+                store.release_local(local)
+
+        return check
+
+    out: list[Target] = [(i.name, i.location, [], checker(storage, i)) for i in infos]
+    out += [(name, storage.location_of(name), [problem], None) for name, problem in bad]
+    return out, is_dir
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    targets, is_dir = _targets(args.path, args)
     results: list[dict[str, Any]] = []
     with out.progress(f"verifying ({args.level})", len(targets)) as advance:
-        for name, path, problems in targets:
-            if path is not None:
-                problems = problems + verify(path, args.level)
-            results.append(
-                {"name": name, "path": str(path) if path else None, "ok": not problems, "problems": problems}
-            )
+        for name, where, problems, check in targets:
+            if check is not None:
+                problems = problems + check(args.level)
+            results.append({"name": name, "path": where, "ok": not problems, "problems": problems})
             advance(1)
     failed = [r for r in results if not r["ok"]]
     if out.json_mode:

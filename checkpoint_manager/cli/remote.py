@@ -1,0 +1,118 @@
+"""Checkpoints at fsspec URLs (``s3://bucket/run``, ``gs://...``): found through the library's storage.
+
+Discovery, pointers and size checks go through :func:`checkpoint_manager.storage.open_storage`, so
+the command line sees exactly what a run resuming from that URL would. Reading only metadata
+(``inspect``) downloads ``checkpoint.json`` and ``.metadata``; reading tensors or CRC-checking
+(``diff``, ``export``, ``verify --full``) downloads the checkpoint into the storage's cache and
+removes the copy when the command ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from checkpoint_manager.cli.errors import CliError, ExitCode
+
+if TYPE_CHECKING:
+    from checkpoint_manager.layout import CheckpointInfo
+    from checkpoint_manager.storage import FsspecStorage
+
+__all__ = ["RemoteCheckpoint", "open_remote", "parse_storage_options", "remote_checkpoint", "remote_size"]
+
+
+def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
+    """``-o KEY=VALUE`` options for fsspec; a value that parses as JSON is taken as JSON (numbers,
+    booleans, ``{"endpoint_url": ...}``), anything else as a string."""
+    if not pairs:
+        return None
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CliError(ExitCode.USAGE, f"--storage-option {pair!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
+def open_remote(url: str, options: dict[str, Any] | None) -> FsspecStorage:
+    """The storage of a checkpoint root at ``url`` (a missing fsspec backend is a usage error)."""
+    from checkpoint_manager.storage import FsspecStorage, open_storage
+
+    try:
+        storage = open_storage(url, options, fsync=False)
+    except ImportError as exc:
+        raise CliError(ExitCode.USAGE, f"{url}: no fsspec backend for this URL ({exc}); pip install s3fs/gcsfs") from None
+    assert isinstance(storage, FsspecStorage)
+    return storage
+
+
+@dataclass
+class RemoteCheckpoint:
+    """One committed checkpoint in an object store, with the storage that lists it."""
+
+    storage: FsspecStorage
+    info: CheckpointInfo
+    via: str | None
+
+    @property
+    def key(self) -> str:
+        return self.storage.key(self.info.name)
+
+    def download_metadata(self, into: Path) -> Path:
+        """Only ``.metadata`` (all ``inspect`` needs), into ``into``."""
+        self.storage.fs.get(f"{self.key}/.metadata", str(into / ".metadata"))
+        return into
+
+
+def remote_checkpoint(url: str, options: dict[str, Any] | None, step: int | None) -> RemoteCheckpoint:
+    """The checkpoint at ``url``, or (a save root) its newest one or the one of ``step``."""
+    from checkpoint_manager.errors import CheckpointCorruptError
+    from checkpoint_manager.layout import info_from_meta
+
+    url = url.rstrip("/")
+    storage = open_remote(url, options)
+    infos, _bad = storage.scan()
+    if infos:
+        if step is None:
+            return RemoteCheckpoint(storage, infos[-1], f"newest in {url}")
+        for info in infos:
+            if info.step == step:
+                return RemoteCheckpoint(storage, info, f"step {step} of {url}")
+        steps = ", ".join(str(i.step) for i in infos)
+        raise CliError(ExitCode.NOT_FOUND, f"{url}: no checkpoint at step {step} (steps here: {steps})")
+    parent_url, _, _name = url.rpartition("/")
+    parent = open_remote(parent_url, options) if "://" in parent_url and not parent_url.endswith(":/") else None
+    if parent is not None:
+        try:
+            meta = parent.read_marker(url)
+        except CheckpointCorruptError as exc:
+            if "missing" not in str(exc):
+                raise
+        else:
+            if step is not None:
+                raise CliError(ExitCode.USAGE, f"{url}: is one checkpoint; --step applies to save directories")
+            return RemoteCheckpoint(parent, info_from_meta(Path(parent.key(_name)), meta, url=url), None)
+    raise CliError(ExitCode.NOT_FOUND, f"{url}: no committed checkpoint here (not a checkpoint or save root)")
+
+
+def remote_size(storage: FsspecStorage, name: str) -> int:
+    """Bytes stored under a checkpoint's prefix (one listing)."""
+    key = storage.key(name)
+    storage.fs.invalidate_cache(key)
+    listing = storage.fs.find(key, detail=True)
+    return sum(int(i.get("size") or 0) for i in dict(listing).values())
+
+
+@contextlib.contextmanager
+def metadata_only(ckpt: RemoteCheckpoint) -> Any:
+    """A temporary local directory holding the checkpoint's ``.metadata`` (for listing tensors)."""
+    with tempfile.TemporaryDirectory(prefix="ckpt-inspect-") as tmp:
+        yield ckpt.download_metadata(Path(tmp))
