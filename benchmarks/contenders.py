@@ -11,6 +11,7 @@ for every contender, so nobody is charged for it more than the others.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,11 @@ Setup = Callable[[Bench, Path], Timed]
 
 @dataclass(frozen=True)
 class Contender:
-    """One way to save or load; ``role`` is ``limit`` (what the disk allows), ``peer`` or ``ours``."""
+    """One way to save or load.
+
+    ``role``: ``limit`` (what the disk allows: the denominator of the floors), ``ref`` (another
+    physical reference: buffered I/O, memcpy), ``peer`` (what people use today) or ``ours``.
+    """
 
     name: str
     op: str
@@ -36,6 +41,8 @@ class Contender:
     setup: Setup
     timed: str
     unavailable: Callable[[], str | None] = lambda: None
+    verify: bool = True  # loads: check the live state against the saved one (False: limits that
+    # read into a private buffer)
 
 
 # --- raw bytes: the limit ----------------------------------------------------------------------
@@ -89,6 +96,105 @@ def raw_load(bench: Bench, path: Path) -> Timed:
     return run
 
 
+# --- O_DIRECT from aligned memory: the device limit ---------------------------------------------
+
+_DIRECT_FILE = "direct.bin"
+_DIRECT_CHUNK = 16 << 20  # one O_DIRECT request: large enough that per-call cost vanishes
+_BLOCK = 4096
+
+
+def _aligned(nbytes: int) -> mmap.mmap:
+    """A page-aligned anonymous buffer of ``nbytes`` rounded up to whole blocks, faulted in."""
+    size = max(_BLOCK, -(-nbytes // _BLOCK) * _BLOCK)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = memoryview(buf)
+    for off in range(0, size, _BLOCK):  # touch every page before anything is timed
+        view[off] = 0
+    view.release()
+    return buf
+
+
+def _image(bench: Bench) -> tuple[mmap.mmap, int]:
+    """The state's bytes back to back in aligned memory (built untimed)."""
+    tensors = bench.tensors()
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    buf = _aligned(total)
+    pos = 0
+    for t in tensors:
+        view = byte_view(t)
+        buf[pos : pos + len(view)] = view
+        pos += len(view)
+    return buf, total
+
+
+def _open_direct(path: Path, flags: int) -> int:
+    return os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+
+
+def direct_save(bench: Bench, path: Path) -> Timed:
+    path.mkdir(parents=True)
+    buf, total = _image(bench)
+    padded = len(buf)
+
+    def run() -> None:
+        fd = _open_direct(path / _DIRECT_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            view = memoryview(buf)
+            off = 0
+            while off < padded:
+                off += os.pwrite(fd, view[off : off + _DIRECT_CHUNK], off)
+            view.release()
+            if padded != total:
+                os.ftruncate(fd, total)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    return run
+
+
+def direct_load(bench: Bench, path: Path) -> Timed:
+    size = os.path.getsize(path / _DIRECT_FILE) if (path / _DIRECT_FILE).exists() else bench.payload_bytes
+    buf = _aligned(size)
+
+    def run() -> None:
+        fd = _open_direct(path / _DIRECT_FILE, os.O_RDONLY)
+        try:
+            view = memoryview(buf)
+            off = 0
+            while off < len(buf):
+                n = os.preadv(fd, [view[off : off + _DIRECT_CHUNK]], off)
+                if n <= 0:
+                    break
+                off += n
+            view.release()
+        finally:
+            os.close(fd)
+
+    return run
+
+
+def _direct_missing() -> str | None:
+    return None if hasattr(os, "O_DIRECT") else "this OS has no O_DIRECT"
+
+
+# --- memcpy: what any private snapshot of the state costs ----------------------------------------
+
+
+def memcpy_save(bench: Bench, path: Path) -> Timed:
+    path.mkdir(parents=True)
+    src = bench.tensors()
+    dst = [torch.empty_like(t) for t in src]
+    for d, s in zip(dst, src, strict=True):  # warm: the buffers exist and are faulted in
+        d.copy_(s)
+
+    def run() -> None:
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+
+    return run
+
+
 # --- torch.save / torch.load -------------------------------------------------------------------
 
 _PT_FILE = "state.pt"
@@ -136,6 +242,142 @@ def torch_load_mmap(bench: Bench, path: Path) -> Timed:
         live = bench.state_dict()
         _copy_into(live, loaded)
         _set_state(bench, live)
+
+    return run
+
+
+# --- safetensors --------------------------------------------------------------------------------
+
+_ST_FILE = "state.safetensors"
+
+
+def _flat(bench: Bench) -> dict[str, torch.Tensor]:
+    """safetensors takes one flat name -> tensor dict: the state's tensors under their walk order."""
+    return {f"t{i}": t for i, t in enumerate(bench.tensors())}
+
+
+def safetensors_save(bench: Bench, path: Path) -> Timed:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+
+    def run() -> None:
+        save_file(_flat(bench), str(path / _ST_FILE))
+        fd = os.open(path / _ST_FILE, os.O_RDONLY)  # save_file does not fsync: made durable like the others
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    return run
+
+
+def safetensors_load(bench: Bench, path: Path) -> Timed:
+    from safetensors.torch import load_file
+
+    def run() -> None:
+        loaded = load_file(str(path / _ST_FILE))
+        for i, t in enumerate(bench.tensors()):  # into the live state, as an optimizer needs it
+            t.copy_(loaded[f"t{i}"])
+
+    return run
+
+
+def _safetensors_missing() -> str | None:
+    try:
+        import safetensors.torch  # noqa: F401
+    except ImportError as exc:
+        return f"safetensors not installed ({exc})"
+    return None
+
+
+# --- torch_checkpointing ------------------------------------------------------------------------
+
+
+def _tc_missing() -> str | None:
+    try:
+        import torch_checkpointing  # noqa: F401
+    except ImportError as exc:
+        return f"torch_checkpointing not installed (pip install torch-checkpointing: {exc})"
+    return None
+
+
+def _tc_manager(sync: bool) -> Any:
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    cfg = CheckpointManager.Config.with_sync_save() if sync else CheckpointManager.Config.with_async_save()
+    # its default O_DIRECT fails with EINVAL at close on the reference ext4 volume: buffered writes
+    cfg.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
+    return cfg.build()
+
+
+def tc_save(bench: Bench, path: Path) -> Timed:
+    manager = _tc_manager(sync=True)
+    path.mkdir(parents=True, exist_ok=True)
+
+    def run() -> None:
+        sd = bench.state_dict()
+        manager.save(str(path / "ckpt"), {"model": sd["model"], "optim": sd["optim"]})
+
+    return run
+
+
+def tc_load(bench: Bench, path: Path) -> Timed:
+    manager = _tc_manager(sync=True)
+
+    def run() -> None:
+        sd = bench.state_dict()
+        manager.load(str(path / "ckpt"), into={"model": sd["model"], "optim": sd["optim"]})
+        _set_state(bench, sd)
+
+    return run
+
+
+# --- the torch_checkpointing engine behind our manager API (plugin) ------------------------------
+
+_PLUGIN = "torch-checkpointing"
+
+
+def _plugin_missing() -> str | None:
+    from importlib import metadata
+
+    eps = metadata.entry_points(group="checkpoint_manager.managers", name=_PLUGIN)
+    if not eps:
+        return f"no manager plugin {_PLUGIN!r} installed (plugins/checkpoint-manager-torch-checkpointing)"
+    try:
+        next(iter(eps)).load()
+    except Exception as exc:  # a half-built plugin must not stop the suite
+        return f"plugin {_PLUGIN!r} not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _plugin_manager(path: Path) -> Any:
+    from checkpoint_manager import CheckpointConfig, create_checkpoint_manager
+
+    return create_checkpoint_manager(CheckpointConfig(save_dir=str(path), manager=_PLUGIN))
+
+
+def plugin_save(bench: Bench, path: Path) -> Timed:
+    from checkpoint_manager import SaveContext, TrainState
+
+    manager = _plugin_manager(path)
+    ctx = SaveContext(model=bench.model, optimizer=bench.optimizer, train_state=TrainState(step=1), force=True)
+
+    def run() -> None:
+        manager.save(ctx)
+        manager.finalize_async_saves(blocking=True)
+
+    return run
+
+
+def plugin_load(bench: Bench, path: Path) -> Timed:
+    from checkpoint_manager import LoadContext
+
+    manager = _plugin_manager(path)
+
+    def run() -> None:
+        manager.load(LoadContext(model=bench.model, optimizer=bench.optimizer))
 
     return run
 
@@ -201,27 +443,88 @@ def ours_load(bench: Bench, path: Path) -> Timed:
     return run
 
 
+# --- resume to the first training step -----------------------------------------------------------
+
+
+def _first_step(bench: Bench) -> Callable[[], None]:
+    """One forward/backward/AdamW step of the bench model (built untimed; same for everyone)."""
+    x = torch.randn(8, bench.width, generator=torch.Generator().manual_seed(3))
+
+    def step() -> None:
+        bench.optimizer.zero_grad(set_to_none=True)
+        bench.model(x).square().mean().backward()
+        bench.optimizer.step()
+
+    return step
+
+
+def _then_step(load: Setup) -> Setup:
+    def setup(bench: Bench, path: Path) -> Timed:
+        run_load = load(bench, path)
+        step = _first_step(bench)
+
+        def run() -> dict[str, float] | None:
+            out = run_load()
+            step()
+            return out
+
+        return run
+
+    return setup
+
+
 CONTENDERS: tuple[Contender, ...] = (
-    Contender("raw write+fsync", "save", "raw", "limit", raw_save,
+    # save
+    Contender("O_DIRECT write+fsync", "save", "direct", "limit", direct_save,
+              "pwrite(O_DIRECT) of the state's bytes from one aligned buffer (built untimed), 16 MiB "
+              "requests, then fsync: the device limit", _direct_missing),
+    Contender("buffered write+fsync", "save", "raw", "ref", raw_save,
               "os.write of every tensor's bytes (4 MiB syscalls) into one file, then fsync"),
+    Contender("memcpy", "save", "memcpy", "ref", memcpy_save,
+              "warm copy_ of every tensor into preallocated buffers: the floor of any snapshot"),
     Contender("torch.save", "save", "torch", "peer", torch_save,
               "torch.save({'model','optim'}) into an open file, then flush+fsync (added for fairness)"),
+    Contender("safetensors", "save", "safetensors", "peer", safetensors_save,
+              "safetensors.torch.save_file of the flat tensor dict, then fsync (added for fairness)",
+              _safetensors_missing),
     Contender("dcp.save", "save", "dcp", "peer", dcp_save,
               "dcp.save with FileSystemWriter defaults (sync_files=True, 1 thread)"),
+    Contender("torch_checkpointing", "save", "tc", "peer", tc_save,
+              "torch_checkpointing CheckpointManager (sync saver, buffered writes).save", _tc_missing),
+    Contender("ours+tc plugin", "save", "plugin", "peer", plugin_save,
+              "our manager API with manager='torch-checkpointing' (plugin), save + finalize", _plugin_missing),
     Contender("ours", "save", "ours", "ours", ours_save,
               "DefaultCheckpointManager.save(force=True): stage, write, fsync, atomic commit, pointer",
               _ours_missing),
-    Contender("raw read", "load", "raw", "limit", raw_load,
+    # load
+    Contender("O_DIRECT read", "load", "direct", "limit", direct_load,
+              "preadv(O_DIRECT) of the file into one aligned buffer, 16 MiB requests: the device limit",
+              _direct_missing, verify=False),
+    Contender("buffered read", "load", "raw", "ref", raw_load,
               "os.readv (4 MiB, FADV_SEQUENTIAL) of the file straight into the live tensors"),
     Contender("torch.load", "load", "torch", "peer", torch_load,
               "torch.load(weights_only=True) + set_state_dict (optimizer adopts the loaded tensors)"),
     Contender("torch.load(mmap)", "load", "torch", "peer", torch_load_mmap,
               "torch.load(mmap=True) + copy into the live state + set_state_dict (every byte read)"),
+    Contender("safetensors", "load", "safetensors", "peer", safetensors_load,
+              "safetensors.torch.load_file + copy into the live state", _safetensors_missing),
     Contender("dcp.load", "load", "dcp", "peer", dcp_load,
               "dcp.load in place (FileSystemReader) + set_state_dict"),
+    Contender("torch_checkpointing", "load", "tc", "peer", tc_load,
+              "torch_checkpointing CheckpointManager.load(into=live state) + set_state_dict", _tc_missing),
+    Contender("ours+tc plugin", "load", "plugin", "peer", plugin_load,
+              "our manager API with manager='torch-checkpointing' (plugin), load", _plugin_missing),
     Contender("ours", "load", "ours", "ours", ours_load,
               "DefaultCheckpointManager.load: find latest, verify, read in place, apply",
               _ours_missing),
+    # resume: load, then one training step (the moment training is really back)
+    Contender("torch.load(mmap)", "resume", "torch", "peer", _then_step(torch_load_mmap),
+              "torch.load(mmap=True) + copy + set_state_dict, then one forward/backward/AdamW step",
+              verify=False),
+    Contender("dcp.load", "resume", "dcp", "peer", _then_step(dcp_load),
+              "dcp.load + set_state_dict, then one forward/backward/AdamW step", verify=False),
+    Contender("ours", "resume", "ours", "ours", _then_step(ours_load),
+              "a fresh manager's load, then one forward/backward/AdamW step", _ours_missing, verify=False),
 )
 
 SAVERS: dict[str, Contender] = {c.fmt: c for c in CONTENDERS if c.op == "save"}

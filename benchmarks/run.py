@@ -82,6 +82,73 @@ def _pick(ops: list[str], names: list[str] | None) -> list[Contender]:
     return picked
 
 
+def measure_case(
+    *,
+    size_gib: float,
+    size_bytes: int,
+    ops: list[str],
+    contenders: list[Contender],
+    repeats: int,
+    scratch: Path,
+    timeout: float,
+    layers: int = 16,
+    shape: str = "dense",
+    cache: str = "cold",
+    drop_caches: bool = True,
+    case: str | None = None,
+) -> list[dict[str, Any]]:
+    """Measure every op of one state (size and shape) with every contender, ``repeats`` rounds.
+
+    Returns one record per measurement (``case``, ``size_gib``, ``op``, ``name``, ``role``,
+    ``repeat``, ``cache``, the load average, and the worker's result or an ``error``).
+    """
+    records: list[dict[str, Any]] = []
+    common = {"size_bytes": size_bytes, "layers": layers, "cache": cache, "drop_caches": drop_caches,
+              "shape": shape}
+    label = case or f"{shape} {size_gib:g} GiB"
+    for op in ops:
+        group = [c for c in contenders if c.op == op]
+        if not group:
+            continue
+        fingerprint: dict[str, int] = {}
+        fmts = list(dict.fromkeys(c.fmt for c in group)) if op != "save" else []
+        if fmts:
+            paths = {fmt: str(scratch / f"load-{fmt}") for fmt in fmts}
+            res = _spawn({**common, "mode": "prepare", "paths": paths}, scratch, timeout)
+            if "error" in res:
+                raise RuntimeError(f"preparing the checkpoints to load failed: {res['error']}")
+            fingerprint = res["fingerprint"]
+        try:
+            # Repeats outermost, and each round starts one contender later: slow drift and
+            # bursts from neighbours on a shared machine hit every contender alike.
+            for rep in range(repeats):
+                for c in group[rep % len(group):] + group[:rep % len(group)]:
+                    path = scratch / (f"save-{_slug(c.name)}" if op == "save" else f"load-{c.fmt}")
+                    spec = {**common, "mode": "measure", "op": op, "name": c.name, "path": str(path)}
+                    if op != "save":
+                        spec["fingerprint"] = fingerprint
+                    load_avg = os.getloadavg()[0]
+                    res = _spawn(spec, scratch, timeout)
+                    if op == "save":
+                        shutil.rmtree(path, ignore_errors=True)
+                    rec = {"case": label, "shape": shape, "size_gib": size_gib, "op": op, "name": c.name,
+                           "role": c.role, "repeat": rep, "cache": cache if op != "save" else None,
+                           "timed": c.timed, "load_avg_1min": load_avg, **res}
+                    records.append(rec)
+                    tag = f"[{label} {op}{' ' + cache if op != 'save' else ''} {rep + 1}/{repeats}]"
+                    if "error" in res:
+                        print(f"{tag} {c.name}: FAILED {res['error']}", file=sys.stderr, flush=True)
+                    else:
+                        print(f"{tag} {c.name}: {res['seconds']:.3f} s, "
+                              f"{res['payload_bytes'] / res['seconds'] / 1e9:.3f} GB/s, peak RSS "
+                              f"+{max(0, res['peak_rss'] - res['rss_before']) / 2**20:.0f} MiB, "
+                              f"load {load_avg:.1f}", file=sys.stderr, flush=True)
+        finally:
+            for fmt in fmts:
+                shutil.rmtree(scratch / f"load-{fmt}", ignore_errors=True)
+    return records
+
+
 def run(args: argparse.Namespace) -> int:
     sizes = [float(s) for s in args.sizes.split(",")]
     ops = args.only.split(",")
@@ -100,46 +167,11 @@ def run(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     try:
         for size in sizes:
-            size_bytes = int(size * 2**30)
-            common = {"size_bytes": size_bytes, "layers": args.layers, "cache": args.cache,
-                      "drop_caches": args.drop_caches}
-            for op in ops:
-                group = [c for c in contenders if c.op == op]
-                if not group:
-                    continue
-                fingerprint: dict[str, int] = {}
-                fmts = list(dict.fromkeys(c.fmt for c in group)) if op == "load" else []
-                if fmts:
-                    paths = {fmt: str(scratch / f"load-{fmt}") for fmt in fmts}
-                    res = _spawn({**common, "mode": "prepare", "paths": paths}, scratch, args.timeout)
-                    if "error" in res:
-                        raise RuntimeError(f"preparing the checkpoints to load failed: {res['error']}")
-                    fingerprint = res["fingerprint"]
-                # Repeats outermost, and each round starts one contender later: slow drift and
-                # bursts from neighbours on a shared machine hit every contender alike.
-                for rep in range(args.repeats):
-                    for c in group[rep % len(group):] + group[:rep % len(group)]:
-                        path = scratch / (f"save-{_slug(c.name)}" if op == "save" else f"load-{c.fmt}")
-                        spec = {**common, "mode": "measure", "op": op, "name": c.name, "path": str(path)}
-                        if op == "load":
-                            spec["fingerprint"] = fingerprint
-                        load_avg = os.getloadavg()[0]
-                        res = _spawn(spec, scratch, args.timeout)
-                        if op == "save":
-                            shutil.rmtree(path, ignore_errors=True)
-                        rec = {"size_gib": size, "op": op, "name": c.name, "role": c.role,
-                               "repeat": rep, "timed": c.timed, "load_avg_1min": load_avg, **res}
-                        records.append(rec)
-                        if "error" in res:
-                            print(f"[{op} {size:g} GiB {rep + 1}/{args.repeats}] {c.name}: FAILED "
-                                  f"{res['error']}", file=sys.stderr)
-                        else:
-                            print(f"[{op} {size:g} GiB {rep + 1}/{args.repeats}] {c.name}: "
-                                  f"{res['seconds']:.3f} s, {res['payload_bytes'] / res['seconds'] / 1e9:.3f}"
-                                  f" GB/s, peak RSS +{max(0, res['peak_rss'] - res['rss_before']) / 2**20:.0f} MiB",
-                                  file=sys.stderr)
-                for fmt in fmts:
-                    shutil.rmtree(scratch / f"load-{fmt}", ignore_errors=True)
+            records += measure_case(
+                size_gib=size, size_bytes=int(size * 2**30), ops=ops, contenders=contenders,
+                repeats=args.repeats, scratch=scratch, timeout=args.timeout, layers=args.layers,
+                shape=args.shape, cache=args.cache, drop_caches=args.drop_caches,
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     rows = report.summarize(records)
@@ -169,11 +201,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", help="target state sizes in GiB, comma separated (default 0.25,1)")
     p.add_argument("--repeats", type=int, help="runs per measurement; the median is reported (default 3)")
-    p.add_argument("--only", default="save,load", help="operations to run: save,load")
+    p.add_argument("--only", default="save,load", help="operations to run: save,load,resume")
     p.add_argument("--contenders", help="comma-separated contender names (default: all available)")
     p.add_argument("--out", default="bench_results", help="directory for results.json / results.md")
     p.add_argument("--workdir", help="where checkpoints are written (default: the system temp dir)")
     p.add_argument("--layers", type=int, default=16, help="Linear layers (more = smaller tensors)")
+    p.add_argument("--shape", choices=("dense", "small", "huge"), default="dense",
+                   help="dense: --layers square layers; small: 4 KiB tensors; huge: 2 layers")
     p.add_argument("--cache", choices=("cold", "warm"), default="cold", help="page cache state before a load")
     p.add_argument("--drop-caches", action=argparse.BooleanOptionalAction, default=True,
                    help="also drop the whole page cache before each measurement (root; falls back "

@@ -49,12 +49,34 @@ def shape_for(target_bytes: int, layers: int) -> tuple[int, int]:
     return layers, width
 
 
-def build(target_bytes: int, layers: int = 16, seed: int = 0) -> Bench:
-    """Build the model, take one AdamW step so exp_avg / exp_avg_sq / step exist, drop the grads."""
-    layers, width = shape_for(target_bytes, layers)
+SHAPES = ("dense", "small", "huge")
+# The many-small-tensors case: parameters of 1024 fp32 (4 KiB); with exp_avg and exp_avg_sq that is
+# three 4 KiB tensors (plus a 0-d ``step``) per parameter.
+SMALL_TENSOR_BYTES = 4096
+HUGE_LAYERS = 2  # the few-huge-tensors case: two square layers, six tensors of size/6 each
+
+
+def build(target_bytes: int, layers: int = 16, seed: int = 0, shape: str = "dense") -> Bench:
+    """Build the model, take one AdamW step so exp_avg / exp_avg_sq / step exist, drop the grads.
+
+    ``shape``: ``dense`` (``layers`` square Linear layers), ``small`` (parameters of 4 KiB each, as
+    many as fit ``target_bytes``: 20,000 tensors at 80 MB) or ``huge`` (2 square layers).
+    """
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
+    model: nn.Module
+    if shape == "small":
+        count = max(1, target_bytes // _BYTES_PER_PARAM // (SMALL_TENSOR_BYTES // 4))
+        model = nn.ParameterList([nn.Parameter(torch.empty(SMALL_TENSOR_BYTES // 4)) for _ in range(count)])
+        width = SMALL_TENSOR_BYTES // 4
+        layers = count
+    else:
+        if shape == "huge":
+            layers = HUGE_LAYERS
+        elif shape != "dense":
+            raise ValueError(f"unknown state shape {shape!r}; expected one of {SHAPES}")
+        layers, width = shape_for(target_bytes, layers)
         model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=gen)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -8,14 +8,18 @@ objects: ``.metadata`` goes through an allow-listed unpickler and tensor payload
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import gc
 import io
+import logging
 import math
 import mmap
 import os
 import pickle
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +52,54 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from checkpoint_manager.direct_io import (
+    BLOCK,
     DEFAULT_CHUNK,
     AlignedFileReader,
     AlignedFileWriter,
     cached_fraction,
-    crc32,
 )
-from checkpoint_manager.envelope import crc32_combine, envelope_for, locate_data
+from checkpoint_manager.envelope import envelope_for, locate_data
 from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
 
-__all__ = ["WRITER_ID", "CheckpointReader", "CheckpointWriter", "read_dcp_metadata"]
+__all__ = ["WRITER_ID", "CheckpointReader", "CheckpointWriter", "paused_gc", "read_dcp_metadata"]
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic GC while DCP metadata with one object per tensor is built, pickled or unpickled.
+
+    Unpickling the ``.metadata`` of 20,000 tensors took 3.9 s with the collector running (it
+    re-scans every tracked object of the process each time allocations pile up) and 0.64 s without.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _quiet_dcp_debug_log() -> None:
+    """Stop torch's DCP logger from building debug records that its NullHandler then drops.
+
+    torch 2.13 wraps each top-level state-dict entry of ``dcp.save`` in a logging decorator whose
+    logger sits at DEBUG with only a ``NullHandler``: two discarded LogRecords per entry, 7 of 9 s of
+    a save of 26,000 small tensors. The level is raised only while nothing could see the records
+    (no real handler, no propagation), so no output anybody can observe changes.
+    """
+    try:
+        from torch.distributed.checkpoint import logger as dcp_logger
+    except ImportError:  # pragma: no cover - other torch versions
+        return
+    log = getattr(dcp_logger, "_dcp_logger", None)
+    if not isinstance(log, logging.Logger) or log.propagate:
+        return
+    if all(isinstance(h, logging.NullHandler) for h in log.handlers) and log.level < logging.INFO:
+        log.setLevel(logging.INFO)
+
+
+_quiet_dcp_debug_log()
 
 METADATA_FILE = ".metadata"
 
@@ -132,7 +174,8 @@ def read_dcp_metadata(path: str | Path) -> Metadata:
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{file}: missing DCP metadata") from None
     try:
-        metadata = _RestrictedUnpickler(io.BytesIO(raw), str(file)).load()
+        with paused_gc():
+            metadata = _RestrictedUnpickler(io.BytesIO(raw), str(file)).load()
     except UnsafeCheckpointError:
         raise
     except Exception as exc:
@@ -164,22 +207,28 @@ class CheckpointWriter(FileSystemWriter):
         self.checksums: dict[str, dict[str, int]] = {}
         self.fsync_seconds = 0.0  # the fsync part of write_data, reported as its own phase
 
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with paused_gc():  # pickling one metadata entry per tensor
+            super().finish(metadata, results)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with paused_gc():  # one WriteResult per tensor: see paused_gc
+            return self._write_plan(plan, planner)
+
+    def _write_plan(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         storage_plan: _StoragePrefix = plan.storage_data
         file_name = f"{storage_plan.prefix}0{DEFAULT_SUFFIX}"
         path = Path(os.fspath(self.path)) / file_name
-        out = AlignedFileWriter(path, direct=self.direct, fsync=self.sync_files, chunk_bytes=self.chunk_bytes)
+        chunk = _chunk_for(plan, self.chunk_bytes)
+        out = AlignedFileWriter(path, direct=self.direct, fsync=self.sync_files, chunk_bytes=chunk)
         results: list[WriteResult] = []
-        file_crc = 0
         try:
             for item in plan.items:
                 data = planner.resolve_data(item)
                 offset = out.position
                 if item.type == WriteItemType.BYTE_IO:
                     assert isinstance(data, io.BytesIO)
-                    raw = data.getbuffer()
-                    out.write_bytes(raw)
-                    file_crc = crc32_combine(file_crc, crc32(raw), len(raw))
+                    out.write_bytes(data.getbuffer())
                 else:
                     assert isinstance(data, torch.Tensor)
                     tensor = data.detach()
@@ -189,9 +238,6 @@ class CheckpointWriter(FileSystemWriter):
                     data_crc = out.write_tensor(tensor)
                     suffix = env.render_suffix(data_crc)
                     out.write_bytes(suffix)
-                    file_crc = crc32_combine(file_crc, crc32(env.prefix), len(env.prefix))
-                    file_crc = crc32_combine(file_crc, data_crc, env.nbytes)
-                    file_crc = crc32_combine(file_crc, crc32(suffix), len(suffix))
                 length = out.position - offset
                 results.append(
                     WriteResult(
@@ -205,10 +251,27 @@ class CheckpointWriter(FileSystemWriter):
         except BaseException:
             out.abort()
             raise
-        self.checksums[file_name] = {"size": size, "crc32": file_crc}
+        self.checksums[file_name] = {"size": size, "crc32": out.crc}
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+
+# The two bounce buffers of a save stay within this share of the bytes it writes (never below 1 MiB).
+_BUFFER_SHARE = 1 / 10
+_MIN_CHUNK = 1 << 20
+
+
+def _chunk_for(plan: SavePlan, largest: int) -> int:
+    """Bounce-buffer size for a plan: ``largest`` unless that would be a big share of a small state."""
+    total = 0
+    for item in plan.items:
+        if item.tensor_data is not None:
+            total += math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+    chunk = largest
+    while chunk > _MIN_CHUNK and 2 * chunk > total * _BUFFER_SHARE:
+        chunk //= 2
+    return max(chunk, min(largest, _MIN_CHUNK)) // BLOCK * BLOCK
 
 
 class CheckpointReader(FileSystemReader):
@@ -245,7 +308,8 @@ class CheckpointReader(FileSystemReader):
                 )
         try:
             if self.fast and self._metadata_cache is not None:
-                return self._read_mapped(plan, planner, self._metadata_cache)
+                with paused_gc():  # one job object per tensor: see paused_gc
+                    return self._read_mapped(plan, planner, self._metadata_cache)
             return super().read_data(plan, planner)
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(f"{exc.filename}: DCP data file missing") from exc
