@@ -13,8 +13,10 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -33,7 +35,7 @@ def build_model(seed: int, *, wider: bool = False) -> nn.Module:
     return nn.Sequential(nn.Linear(4, 6 if wider else 3), nn.ReLU(), nn.Linear(6 if wider else 3, 2))
 
 
-def make_run(save_dir: Path, *, seed: int = 0, wider: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+def make_run(save_dir: Path | str, *, seed: int = 0, wider: bool = False) -> dict[int, dict[str, torch.Tensor]]:
     """Four committed checkpoints (steps 10..40) of a training run; returns each step's model weights."""
     model = build_model(seed, wider=wider)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -504,3 +506,71 @@ def test_usage_error_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["export", "somewhere", "--to", "onnx", "--out", "x"])
     assert exit_info.value.code == 2
     assert "argument --to: invalid choice: 'onnx'" in capsys.readouterr().err
+
+
+# -- fsspec URLs (in-process: the memory:// file system lives in this process) -------------------------
+@pytest.fixture(scope="module")
+def remote_run() -> tuple[str, dict[int, dict[str, torch.Tensor]]]:
+    url = f"memory://ckpt-cli-{uuid.uuid4().hex[:8]}/run"
+    return url, make_run(url)
+
+
+def test_url_list_inspect_and_diff(remote_run: tuple[str, dict[int, dict[str, torch.Tensor]]],
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    url, weights = remote_run
+    fs = fsspec.filesystem("memory")
+    assert main(["list", url, "--json", "-o", "skip_instance_cache=true"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["name"]: r for r in doc["checkpoints"]}
+    assert [r["step"] for r in doc["checkpoints"]] == list(STEPS)
+    for name, row in rows.items():
+        key = url.removeprefix("memory://") + "/" + name
+        assert row["path"] == f"{url}/{name}" and row["state"] == "committed"
+        assert row["size_bytes"] == sum(i["size"] for i in fs.find(key, detail=True).values())
+    assert rows["step_00000040"]["pointers"] == ["latest"] and rows["step_00000020"]["pointers"] == ["best"]
+
+    assert main(["inspect", url, "--step", "20", "--filter", "model.*", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["path"] == f"{url}/step_00000020" and doc["via"] == f"step 20 of {url}"
+    assert [(t["name"], t["shape"]) for t in doc["tensors"]] == [(f"model.{k}", list(v.shape)) for k, v in weights[20].items()]
+    assert main(["inspect", f"{url}/step_00000030"]) == 0
+    assert f"path:            {url}/step_00000030\n" in capsys.readouterr().out
+
+    assert main(["diff", f"{url}/step_00000010", f"{url}/step_00000020", "--filter", "model.*", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert {d["name"] for d in doc["different"]} == {f"model.{k}" for k in weights[10]}
+    assert main(["diff", f"{url}/step_00000030", f"{url}/step_00000030"]) == 0
+    capsys.readouterr()
+    missing = url.replace("/run", "/nothing")
+    assert main(["list", missing]) == 3
+    assert capsys.readouterr().err == f"ckpt list: error: {missing}: nothing stored there\n"
+    assert main(["list", url, "-o", "no-equals-sign"]) == 2
+    assert "--storage-option 'no-equals-sign': expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_url_verify_and_prune(remote_run: tuple[str, dict[int, dict[str, torch.Tensor]]],
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    url, _ = remote_run
+    fs = fsspec.filesystem("memory")
+    copy = url.replace("/run", "/copy")
+    fs.copy(url.removeprefix("memory://"), copy.removeprefix("memory://"), recursive=True)
+    assert main(["verify", copy]) == 0
+    capsys.readouterr()
+    key = copy.removeprefix("memory://") + "/step_00000020/__0_0.distcp"
+    raw = bytearray(fs.cat_file(key))
+    raw[len(raw) // 2] ^= 0xFF
+    fs.pipe_file(key, bytes(raw))
+    assert main(["verify", copy, "--sizes"]) == 0  # same size: only the CRC32 can tell
+    capsys.readouterr()
+    assert main(["verify", copy, "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    bad = [c for c in doc["checkpoints"] if not c["ok"]]
+    assert [c["name"] for c in bad] == ["step_00000020"]
+    assert bad[0]["problems"][0].startswith(f"{copy}/step_00000020/__0_0.distcp: CRC32 ")
+
+    assert main(["prune", copy, "--keep-last", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [d["name"] for d in doc["deleted"]] == ["step_00000010", "step_00000030"]
+    assert all(d["bytes"] > 0 for d in doc["deleted"])
+    left = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(copy.removeprefix("memory://"), detail=False))
+    assert [n for n in left if n.startswith("step_")] == ["step_00000020", "step_00000040"]
