@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 PARTS = ("core", "small", "huge", "async", "dist", "export")
 GIB = 2**30
 # Sizes above --all-peers-up-to run only these peers (with the limits and ours): the best ones.
-BIG_PEERS = ("torch.save", "torch.load(mmap)", "dcp.save", "dcp.load", "torch_checkpointing", "safetensors")
+BIG_PEERS = ("torch.save", "torch.load(mmap)", "dcp.save", "dcp.load", "torch_checkpointing", "ours+tc plugin")
 
 
 def _contenders(args: argparse.Namespace, ops: list[str], size: float) -> list[Contender]:
@@ -287,17 +287,53 @@ def run(args: argparse.Namespace) -> int:
             records.extend(measure_case(ops=["load"], contenders=_contenders(args, ["load"], size), cache="warm",
                                         **common))  # type: ignore[arg-type]
 
+    def write() -> tuple[dict[str, Any], str]:
+        """(Re)write suite.json / suite.md / the PNG from what has been measured so far."""
+        rows = report.summarize(records)
+        loads = [r["load_avg_1min"] for r in records if r.get("load_avg_1min") is not None] or [os.getloadavg()[0]]
+        data: dict[str, Any] = {
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": " ".join(["python -m benchmarks.suite", *sys.argv[1:]]) if args.argv is None
+            else " ".join(["python -m benchmarks.suite", *args.argv]),
+            "args": {k: v for k, v in vars(args).items() if k != "argv"},
+            "machine": machine,
+            "load_range": [min(loads), max(loads)],
+            "load_median": statistics.median(loads),
+            "wall_s": time.monotonic() - t_start,
+            "summary": rows,
+            "floors": report.floor_checks(rows),
+            "fits": linear_fit(rows),
+            "small_cost": small_cost(rows),
+            "part_errors": errors,
+            **extra,
+            "records": records,
+        }
+        if "async" in extra:
+            data["async_floors"] = async_floors(extra["async"])
+        png = out / "time_vs_size.png"
+        if plot(rows, data["fits"], png) and args.plot:
+            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(png, args.plot)
+        text = render(data)
+        (out / "suite.json").write_text(json.dumps(data, indent=1, default=str))
+        (out / "suite.md").write_text(text + "\n")
+        return data, text
+
     try:
         if "core" in parts:
             for size in sizes:
                 case(size, int(size * GIB), "dense", f"dense {size:g} GiB", ["save", "load", "load warm", "resume"])
+                write()
+        write()
         if "small" in parts:
             nbytes = args.small_tensors * SMALL_TENSOR_BYTES
             case(nbytes / GIB, nbytes, "small", f"{args.small_tensors:,} x 4 KiB", ["save", "load", "load warm"])
+        write()
         if "huge" in parts:
             case(args.huge_gib, int(args.huge_gib * GIB), "huge", f"huge {args.huge_gib:g} GiB (6 tensors)",
                  ["save", "load"])
         py = sys.executable
+        write()
         if "async" in parts:
             path = out / "async.json"
             rc, tail = _sub([py, "-m", "benchmarks.bench_async", "--sizes", args.async_sizes or args.sizes,
@@ -307,6 +343,7 @@ def run(args: argparse.Namespace) -> int:
                 extra["async"] = json.loads(path.read_text())
             else:
                 errors["async"] = f"exit {rc}: {tail}"
+        write()
         if "dist" in parts:
             path = out / "distributed.json"
             rc, tail = _sub([py, "-m", "benchmarks.bench_distributed", "--size-mib", str(args.dist_mib),
@@ -316,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
                 extra["dist"] = json.loads(path.read_text())
             else:
                 errors["dist"] = f"exit {rc}: {tail}"
+        write()
         if "export" in parts:
             path = out / "export.json"
             rc, tail = _sub([py, "-m", "benchmarks.bench_export", "--size-gib", str(args.export_gib), "--ranks", "2",
@@ -327,36 +365,9 @@ def run(args: argparse.Namespace) -> int:
                 errors["export"] = f"exit {rc}: {tail}"
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    rows = report.summarize(records)
-    loads = [r["load_avg_1min"] for r in records if r.get("load_avg_1min") is not None] or [os.getloadavg()[0]]
-    data: dict[str, Any] = {
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(["python -m benchmarks.suite", *sys.argv[1:]]) if args.argv is None
-        else " ".join(["python -m benchmarks.suite", *args.argv]),
-        "args": {k: v for k, v in vars(args).items() if k != "argv"},
-        "machine": machine,
-        "load_range": [min(loads), max(loads)],
-        "load_median": statistics.median(loads),
-        "wall_s": time.monotonic() - t_start,
-        "summary": rows,
-        "floors": report.floor_checks(rows),
-        "fits": linear_fit(rows),
-        "small_cost": small_cost(rows),
-        "part_errors": errors,
-        **extra,
-        "records": records,
-    }
-    if "async" in extra:
-        data["async_floors"] = async_floors(extra["async"])
-    png = out / "time_vs_size.png"
-    if plot(rows, data["fits"], png) and args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(png, args.plot)
-    text = render(data)
-    (out / "suite.json").write_text(json.dumps(data, indent=1, default=str))
-    (out / "suite.md").write_text(text + "\n")
+    data, text = write()
     print(text)
-    print(f"results: {out / 'suite.json'}, {out / 'suite.md'}, {png}", file=sys.stderr)
+    print(f"results: {out / 'suite.json'}, {out / 'suite.md'}, {out / 'time_vs_size.png'}", file=sys.stderr)
     if errors or any("error" in r for r in records):
         return 2
     if args.fail_under_floor and not all(c["passed"] for c in data["floors"]):
