@@ -319,50 +319,56 @@ def run(args: argparse.Namespace) -> int:
         (out / "suite.md").write_text(text + "\n")
         return data, text
 
+    py = sys.executable
+
+    def core() -> None:
+        for size in sizes:
+            case(size, int(size * GIB), "dense", f"dense {size:g} GiB", ["save", "load", "load warm", "resume"])
+            write()
+
+    def small() -> None:
+        nbytes = args.small_tensors * SMALL_TENSOR_BYTES
+        case(nbytes / GIB, nbytes, "small", f"{args.small_tensors:,} x 4 KiB", ["save", "load", "load warm"])
+
+    def huge() -> None:
+        case(args.huge_gib, int(args.huge_gib * GIB), "huge", f"huge {args.huge_gib:g} GiB (6 tensors)",
+             ["save", "load"])
+
+    def run_async() -> None:
+        path = out / "async.json"
+        rc, tail = _sub([py, "-m", "benchmarks.bench_async", "--sizes", args.async_sizes or args.sizes,
+                         "--repeats", str(args.repeats), "--only", args.async_only, "--out", str(path),
+                         "--workdir", str(scratch / "async")], args.timeout * 20, out / "async.log")
+        if rc == 0 and path.exists():
+            extra["async"] = json.loads(path.read_text())
+        else:
+            errors["async"] = f"exit {rc}: {tail}"
+
+    def dist() -> None:
+        path = out / "distributed.json"
+        rc, tail = _sub([py, "-m", "benchmarks.bench_distributed", "--size-mib", str(args.dist_mib),
+                         "--world-sizes", "1,2", "--repeats", str(args.repeats), "--out", str(path),
+                         "--workdir", str(scratch / "dist")], args.timeout * 10, out / "distributed.log")
+        if rc == 0 and path.exists():
+            extra["dist"] = json.loads(path.read_text())
+        else:
+            errors["dist"] = f"exit {rc}: {tail}"
+
+    def export() -> None:
+        path = out / "export.json"
+        rc, tail = _sub([py, "-m", "benchmarks.bench_export", "--size-gib", str(args.export_gib), "--ranks", "2",
+                         "--json", str(path), "--workdir", str(scratch / "export"), *args.export_args],
+                        args.timeout * 10, out / "export.log")
+        if path.exists():
+            extra["export"] = json.loads(path.read_text())
+        if rc != 0:
+            errors["export"] = f"exit {rc}: {tail}"
+
+    steps = {"core": core, "small": small, "huge": huge, "async": run_async, "dist": dist, "export": export}
     try:
-        if "core" in parts:
-            for size in sizes:
-                case(size, int(size * GIB), "dense", f"dense {size:g} GiB", ["save", "load", "load warm", "resume"])
-                write()
-        write()
-        if "small" in parts:
-            nbytes = args.small_tensors * SMALL_TENSOR_BYTES
-            case(nbytes / GIB, nbytes, "small", f"{args.small_tensors:,} x 4 KiB", ["save", "load", "load warm"])
-        write()
-        if "huge" in parts:
-            case(args.huge_gib, int(args.huge_gib * GIB), "huge", f"huge {args.huge_gib:g} GiB (6 tensors)",
-                 ["save", "load"])
-        py = sys.executable
-        write()
-        if "async" in parts:
-            path = out / "async.json"
-            rc, tail = _sub([py, "-m", "benchmarks.bench_async", "--sizes", args.async_sizes or args.sizes,
-                             "--repeats", str(args.repeats), "--only", args.async_only, "--out", str(path),
-                             "--workdir", str(scratch / "async")], args.timeout * 20, out / "async.log")
-            if rc == 0 and path.exists():
-                extra["async"] = json.loads(path.read_text())
-            else:
-                errors["async"] = f"exit {rc}: {tail}"
-        write()
-        if "dist" in parts:
-            path = out / "distributed.json"
-            rc, tail = _sub([py, "-m", "benchmarks.bench_distributed", "--size-mib", str(args.dist_mib),
-                             "--world-sizes", "1,2", "--repeats", str(args.repeats), "--out", str(path),
-                             "--workdir", str(scratch / "dist")], args.timeout * 10, out / "distributed.log")
-            if rc == 0 and path.exists():
-                extra["dist"] = json.loads(path.read_text())
-            else:
-                errors["dist"] = f"exit {rc}: {tail}"
-        write()
-        if "export" in parts:
-            path = out / "export.json"
-            rc, tail = _sub([py, "-m", "benchmarks.bench_export", "--size-gib", str(args.export_gib), "--ranks", "2",
-                             "--json", str(path), "--workdir", str(scratch / "export"), *args.export_args],
-                            args.timeout * 10, out / "export.log")
-            if path.exists():
-                extra["export"] = json.loads(path.read_text())
-            if rc != 0:
-                errors["export"] = f"exit {rc}: {tail}"
+        for part in parts:  # in the order given
+            steps[part]()
+            write()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     data, text = write()
@@ -379,7 +385,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", help="dense state sizes in GiB (default 0.25,1,2; --quick: 0.0625)")
     p.add_argument("--repeats", type=int, help="runs per measurement, the median is reported (default 3)")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma separated, of {','.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma separated, run in the order given, of {','.join(PARTS)}")
     p.add_argument("--ops", default="save,load,load warm,resume",
                    help="measurements per case: save, load (cold page cache), load warm, resume")
     p.add_argument("--contenders", help="only these contender names (limits/peers/ours), comma separated")
