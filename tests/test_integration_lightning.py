@@ -71,13 +71,13 @@ def loader() -> StatefulDataLoader:
 
 
 def fit(max_steps: int, callback: pl.Callback | None = None, *, fail_at: int | None = None,
-        seed: int = 123) -> tuple[TinyModule, pl.Trainer]:
+        seed: int = 123, accumulate: int = 1) -> tuple[TinyModule, pl.Trainer]:
     torch.manual_seed(seed)
     module = TinyModule(fail_at)
     trainer = pl.Trainer(
         max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[callback] if callback is not None else [],
+        accumulate_grad_batches=accumulate, callbacks=[callback] if callback is not None else [],
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "num_workers", "no val loop" and similar advice
@@ -96,6 +96,7 @@ def config(tmp_path: Path, manager: str | None, every: int, **kw: Any) -> Checkp
 
 
 def assert_same_run(ref: tuple[TinyModule, pl.Trainer], got: tuple[TinyModule, pl.Trainer]) -> None:
+    """Same weights, optimizer moments, scheduler and counters as the run that never stopped."""
     (ref_module, ref_trainer), (module, trainer) = ref, got
     assert trainer.global_step == ref_trainer.global_step == TOTAL_STEPS
     for (name, a), b in zip(ref_module.state_dict().items(), module.state_dict().values(), strict=True):
@@ -134,15 +135,29 @@ def test_crash_mid_run_then_resume_is_bit_exact(
     manager: str | None, reference: tuple[TinyModule, pl.Trainer], tmp_path: Path
 ) -> None:
     cfg = config(tmp_path, manager, every=2)
-    with pytest.raises(RuntimeError, match="injected failure at step 7"):
-        fit(TOTAL_STEPS, LightningCheckpointCallback(cfg), fail_at=7)  # dies in epoch 1, after saving 6
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))[-1] == "step_00000006"
+    with pytest.raises(RuntimeError, match="injected failure at step 9"):
+        fit(TOTAL_STEPS, LightningCheckpointCallback(cfg), fail_at=9)  # dies in epoch 1, after saving 8
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))[-1] == "step_00000008"
 
     second = LightningCheckpointCallback(cfg)
-    got = fit(TOTAL_STEPS, second, seed=999)
-    assert second.load_result is not None and second.load_result.step == 6
+    got = fit(TOTAL_STEPS, second, seed=999)  # resumes inside epoch 1: its sampler epoch must be 1
+    assert second.load_result is not None and second.load_result.step == 8
     assert_same_run(reference, got)
     assert second.train_state.consumed_samples == TOTAL_STEPS * 4
+
+
+@pytest.mark.parametrize("stop", [3, 4], ids=["at-epoch-end", "mid-epoch-1"])
+def test_gradient_accumulation_resume_is_bit_exact(stop: int, tmp_path: Path) -> None:
+    """Two batches per optimizer step (3 steps per epoch): resumes at an epoch's last batch (where
+    Lightning alone would count the epoch twice) and inside the next epoch."""
+    reference = fit(TOTAL_STEPS, accumulate=2)
+    cfg = config(tmp_path, None, every=TOTAL_STEPS)  # only the final save
+    fit(stop, LightningCheckpointCallback(cfg), accumulate=2)
+    second = LightningCheckpointCallback(cfg)
+    got = fit(TOTAL_STEPS, second, seed=999, accumulate=2)
+    assert second.load_result is not None and second.load_result.step == stop
+    assert_same_run(reference, got)
+    assert second.train_state.consumed_samples == TOTAL_STEPS * 2 * 4
 
 
 def test_async_saves_are_committed_at_teardown_and_an_owned_manager_is_closed(tmp_path: Path) -> None:

@@ -24,13 +24,16 @@ from checkpoint_manager.train_state import TrainState
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+    from lightning_fabric.utilities.data import _set_sampler_epoch
     from pytorch_lightning.utilities.data import extract_batch_size
 else:
     try:
         import pytorch_lightning as pl
+        from lightning_fabric.utilities.data import _set_sampler_epoch
         from pytorch_lightning.utilities.data import extract_batch_size
     except ImportError:  # pragma: no cover - depends on which Lightning distribution is installed
         import lightning.pytorch as pl
+        from lightning.fabric.utilities.data import _set_sampler_epoch
         from lightning.pytorch.utilities.data import extract_batch_size
 
 __all__ = ["LOOPS_KEY", "PRECISION_KEY", "LightningCheckpointCallback"]
@@ -50,12 +53,35 @@ class _FitLoopState:
     def __init__(self, trainer: pl.Trainer, frozen: dict[str, Any] | None = None) -> None:
         self.trainer = trainer
         self.frozen = frozen
+        self.loader_states: list[dict[str, Any]] = []
 
     def state_dict(self) -> dict[str, Any]:
         return self.frozen if self.frozen is not None else self.trainer.fit_loop.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        own = state_dict.get("state_dict")
+        self.loader_states = list(own.get("combined_loader", [])) if isinstance(own, dict) else []
         self.trainer.fit_loop.load_state_dict(_unmark_last_batch(state_dict))
+
+
+def _reposition_data(trainer: pl.Trainer, loader_states: list[dict[str, Any]]) -> None:
+    """Rebuild the train iterator of a resumed epoch with its sampler set to that epoch.
+
+    On restart Lightning 2.x restores stateful dataloaders and creates their iterator in
+    ``FitLoop.setup_data``, before ``on_advance_start`` sets the sampler's epoch: a sampler that
+    shuffles per epoch (``DistributedSampler``, Lightning's own under DDP) then replays the batches
+    of epoch 0 for a resume inside any later epoch. Here, before the first batch, the epoch is set
+    and the same loader states are applied again to a fresh iterator.
+    """
+    fit_loop = trainer.fit_loop
+    combined = fit_loop._combined_loader
+    fetcher = fit_loop._data_fetcher
+    if not loader_states or combined is None or fetcher is None:
+        return
+    for loader in combined.flattened:
+        _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+    combined._load_state_dicts(loader_states)
+    iter(fetcher)
 
 
 def _unmark_last_batch(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -110,6 +136,7 @@ class LightningCheckpointCallback(pl.Callback):
         self._last_offered: int | None = None
         self._finished = False
         self._after_step: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self._loader_states: list[dict[str, Any]] = []
 
     # -- what is saved ------------------------------------------------------------------------------
     def _objects(
@@ -138,6 +165,7 @@ class LightningCheckpointCallback(pl.Callback):
         self._last_offered = None
         self._finished = False
         self._after_step = None
+        self._loader_states = []
         if not self.resume:
             return
         ctx = LoadContext(**self._objects(trainer, pl_module))
@@ -150,12 +178,18 @@ class LightningCheckpointCallback(pl.Callback):
                 "(LightningCheckpointCallback(..., resume=False) keeps the ckpt_path)"
             )
         self.load_result = self.manager.load(ctx)
+        self._loader_states = ctx.extra[LOOPS_KEY].loader_states
         if trainer.global_step != self.train_state.step:
             raise CheckpointMismatchError(
                 f"{self.load_result.path}: the restored fit loop is at global step {trainer.global_step} but "
                 f"the checkpoint's train state says step {self.train_state.step}"
             )
         self._last_offered = trainer.global_step
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._loader_states and trainer.fit_loop.restarting:
+            _reposition_data(trainer, self._loader_states)
+        self._loader_states = []
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
