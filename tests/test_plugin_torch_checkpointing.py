@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +21,7 @@ from torch import nn
 from checkpoint_manager import (
     CheckpointConfig,
     CheckpointCorruptError,
+    CheckpointMismatchError,
     CheckpointNotFoundError,
     LoadContext,
     SaveContext,
@@ -141,8 +148,10 @@ class Rig:
         }
 
 
-def replay(steps: int) -> dict[str, Any]:
+def replay(steps: int, data_seed: int | None = None) -> dict[str, Any]:
     rig = Rig(seed=0)
+    if data_seed is not None:
+        torch.manual_seed(data_seed)
     for _ in range(steps):
         rig.step()
     return rig.snapshot()
@@ -318,3 +327,81 @@ def test_config(tmp_path: Path) -> None:
         TorchCheckpointingConfig(save_dir=str(tmp_path), async_engine="fork")
     with pytest.raises(CheckpointNotFoundError, match=r"is not a committed checkpoint of this format"):
         make(tmp_path).load(LoadContext(**Rig(seed=0).kwargs(), path=tmp_path))
+
+
+# ---- several processes: one file per rank, rank 0 commits ----------------------------------------
+
+
+def test_two_ranks_save_and_resume_bit_exact(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    children = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(tmp_path)],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(2)
+    ]
+    outputs = [child.communicate(timeout=110)[0].decode(errors="replace") for child in children]
+    reports = []
+    for rank, child in enumerate(children):
+        report_file = tmp_path / f"rank{rank}.json"
+        assert report_file.exists(), f"rank {rank} exited with {child.returncode}:\n{outputs[rank][-3000:]}"
+        reports.append(json.loads(report_file.read_text()))
+    for rank, report in enumerate(reports):
+        assert report["ok"], f"rank {rank}:\n{report['error']}"
+        assert report["steps"] == [4, 4]
+    for mode in ("sync", "async"):
+        root = tmp_path / mode
+        assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
+        ckpt = root / "step_00000004"
+        assert sorted(p.name for p in ckpt.iterdir()) == sorted(
+            [COMMIT_FILE, "state_0.json", "state_1.json", "tensors_0.safetensors", "tensors_1.safetensors"]
+        )
+        assert json.loads((ckpt / COMMIT_FILE).read_text())["world_size"] == 2
+        rank0 = safetensors.torch.load_file(ckpt / "tensors_0.safetensors")
+        rank1 = safetensors.torch.load_file(ckpt / "tensors_1.safetensors")
+        assert not torch.equal(rank0["model.emb.weight"], rank1["model.emb.weight"])  # each rank its own
+    with pytest.raises(
+        CheckpointMismatchError, match=r"was saved by 2 rank\(s\) and is being loaded by 1: .* does not reshard"
+    ):
+        resume(tmp_path / "sync")
+
+
+def _rank_main(root: Path) -> None:
+    """One rank of the test above: train on its own data, save (sync and async), resume, compare."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    try:
+        steps = []
+        for mode in ("sync", "async"):
+            rig = Rig(seed=0)
+            torch.manual_seed(100 + rank)  # same initial weights, different data per rank
+            with make(root / mode, save_every_n_steps=2, keep_last=2, async_save=mode == "async",
+                      collective_timeout_s=60) as manager:
+                for _ in range(5):
+                    rig.step()
+                    manager.save(SaveContext(**rig.kwargs()))
+            fresh = Rig(seed=1)
+            torch.manual_seed(4321)
+            with make(root / mode, collective_timeout_s=60) as manager:
+                result = manager.load(LoadContext(**fresh.kwargs()))
+            steps.append(result.step)
+            assert_same(fresh.snapshot(), replay(result.step, data_seed=100 + rank))
+            fresh.step()  # and training goes on as this rank's own run did
+            assert_same(fresh.snapshot(), replay(result.step + 1, data_seed=100 + rank))
+        report: dict[str, Any] = {"ok": True, "steps": steps}
+    except BaseException:
+        report = {"ok": False, "error": traceback.format_exc()}
+    (root / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _rank_main(Path(sys.argv[1]))

@@ -32,6 +32,7 @@ SUPPORTED_BASE_FIELDS = frozenset(
         "sweep_pending_on_start",
         "keep_last",
         "keep_every_n_steps",
+        "collective_timeout_s",
     }
 )
 
@@ -43,7 +44,8 @@ class TorchCheckpointingConfig(CheckpointConfig):
         default="thread",
         description="How async saves write: 'thread' copies the state into reused host buffers and runs "
         "the engine's writer on a background thread; 'process' uses torch_checkpointing's own async "
-        "saver (staging plus a spawned writer process, which takes seconds to start on the first save).",
+        "saver (staging plus a spawned writer process, which takes seconds to start on the first save; "
+        "single-process runs only).",
     )
     engine_direct_io: bool = Field(
         default=False,

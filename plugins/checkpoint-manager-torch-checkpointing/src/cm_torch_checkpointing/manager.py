@@ -8,10 +8,15 @@ commit is ours: the files are fsynced, ``cm_commit.json`` (step, train state, me
 manifest, file sizes) is written last, and one rename publishes ``step_NNNNNNNN``. A directory
 with that name is therefore always complete; a crash leaves only hidden leftovers that the next
 manager sweeps.
+
+Several processes: every rank writes its own files (``tensors_<rank>``, ``state_<rank>``) and
+fsyncs them before the engine's barrier; decisions, the commit and retention are rank 0's, over
+the core's bounded gloo collectives. A checkpoint loads at the world size that saved it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -30,12 +35,14 @@ import torch
 import torch_checkpointing as tc
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 from torch_checkpointing.checkpoint_layout import JsonSerialization, LayoutInfo, SafetensorsSerialization
+from torch_checkpointing.checkpoint_writer import CallbackArgs
 from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
 from checkpoint_manager import (
     AsyncSaveError,
     CheckpointConfig,
     CheckpointCorruptError,
+    CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointVersionError,
     LoadContext,
@@ -45,6 +52,7 @@ from checkpoint_manager import (
     SaveResult,
 )
 from checkpoint_manager.codec import decode, dtype_from_name, dtype_name, encode
+from checkpoint_manager.dist import DistContext
 from checkpoint_manager.factory import fields_set
 from checkpoint_manager.policy import build_save_policy
 from checkpoint_manager.staging import StagingBuffers
@@ -97,11 +105,13 @@ class TorchCheckpointingManager:
     def __init__(self, config: CheckpointConfig) -> None:
         if not isinstance(config, TorchCheckpointingConfig):
             config = TorchCheckpointingConfig.model_validate(fields_set(config))
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # Two gloo groups of our own (as the default manager): the training thread's and the writer's.
+        self._dist = DistContext(config.collective_timeout_s)
+        self._io = DistContext(config.collective_timeout_s)
+        if self._dist.world_size > 1 and config.async_save and config.async_engine == "process":
             raise ValueError(
-                "the torch-checkpointing manager is single-process for now; use the default manager "
-                "for multi-process runs"
+                "async_engine='process' is single-process only in this plugin; use async_engine='thread' "
+                f"with {self._dist.world_size} ranks"
             )
         self.config: TorchCheckpointingConfig = config
         self.root = Path(config.save_dir)
@@ -116,12 +126,17 @@ class TorchCheckpointingManager:
         self._inflight: Future[SaveResult] | None = None
         self._inflight_step: int | None = None
         self._resumed_from: str | None = None
+        self._last_saved: int | None = self._dist.on_coordinator(self._start, "start: sweep and list")
+        self._dist.barrier("start")
+
+    def _start(self) -> int | None:
+        """Rank 0: check the directory, sweep leftovers, and find the newest saved step."""
         if self.root.exists() and not self.root.is_dir():
             raise NotADirectoryError(f"save_dir {self.root} exists and is not a directory")
-        if config.sweep_pending_on_start:
+        if self.config.sweep_pending_on_start:
             _sweep(self.root)
         newest = _committed(self.root)
-        self._last_saved: int | None = newest[-1][0] if newest else None
+        return newest[-1][0] if newest else None
 
     # -- context manager --------------------------------------------------------------------------
     def __enter__(self) -> TorchCheckpointingManager:
@@ -160,6 +175,8 @@ class TorchCheckpointingManager:
         cfg.storage_config = LocalFileSystemStorageConfig(use_direct_io=self.config.engine_direct_io)
         cfg.save.wait_timeout_secs = self.config.engine_timeout_s
         cfg.save.writer_config.temp_dir_prefix = _TMP_PREFIX
+        if self.config.fsync:  # each rank makes its own files durable before the engine's barrier
+            cfg.pre_finalize_callback = functools.partial(_fsync_rank_files, rank=self._io.rank)
         return cfg
 
     def _engine(self) -> tc.CheckpointManager:
@@ -176,16 +193,33 @@ class TorchCheckpointingManager:
 
     # -- protocol ---------------------------------------------------------------------------------
     def should_load(self, ctx: LoadContext) -> bool:
-        return self._resolve(ctx) is not None
+        return self._resolve_everywhere(ctx) is not None
+
+    def _resolve_everywhere(self, ctx: LoadContext) -> Path | None:
+        """Rank 0 picks the checkpoint; every rank gets its answer (or its error)."""
+
+        def resolve() -> str | None:
+            path = self._resolve(ctx)
+            return str(path) if path is not None else None
+
+        answer = self._dist.on_coordinator(resolve, "resolve checkpoint")
+        return Path(answer) if answer is not None else None
 
     def load(self, ctx: LoadContext) -> LoadResult:
         started = time.perf_counter()
-        path = self._resolve(ctx)
+        path = self._resolve_everywhere(ctx)
         if path is None:
             why = "load_mode='never'" if self.config.load_mode == "never" else "no committed checkpoint"
             raise CheckpointNotFoundError(f"nothing to load from {self.load_root}: {why}")
         meta = _read_commit(path)
         _verify(path, meta, self.config.verify_on_load)
+        saved_world = meta.get("world_size", 1)
+        if saved_world != self._dist.world_size:
+            raise CheckpointMismatchError(
+                f"{path} was saved by {saved_world} rank(s) and is being loaded by {self._dist.world_size}: "
+                "this engine's layout (one file per rank) does not reshard; load it at the same world size "
+                "or use the default manager"
+            )
         engine = self._engine()
         state = self._engine_load(engine, path, {STATE_ITEM: None}, strict=True)[STATE_ITEM]
         if not isinstance(state, dict) or not isinstance(state.get("global"), dict):
@@ -267,13 +301,18 @@ class TorchCheckpointingManager:
             )
 
     def _decide(self, step: int, ctx: SaveContext) -> bool:
+        """One decision for all ranks: rank 0's (a time-based policy may differ between ranks)."""
         with self._lock:
             last = self._last_saved
-        if ctx.force:
-            return True
-        if step == last:
-            return False  # e.g. a final save right after the periodic save of the same step
-        return ctx.final or self._policy.should_save(step, last)
+
+        def decide() -> bool:
+            if ctx.force:
+                return True
+            if step == last:
+                return False  # e.g. a final save right after the periodic save of the same step
+            return ctx.final or self._policy.should_save(step, last)
+
+        return bool(self._dist.on_coordinator(decide, f"step {step}: save decision"))
 
     def _prepare(self, ctx: SaveContext, step: int) -> _Job:
         started = time.perf_counter()
@@ -286,8 +325,12 @@ class TorchCheckpointingManager:
                     f"{dtype_name(tensor.dtype)} tensors (the default manager can)"
                 )
         name = f"step_{step:08d}"
-        self.root.mkdir(parents=True, exist_ok=True)
-        pending = self.root / f".pending-{name}-{uuid.uuid4().hex[:8]}"
+
+        def new_pending() -> str:
+            self.root.mkdir(parents=True, exist_ok=True)
+            return str(self.root / f".pending-{name}-{uuid.uuid4().hex[:8]}")
+
+        pending = Path(self._dist.on_coordinator(new_pending, f"step {step}: name the pending directory"))
         state = {"global": gathered.global_json, "rank": gathered.rank_json}
         job = _Job(step, name, pending, _unshare(gathered.tensors), state, gathered.train_state, dict(ctx.metrics), started)
         job.manifest = {k: [dtype_name(t.dtype), list(t.shape)] for k, t in gathered.tensors.items()}
@@ -314,7 +357,7 @@ class TorchCheckpointingManager:
                 _remove_attempt(job.pending)
                 raise
             job.stall = time.perf_counter() - job.started
-            task: Any = (self._finish_process_write, job, write)
+            task: Any = (self._finish_process_write, job, write)  # single process only
         else:
             job.tensors = self._staging.stage(job.tensors)  # a snapshot: training may go on now
             job.stall = time.perf_counter() - job.started
@@ -356,12 +399,21 @@ class TorchCheckpointingManager:
         return engine.save(str(job.pending), {TENSORS_ITEM: job.tensors, STATE_ITEM: job.state})
 
     def _write_and_commit(self, job: _Job) -> SaveResult:
+        """Every rank writes its files; all vote; rank 0 commits (or, on any failure, removes them)."""
+        io = self._io
+        failure: BaseException | None = None
         try:
             self._engine_save(self._engine(), job)
+        except BaseException as exc:
+            failure = exc
+        try:
+            io.vote(failure, f"step {job.step}: all ranks written")
+            final = io.on_coordinator(lambda: self._commit(job), f"step {job.step}: commit")
         except BaseException:
-            _remove_attempt(job.pending)
+            if io.is_coordinator:
+                _remove_attempt(job.pending)
             raise
-        return self._commit(job)
+        return self._result(job, Path(final))
 
     def _finish_process_write(self, job: _Job, write: Future[Any] | None) -> SaveResult:
         try:
@@ -370,20 +422,16 @@ class TorchCheckpointingManager:
         except BaseException:
             _remove_attempt(job.pending)
             raise
-        return self._commit(job)
+        return self._result(job, Path(self._commit(job)))
 
-    def _commit(self, job: _Job) -> SaveResult:
+    def _commit(self, job: _Job) -> str:
         """fsync what the engine wrote, write the commit marker last, and publish with one rename."""
         pending = job.pending
         try:
             if not pending.is_dir():
                 raise CheckpointCorruptError(f"the engine reported success but wrote no {pending}")
-            fsync = self.config.fsync
-            files = {}
-            for file in sorted(pending.iterdir()):
-                if fsync:
-                    _fsync_path(file)
-                files[file.name] = {"size": file.stat().st_size}
+            fsync = self.config.fsync  # the ranks fsynced their files before the engine's barrier
+            files = {file.name: {"size": file.stat().st_size} for file in sorted(pending.iterdir())}
             meta = {
                 "format": FORMAT,
                 "format_version": FORMAT_VERSION,
@@ -392,7 +440,7 @@ class TorchCheckpointingManager:
                 "step": job.step,
                 "name": job.name,
                 "created_unix": time.time(),
-                "world_size": 1,
+                "world_size": self._io.world_size,
                 "train_state": job.train_state,
                 "metrics": encode(job.metrics),
                 "tensors": job.manifest,
@@ -415,6 +463,9 @@ class TorchCheckpointingManager:
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         self._retain(final.name)
+        return str(final)
+
+    def _result(self, job: _Job, final: Path) -> SaveResult:
         seconds = time.perf_counter() - job.started
         log.info("saved %s (step %d) in %.3fs", final, job.step, seconds)
         return SaveResult(
@@ -597,6 +648,15 @@ def _write_file(path: Path, data: bytes, *, fsync: bool) -> None:
         if fsync:
             f.flush()
             os.fsync(f.fileno())
+
+
+def _fsync_rank_files(args: CallbackArgs, *, rank: int) -> None:
+    """The engine's pre-finalize hook: this rank's files, in the engine's temporary directory."""
+    directory = Path(args.path)
+    for name in (f"tensors_{rank}.safetensors", f"state_{rank}.json"):
+        if (directory / name).exists():
+            _fsync_path(directory / name)
+    _fsync_path(directory)
 
 
 def _fsync_path(path: Path) -> None:
