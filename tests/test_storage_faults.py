@@ -46,13 +46,13 @@ from checkpoint_manager import (
     verify,
 )
 
-KINDS = ("write", "fsync", "rename", "replace")
+KINDS = ("mkdir", "write", "fsync", "rename", "replace")
 LATEST = "latest"
 
 
 def _fault(kind: str, path: str) -> OSError:
-    """What the kernel would say: a full disk for writes, an I/O error for the rest."""
-    code = errno.ENOSPC if kind == "write" else errno.EIO
+    """What the kernel would say: a full disk for new data and directories, an I/O error for the rest."""
+    code = errno.ENOSPC if kind in ("write", "mkdir") else errno.EIO
     return OSError(code, os.strerror(code))
 
 
@@ -129,7 +129,7 @@ def faults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Faults:
     """Wrap the calls a save makes; inert until ``active`` (only paths inside tmp_path/ck count)."""
     f = Faults(tmp_path / "ck")
     real_open, real_pwrite, real_write = builtins.open, os.pwrite, os.write
-    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+    real_fsync, real_rename, real_replace, real_mkdir = os.fsync, os.rename, os.replace, os.mkdir
 
     def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         opened = real_open(file, mode, *args, **kwargs)
@@ -157,6 +157,12 @@ def faults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Faults:
         f.hit("replace", src, dst)
         real_replace(src, dst, *args, **kwargs)
 
+    def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        if not os.path.lexists(path) and kwargs.get("dir_fd") is None:  # (an existing one: EEXIST first)
+            f.hit("mkdir", path)
+        real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
     monkeypatch.setattr(builtins, "open", open_)
     monkeypatch.setattr(io, "open", open_)
     monkeypatch.setattr(os, "pwrite", pwrite)
@@ -303,13 +309,15 @@ def arm(faults: Faults, root: Path, trace: list[Call], index: int) -> Call:
 
 
 def expected_message(kind: str) -> str:
-    return r"\[Errno 28\] No space left on device" if kind == "write" else r"\[Errno 5\] Input/output error"
+    if kind in ("write", "mkdir"):
+        return r"\[Errno 28\] No space left on device"
+    return r"\[Errno 5\] Input/output error"
 
 
 def assert_reported(err: BaseException | None, faults: Faults, call: Call, async_save: bool) -> None:
     """The failure comes out typed: the OSError itself (sync), or AsyncSaveError naming the step (async)."""
     assert faults.raised is not None, f"the fault at {call} never fired"
-    if async_save:
+    if async_save and call.kind != "mkdir":  # (the pending directory is made before the save goes async)
         assert isinstance(err, AsyncSaveError), repr(err)
         pattern = rf"the async save of step 3 \(not committed\) failed: OSError: {expected_message(call.kind)}"
         with pytest.raises(AsyncSaveError, match=pattern):
