@@ -553,7 +553,7 @@ class ObjectWriterLock:
             try:
                 current, _ = self.read()
                 if current is not None and current.token == entry[0].token:
-                    self.storage.fs.rm_file(self.key)
+                    self.storage.retry.call(lambda: self.storage.fs.rm_file(self.key), f"delete {self.url}")
                 else:
                     log.warning("not removing %s: it was taken over by %s", self.url, current and current.describe())
             except OSError as exc:

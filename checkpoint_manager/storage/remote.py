@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import uuid
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -35,7 +36,7 @@ from checkpoint_manager.layout import (
     rank_file,
 )
 from checkpoint_manager.storage.local import PENDING_DIR, LocalStorage
-from checkpoint_manager.storage.retry import RetryPolicy
+from checkpoint_manager.storage.retry import RetryPolicy, is_transient
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -54,6 +55,7 @@ METADATA_FILE = ".metadata"
 # what a save of ours puts under a checkpoint prefix: only prefixes made of these are ever swept
 _OURS = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank_\d+\.json|state\.json|hf/.+)$")
 _RANK_JSON = re.compile(r"^rank_\d+\.json$")
+_TRANSFERS = 8  # files moved at once (each big one is itself a concurrent multipart transfer)
 
 
 def _json_bytes(data: Any) -> bytes:
@@ -123,21 +125,25 @@ class FsspecStorage:
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return self.retry.call(lambda: fn(*args, **kwargs), what)
 
+    def _exists(self, key: str) -> bool:
+        self.fs.invalidate_cache(key.rsplit("/", 1)[0])
+        return bool(self._call(f"look for {key}", self.fs.exists, key))
+
     # -- discovery --------------------------------------------------------------------------------
     def _markers(self) -> dict[str, dict[str, Any]]:
         """name -> listing entry of its ``checkpoint.json``, fresh from the store."""
+        # One flat listing (paginated, errors raised). Not glob: its directory walk silently omits a
+        # directory whose listing failed, and a checkpoint missing from discovery is a wrong resume.
         self.fs.invalidate_cache(self.root)
         try:
-            found = self._call(
-                f"list {self.url}", self.fs.glob, f"{self.root}/*/{CHECKPOINT_JSON}", detail=True
-            )
+            found = self._call(f"list {self.url}", self.fs.find, self.root, detail=True)
         except FileNotFoundError:
             return {}
         out: dict[str, dict[str, Any]] = {}
         for path, info in dict(found).items():
-            parts = str(path).rstrip("/").split("/")
-            if len(parts) >= 2 and not parts[-2].startswith("."):
-                out[parts[-2]] = dict(info)
+            parts = str(path)[len(self.root) + 1 :].split("/")
+            if len(parts) == 2 and parts[1] == CHECKPOINT_JSON and not parts[0].startswith("."):
+                out[parts[0]] = dict(info)
         return out
 
     def list_names(self) -> list[str]:
@@ -164,6 +170,13 @@ class FsspecStorage:
             for path, name in todo.items():
                 raw = fetched.get(path) if isinstance(fetched, dict) else None
                 label = f"{self.location_of(name)}/{CHECKPOINT_JSON}"
+                if isinstance(raw, BaseException) and is_transient(raw):  # retried one by one
+                    try:
+                        raw = self._call(f"read {label}", self.fs.cat_file, path)
+                    except OSError as exc:
+                        raw = exc
+                if isinstance(raw, FileNotFoundError):
+                    continue  # deleted since the listing
                 if not isinstance(raw, bytes):
                     bad.append((name, f"{label}: unreadable ({raw!r})"))
                     continue
@@ -240,12 +253,7 @@ class FsspecStorage:
         rels = [r for r in rels if r and ".." not in r.split("/")]
         for rel in rels:
             (local / rel).parent.mkdir(parents=True, exist_ok=True)
-        self._call(
-            f"download {location}",
-            self.fs.get,
-            [f"{remote}/{r}" for r in rels],
-            [str(local / r) for r in rels],
-        )
+        self._transfer("download", self.fs.get_file, [(f"{remote}/{r}", str(local / r)) for r in rels])
         return local
 
     def release_local(self, local: Path) -> None:
@@ -284,17 +292,24 @@ class FsspecStorage:
         # the staging copy is uploaded at once: its durability comes from the store, not from fsync
         return CheckpointWriter(pending, fsync=False, direct=direct)
 
+    def _transfer(self, what: str, fn: Any, pairs: list[tuple[str, str]]) -> None:
+        """``fn(src, dst)`` for every pair, a few at a time, each retried on its own (a batch retried
+        as a whole would redo the files that already made it, and fail forever under steady errors)."""
+        if len(pairs) <= 1:
+            for src, dst in pairs:
+                self._call(f"{what} {src}", fn, src, dst)
+            return
+        with ThreadPoolExecutor(max_workers=min(_TRANSFERS, len(pairs)), thread_name_prefix="checkpoint-io") as pool:
+            futures = [pool.submit(self._call, f"{what} {src}", fn, src, dst) for src, dst in pairs]
+            for future in futures:
+                future.result()
+
     def _put(self, pending: Path, rels: list[str]) -> None:
         rels = [r for r in rels if (pending / r).is_file()]
         if not rels:
             return
         remote = self.remote_dir(pending)
-        self._call(
-            f"upload {len(rels)} file(s) to {self.location_of(remote.rsplit('/', 1)[-1])}",
-            self.fs.put,
-            [str(pending / r) for r in rels],
-            [f"{remote}/{r}" for r in rels],
-        )
+        self._transfer("upload", self.fs.put_file, [(str(pending / r), f"{remote}/{r}") for r in rels])
         self._uploaded.setdefault(str(pending), set()).update(rels)
 
     def upload_part(self, pending: Path, rank: int, files: list[str]) -> None:
@@ -370,7 +385,7 @@ class FsspecStorage:
             remote = self.remote_dir(path)
             self._uploaded.pop(str(path), None)
             shutil.rmtree(path, ignore_errors=True)
-            if self.fs.exists(f"{remote}/{CHECKPOINT_JSON}"):
+            if self._exists(f"{remote}/{CHECKPOINT_JSON}"):
                 return
             with contextlib.suppress(FileNotFoundError):
                 self._call(f"delete {remote}", self.fs.rm, remote, recursive=True)
@@ -402,7 +417,7 @@ class FsspecStorage:
 
     def purge(self, name: str) -> None:
         """Delete every object under an unlisted checkpoint's prefix."""
-        if self.fs.exists(self.key(name, CHECKPOINT_JSON)):
+        if self._exists(self.key(name, CHECKPOINT_JSON)):
             raise FileExistsError(f"{self.location_of(name)} is committed: unlist it before purging")
         with contextlib.suppress(FileNotFoundError):
             self._call(f"delete {self.location_of(name)}", self.fs.rm, self.key(name), recursive=True)
