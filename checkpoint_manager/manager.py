@@ -416,7 +416,7 @@ class DefaultCheckpointManager:
         seconds = t_end - t0
         log.info(
             "loaded %s (step %d): %.3f GB in %.2fs (%.2f GB/s)%s",
-            path,
+            source,  # an object store's URL, not the downloaded copy
             meta["step"],
             nbytes / 1e9,
             seconds,
