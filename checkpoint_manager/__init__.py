@@ -65,6 +65,7 @@ from checkpoint_manager.retention import (
     plan_retention,
     prune,
 )
+from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage
 from checkpoint_manager.train_state import TrainState
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "EveryNSeconds",
     "EveryNSteps",
     "FinalStep",
+    "FsspecStorage",
     "KeepAll",
     "KeepAny",
     "KeepBest",
@@ -97,6 +99,7 @@ __all__ = [
     "LoadContext",
     "LoadMode",
     "LoadResult",
+    "LocalStorage",
     "ManagerClosedError",
     "RetentionPlan",
     "RetentionPolicy",
@@ -105,6 +108,7 @@ __all__ = [
     "SaveResult",
     "SaveStartEvent",
     "Stateful",
+    "Storage",
     "TrainState",
     "UnsafeCheckpointError",
     "UserPolicy",
@@ -119,6 +123,7 @@ __all__ = [
     "load_hf_weights",
     "load_record",
     "open_bundle",
+    "open_storage",
     "pack_bundle",
     "parse_name",
     "plan_retention",
