@@ -6,12 +6,14 @@ parent then resumes in-process and compares against a replay of the same determi
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -330,6 +332,54 @@ def test_a_failing_tier_never_costs_the_other(tmp_path: Path) -> None:
     assert "cm_tiered: save failed on the durable tier" in getattr(info.value, "__notes__", [])
     manager.finalize_async_saves(blocking=True, terminate=True)  # the local save was still committed
     assert manager.local.list_checkpoints()[-1].step == 1
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB filesystem that fills up; mounting needs root (skipped where it is refused)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    try:
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True, timeout=20, check=False)
+
+
+class Big:
+    """4 MiB of state: more than the tiny filesystem holds."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w": torch.ones(1 << 20)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def test_a_full_durable_disk_is_raised_and_the_local_tier_still_commits(tmp_path: Path, tiny_tmpfs: Path) -> None:
+    fields = tiered_fields(tmp_path, async_save=True, save_dir=str(tiny_tmpfs / "durable"), durable_every_n_steps=2)
+    manager = create_checkpoint_manager(fields)
+    assert isinstance(manager, TieredCheckpointManager)
+    rig = Rig(seed=0)
+    rig.step()
+    manager.save(SaveContext(**rig.kwargs()))
+    rig.step()
+    staged = manager.save(SaveContext(**rig.kwargs(), extra={"big": Big()}))  # both tiers write in the background
+    assert staged is not None and not staged.committed
+    with pytest.raises(AsyncSaveError, match=r"the async save of step 2 \(not committed\) failed") as info:
+        manager.finalize_async_saves(blocking=True)
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+    assert "cm_tiered: finalize_async_saves failed on the durable tier" in info.value.__notes__
+    assert manager.list_checkpoints() == {"local": [1, 2], "durable": []}  # the local save was committed
+    assert list((tiny_tmpfs / "durable" / ".pending").iterdir()) == []
+    assert shutil.disk_usage(tiny_tmpfs).used < 1 << 20  # the partial write was removed
+    manager.finalize_async_saves(blocking=True, terminate=True)  # reported once
 
 
 # ---- config -------------------------------------------------------------------------------------

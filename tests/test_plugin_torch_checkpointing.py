@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from checkpoint_manager import (
+    AsyncSaveError,
     CheckpointConfig,
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -266,6 +269,57 @@ def test_an_unstorable_dtype_is_refused_before_any_file(tmp_path: Path, async_sa
     ):
         manager.save(SaveContext(**{**rig.kwargs(), "extra": {"spectrum": Spectrum()}}, force=True))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB filesystem that fills up; mounting needs root (skipped where it is refused)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    try:
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True, timeout=20, check=False)
+
+
+class Big:
+    """4 MiB of state: more than the tiny filesystem holds."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w": torch.ones(1 << 20)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def test_a_full_disk_in_a_background_save_is_raised_and_nothing_is_left(tiny_tmpfs: Path) -> None:
+    root = tiny_tmpfs / "ck"
+    rig = Rig(seed=0)
+    with make(root, async_save=True) as manager:
+        rig.step()
+        manager.save(SaveContext(**rig.kwargs(), force=True))
+        manager.finalize_async_saves(blocking=True)
+        rig.step()
+        staged = manager.save(SaveContext(**{**rig.kwargs(), "extra": {"ema": rig.ema, "big": Big()}}, force=True))
+        assert staged is not None and not staged.committed
+        with pytest.raises(AsyncSaveError, match=r"the async save of step 2 \(not committed\) failed") as info:
+            manager.finalize_async_saves(blocking=True)
+        assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+        assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]  # no leftovers
+        assert shutil.disk_usage(tiny_tmpfs).used < 1 << 20
+        expected = rig.snapshot()
+        assert manager.save(SaveContext(**rig.kwargs(), force=True)) is not None  # the manager goes on
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
+    fresh, result = resume(root)
+    assert result.step == 2
+    assert_same(fresh.snapshot(), expected)
 
 
 def test_damaged_newest_falls_back_and_all_damaged_is_an_error(tmp_path: Path, caplog: Any) -> None:
