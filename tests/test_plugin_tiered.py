@@ -246,6 +246,33 @@ def test_killed_async_job_resumes_bit_exact(tmp_path: Path) -> None:
     manager.finalize_async_saves(terminate=True)
 
 
+def test_durable_tier_in_an_object_store_survives_a_lost_node(tmp_path: Path) -> None:
+    """The durable tier is the default manager, so an fsspec URL works there as it does there."""
+    from s3_server import MotoS3, storage_options
+
+    with MotoS3() as s3:
+        url = f"s3://{s3.make_bucket()}/runs/exp1"
+        durable = {
+            "save_dir": url,
+            "storage_options": storage_options(s3.endpoint),
+            "staging_dir": str(tmp_path / "staging"),
+            "durable_every_n_steps": 2,
+        }
+        manager = create_checkpoint_manager(tiered_fields(tmp_path, **durable))
+        assert isinstance(manager, TieredCheckpointManager)
+        rig = Rig(seed=0)
+        for _ in range(3):
+            rig.step()
+            manager.save(SaveContext(**rig.kwargs()))
+        manager.finalize_async_saves(blocking=True, terminate=True)
+        assert manager.list_checkpoints() == {"local": [2, 3], "durable": [2]}
+        shutil.rmtree(tmp_path / "local")  # the node is lost
+        rig, result, manager = _resume(tmp_path, **durable)
+        assert result.step == 2 and result.path.startswith(url)
+        assert_same(rig.snapshot(), replay(2))
+        manager.finalize_async_saves(terminate=True)
+
+
 # ---- retention per tier, fallback past damage ----------------------------------------------------
 
 
