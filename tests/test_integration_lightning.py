@@ -58,6 +58,22 @@ class TinyModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class BatchCounter(pl.Callback):
+    """A stateful callback: its count must survive the resume through the manager."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.batches += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batches = state_dict["batches"]
+
+
 def loader() -> StatefulDataLoader:
     """Resumable mid-epoch; the order depends only on (seed, epoch), and no global RNG is drawn.
 
@@ -71,13 +87,13 @@ def loader() -> StatefulDataLoader:
 
 
 def fit(max_steps: int, callback: pl.Callback | None = None, *, fail_at: int | None = None,
-        seed: int = 123, accumulate: int = 1) -> tuple[TinyModule, pl.Trainer]:
+        seed: int = 123, accumulate: int = 1, more: tuple[pl.Callback, ...] = ()) -> tuple[TinyModule, pl.Trainer]:
     torch.manual_seed(seed)
     module = TinyModule(fail_at)
     trainer = pl.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=callback is not None,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        accumulate_grad_batches=accumulate, callbacks=[callback] if callback is not None else [],
+        accumulate_grad_batches=accumulate, callbacks=([callback] if callback is not None else []) + list(more),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "num_workers", "no val loop" and similar advice
@@ -136,11 +152,12 @@ def test_crash_mid_run_then_resume_is_bit_exact(
 ) -> None:
     cfg = config(tmp_path, manager, every=2)
     with pytest.raises(RuntimeError, match="injected failure at step 9"):
-        fit(TOTAL_STEPS, LightningCheckpointCallback(cfg), fail_at=9)  # dies in epoch 1, after saving 8
+        fit(TOTAL_STEPS, LightningCheckpointCallback(cfg), fail_at=9, more=(BatchCounter(),))
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))[-1] == "step_00000008"
 
-    second = LightningCheckpointCallback(cfg)
-    got = fit(TOTAL_STEPS, second, seed=999)  # resumes inside epoch 1: its sampler epoch must be 1
+    second, counter = LightningCheckpointCallback(cfg), BatchCounter()
+    got = fit(TOTAL_STEPS, second, seed=999, more=(counter,))  # resumes inside epoch 1 (sampler epoch 1)
+    assert counter.batches == TOTAL_STEPS  # 8 restored + 2 run
     assert second.load_result is not None and second.load_result.step == 8
     assert_same_run(reference, got)
     assert second.train_state.consumed_samples == TOTAL_STEPS * 4
@@ -186,7 +203,7 @@ def test_resume_false_and_ckpt_path_conflict(tmp_path: Path) -> None:
     _, trainer = fit(1, fresh)  # would be "already done" at step 2 if it had resumed
     assert fresh.load_result is None and trainer.global_step == 1
     torch.manual_seed(0)
-    trainer = pl.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = pl.Trainer(max_steps=4, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[LightningCheckpointCallback(cfg)])
     with pytest.raises(ValueError, match=r"trainer.fit\(ckpt_path='.*x.ckpt'\) and a checkpoint manager"):
         trainer.fit(TinyModule(), loader(), ckpt_path=str(tmp_path / "x.ckpt"))

@@ -25,22 +25,26 @@ from checkpoint_manager.train_state import TrainState
 if TYPE_CHECKING:
     import pytorch_lightning as pl
     from lightning_fabric.utilities.data import _set_sampler_epoch
+    from pytorch_lightning.callbacks import Checkpoint
     from pytorch_lightning.utilities.data import extract_batch_size
 else:
     try:
         import pytorch_lightning as pl
         from lightning_fabric.utilities.data import _set_sampler_epoch
+        from pytorch_lightning.callbacks import Checkpoint
         from pytorch_lightning.utilities.data import extract_batch_size
     except ImportError:  # pragma: no cover - depends on which Lightning distribution is installed
         import lightning.pytorch as pl
         from lightning.fabric.utilities.data import _set_sampler_epoch
+        from lightning.pytorch.callbacks import Checkpoint
         from lightning.pytorch.utilities.data import extract_batch_size
 
-__all__ = ["LOOPS_KEY", "PRECISION_KEY", "LightningCheckpointCallback"]
+__all__ = ["CALLBACKS_KEY", "LOOPS_KEY", "PRECISION_KEY", "LightningCheckpointCallback"]
 
 #: ``SaveContext.extra`` names under which Lightning's own state is checkpointed.
 LOOPS_KEY = "lightning_fit_loop"
 PRECISION_KEY = "lightning_precision"
+CALLBACKS_KEY = "lightning_callbacks"
 
 
 class _FitLoopState:
@@ -102,6 +106,33 @@ def _unmark_last_batch(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {**state_dict, "epoch_loop.batch_progress": {**batches, "is_last_batch": False}}
 
 
+class _CallbackStates:
+    """Other callbacks' ``state_dict`` (``EarlyStopping``'s patience, ``ModelCheckpoint``'s best
+    score), keyed by ``Callback.state_key`` as Lightning keys them, and a ``LightningDataModule``'s."""
+
+    def __init__(self, trainer: pl.Trainer, owner: pl.Callback) -> None:
+        self.trainer: Any = trainer  # ``callbacks`` / ``datamodule`` are set by connectors, untyped
+        self.owner = owner
+
+    def state_dict(self) -> dict[str, Any]:
+        callbacks = {
+            cb.state_key: state
+            for cb in self.trainer.callbacks
+            if cb is not self.owner and (state := cb.state_dict())
+        }
+        datamodule = self.trainer.datamodule
+        return {"callbacks": callbacks, "datamodule": datamodule.state_dict() if datamodule is not None else {}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("callbacks", {})
+        for cb in self.trainer.callbacks:
+            if cb is not self.owner and saved.get(cb.state_key):
+                cb.load_state_dict(saved[cb.state_key])
+        datamodule = self.trainer.datamodule
+        if datamodule is not None and state_dict.get("datamodule"):
+            datamodule.load_state_dict(state_dict["datamodule"])
+
+
 class _PrecisionState:
     """The precision plugin's state (the AMP grad scaler), checkpointed only when it has any."""
 
@@ -115,9 +146,13 @@ class _PrecisionState:
         self.trainer.precision_plugin.load_state_dict(state_dict)
 
 
-class LightningCheckpointCallback(pl.Callback):
+class LightningCheckpointCallback(Checkpoint):
     """Saves on the manager's policy after every optimizer step, a final save when training ends,
     and resumes at ``fit`` start when the manager has a checkpoint to load.
+
+    A ``Checkpoint`` subclass, so Lightning runs it after all other callbacks (their state for a step
+    is final when it is saved) and adds no ``ModelCheckpoint`` of its own; keep the Trainer's
+    ``enable_checkpointing=True`` (the default).
 
     ``manager`` is a manager (left open afterwards; only its background saves are waited for) or a
     :class:`CheckpointConfig` (the callback creates the manager with ``create_checkpoint_manager`` and
@@ -142,7 +177,10 @@ class LightningCheckpointCallback(pl.Callback):
     def _objects(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loops: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        extra: dict[str, Any] = {LOOPS_KEY: _FitLoopState(trainer, loops)}
+        extra: dict[str, Any] = {
+            LOOPS_KEY: _FitLoopState(trainer, loops),
+            CALLBACKS_KEY: _CallbackStates(trainer, self),
+        }
         if trainer.precision_plugin.state_dict():
             extra[PRECISION_KEY] = _PrecisionState(trainer)
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
