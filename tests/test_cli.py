@@ -8,6 +8,7 @@ Variants that only change an option run in-process through ``main`` (same code, 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -574,3 +575,20 @@ def test_url_verify_and_prune(remote_run: tuple[str, dict[int, dict[str, torch.T
     assert all(d["bytes"] > 0 for d in doc["deleted"])
     left = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(copy.removeprefix("memory://"), detail=False))
     assert [n for n in left if n.startswith("step_")] == ["step_00000020", "step_00000040"]
+
+
+class ClosedPipe(io.StringIO):
+    """stdout of ``ckpt list DIR | head -1`` once ``head`` has exited."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["rich", "plain"])
+def test_closed_pipe_is_not_an_error(run: Run, plain: bool, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    if plain:
+        monkeypatch.setenv("CKPT_PLAIN", "1")
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["inspect", str(run.root)]) == 0
+    assert capsys.readouterr().err == ""

@@ -8,6 +8,7 @@ to a terminal, so stdout carries nothing but the result.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -127,14 +128,19 @@ class Output:
         from rich.console import Console
         from rich.table import Table
 
-        width = None if self.stdout.isatty() else max(shutil.get_terminal_size((200, 24)).columns, 200)
-        console = Console(file=self.stdout, width=width, highlight=False, soft_wrap=False)
+        tty = self.stdout.isatty()
+        width = shutil.get_terminal_size((200, 24)).columns if tty else max(shutil.get_terminal_size((200, 24)).columns, 200)
+        # rendered to a string, then written: rich turns a closed pipe into SystemExit(1) itself
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=width, highlight=False, soft_wrap=False, force_terminal=tty)
         table = Table(title=title, title_justify="left", box=None, header_style="bold", pad_edge=False)
         for col in columns:
             table.add_column(col, justify="right" if col in right else "left", overflow="fold")
         for row in rows:
             table.add_row(*row)
         console.print(table)
+        text = buffer.getvalue()
+        self.stdout.write(text if tty else "".join(line.rstrip() + "\n" for line in text.splitlines()))
 
     # -- progress ---------------------------------------------------------------------------------
     @contextlib.contextmanager
