@@ -23,11 +23,13 @@ from torch import nn
 
 from checkpoint_manager import (
     AsyncSaveError,
+    CheckpointCallback,
     CheckpointCorruptError,
     CheckpointNotFoundError,
     DefaultCheckpointManager,
     LoadContext,
     SaveContext,
+    SaveResult,
     TrainState,
     create_checkpoint_manager,
 )
@@ -170,6 +172,24 @@ def test_entry_point_and_config_class(tmp_path: Path) -> None:
     assert manager.local.config.save_dir == str(tmp_path / "local")
     assert manager.durable.config.save_dir == str(tmp_path / "durable")
     manager.finalize_async_saves(terminate=True)
+
+
+def test_callbacks_observe_both_tiers(tmp_path: Path) -> None:
+    class Recorder(CheckpointCallback):
+        def __init__(self) -> None:
+            self.committed: list[tuple[str, int]] = []
+
+        def on_save_committed(self, result: SaveResult) -> None:
+            self.committed.append((Path(result.path).parent.name, result.step))
+
+    recorder = Recorder()
+    manager = create_checkpoint_manager(tiered_fields(tmp_path, durable_every_n_steps=2), callbacks=[recorder])
+    rig = Rig(seed=0)
+    for _ in range(2):
+        rig.step()
+        manager.save(SaveContext(**rig.kwargs()))
+    manager.finalize_async_saves(blocking=True, terminate=True)
+    assert recorder.committed == [("local", 1), ("local", 2), ("durable", 2)]
 
 
 # ---- kill the job, resume ------------------------------------------------------------------------

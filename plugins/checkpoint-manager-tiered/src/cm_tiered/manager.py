@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import ClassVar, TypeVar
 
 from checkpoint_manager import (
+    CheckpointCallback,
     CheckpointConfig,
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -87,6 +88,11 @@ class TieredCheckpointManager:
             raise
         self._tiers = {"local": self.local, "durable": self.durable}
         self._closed = False
+
+    def add_callback(self, callback: CheckpointCallback) -> None:
+        """Observe both tiers: every event's path says which tier it came from."""
+        self.local.add_callback(callback)
+        self.durable.add_callback(callback)
 
     # -- context manager --------------------------------------------------------------------------
     def __enter__(self) -> TieredCheckpointManager:
