@@ -51,10 +51,10 @@ PARTS = ("core", "small", "huge", "async", "dist", "export")
 GIB = 2**30
 # Sizes above --all-peers-up-to run only these peers (with the limits and ours): the best ones.
 BIG_PEERS = ("torch.load(mmap)", "dcp.save", "dcp.load", "torch_checkpointing")
-# The many-small-tensors case leaves out the peers that take minutes there (dcp.load: ~60 s,
-# torch.load(mmap) + set_state_dict: ~30 s for 80 MB on the reference machine), unless --contenders.
+# The many-small-tensors case leaves out the peers that take minutes there (dcp.load: ~60 s, torch.load
+# and torch.load(mmap) + set_state_dict: ~30 s for 80 MB on the reference machine), unless --contenders.
 SMALL_DEFAULT = ("O_DIRECT write+fsync", "O_DIRECT read", "buffered write+fsync", "buffered read", "memcpy",
-                 "torch.save", "torch.load", "safetensors", "dcp.save", "torch_checkpointing", "ours+tc plugin",
+                 "torch.save", "safetensors", "dcp.save", "torch_checkpointing", "ours+tc plugin",
                  "ours")
 
 
