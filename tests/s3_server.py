@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import http.client
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -58,22 +60,43 @@ def storage_options(endpoint: str, *, botocore_retries: bool = True) -> dict[str
 
 
 class MotoS3:
-    """moto's S3 server in a thread of this process, on 127.0.0.1 at a free port."""
+    """moto's S3 server on 127.0.0.1 at a free port: a thread of this process (tests), or its own
+    process (``process=True``, benchmarks: the server then does not compete for this process's GIL)."""
 
-    def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
+    def __init__(self, *, process: bool = False) -> None:
         self.port = free_port()
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.server: Any = None
+        if process:
+            self._argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        else:
+            from moto.server import ThreadedMotoServer
+
+            self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
 
     def __enter__(self) -> MotoS3:
-        self.server.start()
-        _wait_listening(self.port, STARTUP_TIMEOUT_S)
+        if self.server is not None:
+            self.server.start()
+        else:
+            self._proc = subprocess.Popen(self._argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_listening(self.port, STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=10)
 
     def make_bucket(self) -> str:
         """A fresh, empty bucket (each test its own: no state leaks between tests)."""

@@ -8,6 +8,7 @@ as is; credentials never logged.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -239,8 +240,6 @@ def test_discovery_pointers_and_sweep(s3: MotoS3, url: str, tmp_path: Path) -> N
 
 
 def test_writer_lock_on_the_store(s3: MotoS3, url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    import json
-
     cfg = s3_config(url, s3.endpoint, tmp_path / "staging", lock_stale_after_s=30)
     storage = open_storage(url, cfg.storage_options)
     assert isinstance(storage, FsspecStorage)
@@ -272,7 +271,7 @@ def test_kill_during_upload_is_never_listed(
     and the next writer sweeps step 2's prefix."""
     proxy.stall = lambda method, path: method == "PUT" and path.endswith("step_00000002/checkpoint.json")
     child = subprocess.Popen(
-        [sys.executable, str(HERE / "_s3_child.py"), proxy.endpoint, url, str(tmp_path / "child"), upload_mode],
+        [sys.executable, str(HERE / "_s3_child.py"), "kill", proxy.endpoint, url, str(tmp_path / "child"), upload_mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -310,6 +309,44 @@ def test_kill_during_upload_is_never_listed(
     with DefaultCheckpointManager(s3_config(url, s3.endpoint, tmp_path / "staging")):
         pass  # the start sweep
     assert not [o for o in objects(storage) if o.startswith("step_00000002/")]
+
+
+def test_two_ranks_each_upload_their_shard(s3: MotoS3, url: str, tmp_path: Path) -> None:
+    """A real 2-rank gloo job with an FSDP2-sharded model: each rank uploads its own shard file, rank 0
+    writes the marker listing both with their CRC32s, and every local shard loads back bit-exact."""
+    env_base = {**os.environ, "WORLD_SIZE": "2", "PYTHONPATH": str(HERE)}
+    store = tmp_path / "store"
+    children = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "_s3_child.py"), "rank", s3.endpoint, url, str(tmp_path / "staging"),
+             str(store), str(tmp_path / f"rank{rank}.json")],
+            env={**env_base, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    try:
+        for child in children:
+            outputs.append(child.communicate(timeout=CHILD_TIMEOUT_S)[0])
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+    assert [c.returncode for c in children] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for report in reports:
+        assert report["equal"] and report["step"] == 3 and report["path"] == f"{url}/step_00000003"
+        assert report["numel"] > 0
+    storage = open_storage(url, storage_options(s3.endpoint))
+    assert isinstance(storage, FsspecStorage)
+    files = [o for o in objects(storage) if o.startswith("step_00000003/")]
+    assert {"step_00000003/__0_0.distcp", "step_00000003/__1_0.distcp", "step_00000003/rank_00000.json",
+            "step_00000003/rank_00001.json", "step_00000003/checkpoint.json"} <= set(files)
+    meta = json.loads(storage.fs.cat_file(storage.key("step_00000003", "checkpoint.json")))
+    assert meta["world_size"] == 2
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(meta["files"])
+    assert all("crc32" in entry for entry in meta["files"].values())
 
 
 @pytest.mark.parametrize(("async_save", "upload_mode"), [(False, "staged"), (True, "stream")])
