@@ -167,3 +167,24 @@ def test_a_manager_passed_in_stays_open(tmp_path: Path) -> None:
     train(tmp_path, [HFCheckpointCallback(manager)])
     assert [c.step for c in manager.list_checkpoints()] == [5, 10]
     assert manager.save(SaveContext(model=nn.Linear(1, 1), train_state=TrainState(step=11), force=True))
+
+
+@pytest.mark.parametrize("cls", [CheckpointManagerTrainer, Trainer], ids=["mixin", "plain"])
+def test_initial_weights_start_a_fresh_run(cls: type[Trainer], tmp_path: Path) -> None:
+    """``initial_load_path`` (fine-tuning from a checkpoint): weights loaded, counters start at 0."""
+    source = train(tmp_path, [HFCheckpointCallback(config(tmp_path, None, every=TOTAL_STEPS))], name="a")
+    weights = {k: v.clone() for k, v in source.model.state_dict().items()}
+    seen: dict[str, torch.Tensor] = {}
+
+    class Capture(TrainerCallback):  # runs after the checkpoint callback, at train begin
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            seen.update({k: v.clone() for k, v in model.state_dict().items()})
+
+    cfg = CheckpointConfig(save_dir=str(tmp_path / "finetune"), fsync=False,
+                           initial_load_path=str(tmp_path / "ckpt" / "step_00000010"))
+    callback = HFCheckpointCallback(cfg)
+    got = train(tmp_path, [callback, Capture()], cls=cls, name="b")
+    assert callback.load_result is not None and callback.load_result.restored == ("model",)
+    assert seen.keys() == weights.keys() and all(torch.equal(seen[k], weights[k]) for k in weights)
+    assert got.state.global_step == TOTAL_STEPS and callback.last_save is not None
+    assert callback.last_save.step == TOTAL_STEPS  # the final save of the new run

@@ -125,9 +125,15 @@ class HFCheckpointCallback(TrainerCallback):
         ctx = LoadContext(train_state=TrainState(), extra={TRAINER_STATE_KEY: holder}, load_rng=False)
         if not self.manager.should_load(ctx):
             return None
-        self._resume_from = self.manager.load(ctx)
+        result = self.manager.load(ctx)
         if holder.loaded is None:
-            raise CheckpointMismatchError(f"{self._resume_from.path}: holds no {TRAINER_STATE_KEY} state")
+            if "train_state" in result.restored:
+                raise CheckpointMismatchError(
+                    f"{result.path}: holds no {TRAINER_STATE_KEY} state (not saved by HFCheckpointCallback), "
+                    "so the Trainer cannot be positioned at its step"
+                )
+            return None  # weights for a fresh start (initial_load_path): loaded at train begin
+        self._resume_from = result
         (scratch / _TRAINER_STATE_FILE).write_text(json.dumps(holder.loaded, indent=1), encoding="utf-8")
         return str(scratch)
 
@@ -144,13 +150,8 @@ class HFCheckpointCallback(TrainerCallback):
         self._finished = False
         ctx = LoadContext(**self._objects(state, kwargs))
         if self._resume_from is None:
-            if self.resume and self.trainer is None and self.manager.should_load(ctx):
-                raise RuntimeError(
-                    "the checkpoint manager has a checkpoint to resume, but a plain Trainer cannot be "
-                    "positioned at its step from a callback: use CheckpointManagerTrainer (or "
-                    "CheckpointManagerTrainerMixin), or HFCheckpointCallback(..., resume=False) to "
-                    "train from scratch"
-                )
+            if self.resume and self.manager.should_load(ctx):
+                self._load_fresh_start(ctx)
             return
         ctx.path = self._resume_from.path  # the very checkpoint the counters came from
         before = capture_rng()
@@ -162,6 +163,19 @@ class HFCheckpointCallback(TrainerCallback):
                 f"{self.load_result.path}: train state at step {self.train_state.step}, Trainer state at "
                 f"global step {state.global_step}"
             )
+
+    def _load_fresh_start(self, ctx: LoadContext) -> None:
+        """What the manager loads without a run to resume (``initial_load_path`` weights); a real
+        resume here means a plain Trainer, which a callback cannot position at the loaded step."""
+        result = self.manager.load(ctx)
+        if "train_state" in result.restored and self.train_state.step != 0:
+            raise RuntimeError(
+                f"the checkpoint manager resumed {result.path} (step {self.train_state.step}), but a plain "
+                "Trainer cannot be positioned at that step from a callback: use CheckpointManagerTrainer "
+                "(or CheckpointManagerTrainerMixin), or HFCheckpointCallback(..., resume=False) to train "
+                "from scratch"
+            )
+        self.load_result = result
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
