@@ -56,6 +56,7 @@ from checkpoint_manager.staging import StagingBuffers
 
 PHASES = ("gather", "stage", "write", "fsync", "commit-rename", "pointer", "retention")
 MODES = ("before", "after", "partial")
+WRITE_OPS = ("write", "pwrite")  # the calls a kill can interrupt halfway (half the bytes on disk)
 
 _real = {
     "open": builtins.open,
@@ -126,10 +127,12 @@ class Watcher:
         with self.lock:
             step = self.step_of(phase, path, dst)
             self.index += 1
-            record = {"kind": "event", "i": self.index, "t": round(time.monotonic(), 4), "rank": self.rank, "step": step,
-                      "phase": phase, "op": op, "path": str(path) if path is not None else None}
+            record = {"kind": "event", "i": self.index, "t": round(time.monotonic(), 4), "rank": self.rank,
+                      "step": step, "phase": phase, "op": op, "path": str(path) if path is not None else None}
             spec = self.kill
-            if spec is None or phase != spec["phase"] or step < spec["step"]:
+            # a half-written kill counts the phase's writes only (the parent counted those for it)
+            if (spec is None or phase != spec["phase"] or step < spec["step"]
+                    or (spec["mode"] == "partial" and op not in WRITE_OPS)):
                 if when == "before":
                     self.log(record)
                 return
@@ -137,10 +140,7 @@ class Watcher:
                 self.matched += 1
                 self.log(record)
                 self.local.armed = self.matched == spec["nth"] + 1
-            if not getattr(self.local, "armed", False):
-                return
-            mode = spec["mode"]
-            if mode == when or (when == "before" and mode == "partial" and op not in ("write", "pwrite")):
+            if getattr(self.local, "armed", False) and spec["mode"] == when:
                 self.die({**record, "mode": when})  # the moment it died: before, after, or half written
 
     def die(self, record: dict[str, Any]) -> None:
