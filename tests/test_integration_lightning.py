@@ -209,6 +209,25 @@ def test_resume_false_and_ckpt_path_conflict(tmp_path: Path) -> None:
         trainer.fit(TinyModule(), loader(), ckpt_path=str(tmp_path / "x.ckpt"))
 
 
+def test_initial_weights_start_a_fresh_fit(tmp_path: Path) -> None:
+    """``initial_load_path`` (fine-tuning from a checkpoint): weights loaded, progress starts at 0."""
+    source, _ = fit(3, LightningCheckpointCallback(config(tmp_path, None, every=3)))
+    weights = {k: v.clone() for k, v in source.state_dict().items()}
+    seen: dict[str, torch.Tensor] = {}
+
+    class Capture(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            seen.update({k: v.clone() for k, v in module.state_dict().items()})
+
+    cfg = CheckpointConfig(save_dir=str(tmp_path / "finetune"), fsync=False,
+                           initial_load_path=str(tmp_path / "ckpt" / "step_00000003"))
+    callback = LightningCheckpointCallback(cfg)
+    _, trainer = fit(2, callback, more=(Capture(),))
+    assert callback.load_result is not None and callback.load_result.restored == ("model",)
+    assert seen.keys() == weights.keys() and all(torch.equal(seen[k], weights[k]) for k in weights)
+    assert trainer.global_step == 2 and callback.last_save is not None and callback.last_save.step == 2
+
+
 def test_importing_the_package_imports_no_framework() -> None:
     code = (
         "import sys, checkpoint_manager, checkpoint_manager.integrations as i\n"
