@@ -11,6 +11,7 @@ from checkpoint_manager.errors import (
     CheckpointNotFoundError,
     CheckpointVersionError,
     ManagerClosedError,
+    PostCommitError,
     UnsafeCheckpointError,
 )
 from checkpoint_manager.factory import ENTRY_POINT_GROUP, create_checkpoint_manager, resolve_manager_class
@@ -101,6 +102,7 @@ __all__ = [
     "LoadResult",
     "LocalStorage",
     "ManagerClosedError",
+    "PostCommitError",
     "RetentionPlan",
     "RetentionPolicy",
     "SaveContext",

@@ -10,6 +10,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointVersionError",
     "ManagerClosedError",
+    "PostCommitError",
     "UnsafeCheckpointError",
 ]
 
@@ -44,3 +45,19 @@ class AsyncSaveError(CheckpointError):
 
 class ManagerClosedError(CheckpointError, RuntimeError):
     """The manager was terminated and accepts no more saves."""
+
+
+class PostCommitError(CheckpointError):
+    """The checkpoint was committed (a resume loads it), but a step after the commit failed.
+
+    E.g. the fsync that makes the rename durable, or moving the ``latest`` pointer. The checkpoint
+    is not rolled back: deleting a complete checkpoint would lose more than the failure did.
+    """
+
+    def __init__(self, path: str, what: str, cause: BaseException) -> None:
+        self.path = path
+        self.what = what
+        super().__init__(
+            f"{path} is committed (a resume loads it), but {what} failed afterwards: "
+            f"{type(cause).__name__}: {cause}"
+        )

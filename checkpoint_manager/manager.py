@@ -34,6 +34,7 @@ from checkpoint_manager.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ManagerClosedError,
+    PostCommitError,
 )
 from checkpoint_manager.formats.integration import export_consolidated, load_initial_hf, resolve_load_path
 from checkpoint_manager.integrity import check
@@ -579,13 +580,16 @@ class DefaultCheckpointManager:
         try:
             result = future.result()
         except Exception as exc:
-            what = (
-                "preparing the async staging buffers"
-                if step is None
-                else f"the async save of step {step} (not committed)"
-            )
-            self._last_saved_known = False  # that step is not saved: ask the disk again (so it can be)
-            error = AsyncSaveError(f"{what} failed: {type(exc).__name__}: {exc}")
+            if isinstance(exc, PostCommitError):
+                error = AsyncSaveError(f"the async save of step {step}: {exc}")
+            else:
+                what = (
+                    "preparing the async staging buffers"
+                    if step is None
+                    else f"the async save of step {step} (not committed)"
+                )
+                self._last_saved_known = False  # that step is not saved: ask the disk again (so it can be)
+                error = AsyncSaveError(f"{what} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
             self._observers.error("save", step, error)
             raise error from exc
@@ -676,6 +680,10 @@ class DefaultCheckpointManager:
             # collective commit: rank 0 commits only once every rank has written its part
             io.vote(failure, f"step {job.step}: all ranks written")
             final = io.on_coordinator(lambda: self._commit(job), f"step {job.step}: commit")
+        except PostCommitError:
+            with self._lock:  # it is committed: the policy must not save this step again
+                self._last_saved_step, self._last_saved_known = job.step, True
+            raise
         except BaseException:
             if io.is_coordinator:
                 with contextlib.suppress(OSError):
@@ -737,7 +745,10 @@ class DefaultCheckpointManager:
         self._storage.write_json(pending / CHECKPOINT_JSON, meta)
         final = self._storage.commit(pending, job.name)  # object stores: the marker is written last
         final_name = basename(final)
-        self._storage.write_pointer(LATEST_POINTER, {"name": final_name, "step": job.step})
+        try:
+            self._storage.write_pointer(LATEST_POINTER, {"name": final_name, "step": job.step})
+        except Exception as exc:  # committed already: say so, rather than "the save failed"
+            raise PostCommitError(str(final), f"moving the {LATEST_POINTER!r} pointer", exc) from exc
         info_from_meta(Path(final_name), meta)
         t_prune = time.perf_counter()
         if self._retain(final_name):

@@ -15,6 +15,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from checkpoint_manager.errors import PostCommitError
+
 if TYPE_CHECKING:
     from checkpoint_manager.dcp_io import CheckpointWriter
     from checkpoint_manager.integrity import VerifyLevel
@@ -211,8 +213,11 @@ class LocalStorage:
                 version += 1
                 candidate = f"{name}-v{version}"
         if self.fsync:
-            fsync_dir(self.root)
-            fsync_dir(self.pending_root)
+            try:
+                fsync_dir(self.root)
+                fsync_dir(self.pending_root)
+            except OSError as exc:  # renamed already: the checkpoint is visible, only durability is in doubt
+                raise PostCommitError(str(target), f"the fsync of {self.root} (making the rename durable)", exc) from exc
         return target
 
     def remove_tree(self, path: Path) -> None:
