@@ -56,12 +56,20 @@ def describe_files(root: Path, known: dict[str, dict[str, int]]) -> dict[str, di
     return out
 
 
-def verify(path: str | Path, level: VerifyLevel = "full") -> list[str]:
+def verify(
+    path: str | Path, level: VerifyLevel = "full", *, storage_options: dict[str, Any] | None = None
+) -> list[str]:
     """Problems found in the checkpoint at ``path`` (empty: it is intact).
 
     ``sizes`` checks that every recorded file exists with its size; ``full`` also recomputes every
-    CRC32. A missing or unreadable ``checkpoint.json`` is itself a problem.
+    CRC32. A missing or unreadable ``checkpoint.json`` is itself a problem. ``path`` may be an fsspec
+    URL (``s3://bucket/prefix/step_00000010``): ``sizes`` then reads a listing, ``full`` downloads
+    the checkpoint (``storage_options`` go to fsspec).
     """
+    from checkpoint_manager.storage.base import is_url
+
+    if is_url(path):
+        return _verify_remote(str(path).rstrip("/"), level, storage_options)
     root = Path(path)
     try:
         meta = read_checkpoint_json(root)
@@ -113,3 +121,23 @@ def _problems(root: Path, meta: dict[str, Any], level: VerifyLevel) -> list[str]
                     f"{file}: CRC32 {crc:08x}, {CHECKPOINT_JSON} records {int(desc['crc32']):08x} (corrupted)"
                 )
     return problems
+
+
+def _verify_remote(url: str, level: VerifyLevel, storage_options: dict[str, Any] | None) -> list[str]:
+    from checkpoint_manager.layout import info_from_meta
+    from checkpoint_manager.storage.remote import FsspecStorage
+
+    storage = FsspecStorage(url.rsplit("/", 1)[0], storage_options=storage_options)
+    try:
+        meta = storage.read_marker(url)
+    except CheckpointCorruptError as exc:
+        return [str(exc)]
+    info = info_from_meta(Path(storage.key(url.rsplit("/", 1)[-1])), meta, url=url)
+    problems = storage.check_sizes(info) if level != "off" else []
+    if problems or level != "full":
+        return problems
+    local = storage.localize(url)
+    try:  # name the store's objects in the messages, not the downloaded copy
+        return [p.replace(str(local), url) for p in _problems(local, meta, level)]
+    finally:
+        storage.release_local(local)

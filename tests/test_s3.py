@@ -33,6 +33,7 @@ from checkpoint_manager import (
     LoadContext,
     SaveContext,
     TrainState,
+    verify,
 )
 from checkpoint_manager.lock import CheckpointLockError
 from checkpoint_manager.storage import FsspecStorage, LocalStorage, open_storage
@@ -237,6 +238,23 @@ def test_discovery_pointers_and_sweep(s3: MotoS3, url: str, tmp_path: Path) -> N
     listed = objects(storage)
     assert not [o for o in listed if o.startswith("step_00000003/")]
     assert "notes/readme.txt" in listed
+
+    # verify() takes a URL: sizes from a listing, CRC32s on a downloaded copy; messages name the store
+    ckpt = f"{url}/step_00000002"
+    assert verify(ckpt, "full", storage_options=cfg.storage_options) == []
+    data = storage.key("step_00000002", "__0_0.distcp")
+    raw = bytearray(storage.fs.cat_file(data))
+    raw[-100] ^= 0xFF
+    storage.fs.pipe_file(data, bytes(raw))
+    assert verify(ckpt, "sizes", storage_options=cfg.storage_options) == []
+    [problem] = verify(ckpt, "full", storage_options=cfg.storage_options)
+    assert problem.startswith(f"{ckpt}/__0_0.distcp: CRC32 ") and problem.endswith("(corrupted)")
+    storage.fs.pipe_file(data, bytes(raw[:-1]))
+    [problem] = verify(ckpt, "sizes", storage_options=cfg.storage_options)
+    assert problem == f"{ckpt}/__0_0.distcp: size {len(raw) - 1} bytes, checkpoint.json records {len(raw)} (truncated or altered)"
+    assert verify(f"{url}/step_00000003", storage_options=cfg.storage_options) == [
+        f"{url}/step_00000003/checkpoint.json: missing (not a committed checkpoint)"
+    ]
 
 
 def test_writer_lock_on_the_store(s3: MotoS3, url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
