@@ -19,6 +19,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
 from checkpoint_manager import (
+    AsyncSaveError,
     CheckpointConfig,
     DefaultCheckpointManager,
     ManagerClosedError,
@@ -188,3 +189,16 @@ def test_initial_weights_start_a_fresh_run(cls: type[Trainer], tmp_path: Path) -
     assert seen.keys() == weights.keys() and all(torch.equal(seen[k], weights[k]) for k in weights)
     assert got.state.global_step == TOTAL_STEPS and callback.last_save is not None
     assert callback.last_save.step == TOTAL_STEPS  # the final save of the new run
+
+
+class FailingFinalize(DefaultCheckpointManager):
+    """A manager whose background save failed: the error must reach the caller of training."""
+
+    def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None:
+        super().finalize_async_saves(blocking=blocking, terminate=terminate)
+        raise AsyncSaveError("background write of step_00000002 failed: disk full")
+
+
+def test_an_async_save_error_is_raised_from_training(tmp_path: Path) -> None:
+    with pytest.raises(AsyncSaveError, match="step_00000002 failed: disk full"):
+        train(tmp_path, [HFCheckpointCallback(FailingFinalize(config(tmp_path, None, every=2)))])

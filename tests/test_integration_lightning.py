@@ -20,6 +20,7 @@ from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from checkpoint_manager import (
+    AsyncSaveError,
     CheckpointConfig,
     DefaultCheckpointManager,
     ManagerClosedError,
@@ -236,3 +237,16 @@ def test_importing_the_package_imports_no_framework() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+class FailingFinalize(DefaultCheckpointManager):
+    """A manager whose background save failed: the error must reach the caller of training."""
+
+    def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None:
+        super().finalize_async_saves(blocking=blocking, terminate=terminate)
+        raise AsyncSaveError("background write of step_00000002 failed: disk full")
+
+
+def test_an_async_save_error_is_raised_from_training(tmp_path: Path) -> None:
+    with pytest.raises(AsyncSaveError, match="step_00000002 failed: disk full"):
+        fit(3, LightningCheckpointCallback(FailingFinalize(config(tmp_path, None, every=2))))
