@@ -22,15 +22,19 @@ from torch import nn
 
 from checkpoint_manager import (
     AsyncSaveError,
+    CheckpointCallback,
     CheckpointConfig,
     CheckpointCorruptError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     LoadContext,
+    LoadResult,
     SaveContext,
+    SaveResult,
     TrainState,
     create_checkpoint_manager,
 )
+from checkpoint_manager.observe import CheckpointErrorEvent, SaveStartEvent
 from checkpoint_manager.testing import CONFORMANCE_CHECKS, manager_maker, run_conformance_check
 
 cm_tc = pytest.importorskip("cm_torch_checkpointing")
@@ -363,6 +367,45 @@ def test_process_engine_snapshot_is_taken_before_save_returns(tmp_path: Path) ->
     assert result.step == 1
     for name, tensor in expected["model"].items():
         assert torch.equal(fresh.model.state_dict()[name], tensor), name
+
+
+def test_callbacks_and_event_log(tmp_path: Path) -> None:
+    class Recorder(CheckpointCallback):
+        def __init__(self) -> None:
+            self.events: list[tuple[str, int | None]] = []
+
+        def on_save_start(self, event: SaveStartEvent) -> None:
+            self.events.append(("start", event.step))
+
+        def on_save_committed(self, result: SaveResult) -> None:
+            self.events.append(("committed", result.step))
+
+        def on_load(self, result: LoadResult) -> None:
+            self.events.append(("load", result.step))
+
+        def on_error(self, event: CheckpointErrorEvent) -> None:
+            self.events.append((f"error:{type(event.error).__name__}", event.step))
+
+    recorder = Recorder()
+    fields = {"manager": "torch-checkpointing", "save_dir": str(tmp_path), "async_save": True, "event_log": True}
+    manager = create_checkpoint_manager(fields, callbacks=[recorder])
+    rig = Rig(seed=0)
+    for _ in range(2):  # the second save first waits for the first to commit (one save in flight)
+        rig.step()
+        manager.save(SaveContext(**rig.kwargs(), force=True))
+    manager.finalize_async_saves(blocking=True)
+    manager.load(LoadContext(**Rig(seed=1).kwargs()))
+    with pytest.raises(CheckpointNotFoundError):
+        manager.load(LoadContext(**Rig(seed=1).kwargs(), step=7))
+    manager.finalize_async_saves(blocking=True, terminate=True)
+    assert recorder.events == [
+        ("start", 1), ("committed", 1), ("start", 2), ("committed", 2), ("load", 2),
+        ("error:CheckpointNotFoundError", 7),
+    ]
+    lines = [json.loads(line) for line in (tmp_path / "checkpoint_events.jsonl").read_text().splitlines()]
+    assert [(r["event"], r.get("step")) for r in lines] == [
+        ("save_staged", 1), ("save", 1), ("save_staged", 2), ("save", 2), ("load", 2), ("error", 7),
+    ]
 
 
 def test_config(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ SUPPORTED_BASE_FIELDS = frozenset(
         "keep_last",
         "keep_every_n_steps",
         "collective_timeout_s",
+        "event_log",
     }
 )
 

@@ -25,6 +25,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ from checkpoint_manager import (
 from checkpoint_manager.codec import decode, dtype_from_name, dtype_name, encode
 from checkpoint_manager.dist import DistContext
 from checkpoint_manager.factory import fields_set
+from checkpoint_manager.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
 from checkpoint_manager.policy import build_save_policy
 from checkpoint_manager.staging import StagingBuffers
 from checkpoint_manager.state import StateLoader, gather_state
@@ -102,9 +104,11 @@ class TorchCheckpointingManager:
 
     config_class: ClassVar[type[CheckpointConfig]] = TorchCheckpointingConfig
 
-    def __init__(self, config: CheckpointConfig) -> None:
+    def __init__(self, config: CheckpointConfig, *, callbacks: Iterable[CheckpointCallback] = ()) -> None:
         if not isinstance(config, TorchCheckpointingConfig):
             config = TorchCheckpointingConfig.model_validate(fields_set(config))
+        log_path = config.event_log_path
+        self._observers = Observers(callbacks, EventLog(log_path) if log_path else None)
         # Two gloo groups of our own (as the default manager): the training thread's and the writer's.
         self._dist = DistContext(config.collective_timeout_s)
         self._io = DistContext(config.collective_timeout_s)
@@ -113,6 +117,7 @@ class TorchCheckpointingManager:
                 "async_engine='process' is single-process only in this plugin; use async_engine='thread' "
                 f"with {self._dist.world_size} ranks"
             )
+        self._observers.rank, self._observers.world_size = self._dist.rank, self._dist.world_size
         self.config: TorchCheckpointingConfig = config
         self.root = Path(config.save_dir)
         self.load_root = Path(config.resolved_load_dir)
@@ -128,6 +133,10 @@ class TorchCheckpointingManager:
         self._resumed_from: str | None = None
         self._last_saved: int | None = self._dist.on_coordinator(self._start, "start: sweep and list")
         self._dist.barrier("start")
+
+    def add_callback(self, callback: CheckpointCallback) -> None:
+        """Register a callback for every later save, load and error (the core's event hooks)."""
+        self._observers.add(callback)
 
     def _start(self) -> int | None:
         """Rank 0: check the directory, sweep leftovers, and find the newest saved step."""
@@ -206,6 +215,15 @@ class TorchCheckpointingManager:
         return Path(answer) if answer is not None else None
 
     def load(self, ctx: LoadContext) -> LoadResult:
+        try:
+            result = self._load(ctx)
+        except BaseException as exc:
+            self._observers.error("load", ctx.step, exc)
+            raise
+        self._observers.loaded(result)
+        return result
+
+    def _load(self, ctx: LoadContext) -> LoadResult:
         started = time.perf_counter()
         path = self._resolve_everywhere(ctx)
         if path is None:
@@ -263,6 +281,13 @@ class TorchCheckpointingManager:
     def save(self, ctx: SaveContext) -> SaveResult | None:
         self._check_open()
         self._collect(wait=False)  # a failed background save is reported here, never swallowed
+        try:
+            return self._save(ctx)
+        except BaseException as exc:
+            self._observers.error("save", ctx.train_state.step if ctx.train_state else None, exc)
+            raise
+
+    def _save(self, ctx: SaveContext) -> SaveResult | None:
         if ctx.train_state is None:
             raise ValueError("SaveContext.train_state is required: it carries the step being saved")
         step = ctx.train_state.step
@@ -271,7 +296,9 @@ class TorchCheckpointingManager:
         if self.config.async_save and not ctx.final:
             return self._save_async(ctx, step)
         self._collect(wait=True)
-        return self._write_and_commit(self._prepare(ctx, step))
+        result = self._write_and_commit(self._prepare(ctx, step, async_save=False))
+        self._observers.save_committed(result)
+        return result
 
     def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None:
         try:
@@ -314,9 +341,15 @@ class TorchCheckpointingManager:
 
         return bool(self._dist.on_coordinator(decide, f"step {step}: save decision"))
 
-    def _prepare(self, ctx: SaveContext, step: int) -> _Job:
+    def _prepare(self, ctx: SaveContext, step: int, *, async_save: bool) -> _Job:
         started = time.perf_counter()
         assert ctx.train_state is not None
+        name = f"step_{step:08d}"
+        self._observers.save_start(
+            SaveStartEvent(
+                step, name, async_save, bool(ctx.final), bool(ctx.force), self._dist.rank, self._dist.world_size
+            )
+        )
         gathered = gather_state(ctx)  # before any file exists: a bad state leaves nothing behind
         for key, tensor in gathered.tensors.items():
             if tensor.dtype not in _SAFETENSORS_DTYPES:
@@ -324,7 +357,6 @@ class TorchCheckpointingManager:
                     f"cannot checkpoint {key!r}: torch_checkpointing's safetensors layout cannot store "
                     f"{dtype_name(tensor.dtype)} tensors (the default manager can)"
                 )
-        name = f"step_{step:08d}"
 
         def new_pending() -> str:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -346,7 +378,7 @@ class TorchCheckpointingManager:
             )
             return None
         self._collect(wait=True)  # one save in flight: its buffers are reused by this one
-        job = self._prepare(ctx, step)
+        job = self._prepare(ctx, step, async_save=True)
         if self.config.async_engine == "process":
             engine = self._process_engine()
             try:
@@ -368,7 +400,7 @@ class TorchCheckpointingManager:
         self._inflight_step = step
         with self._lock:
             self._last_saved = step
-        return SaveResult(
+        staged = SaveResult(
             path=str(self.root / job.name),
             step=step,
             bytes=_nbytes(job.tensors),
@@ -377,6 +409,8 @@ class TorchCheckpointingManager:
             committed=False,
             timings={"stall": job.stall},
         )
+        self._observers.save_staged(staged)
+        return staged
 
     def _collect(self, *, wait: bool) -> None:
         """Surface the outcome of the in-flight save; its error is raised, never swallowed."""
@@ -386,14 +420,18 @@ class TorchCheckpointingManager:
         step = self._inflight_step
         self._inflight, self._inflight_step = None, None
         try:
-            future.result()
+            result = future.result()
         except Exception as exc:
             with self._lock:
                 newest = _committed(self.root)
                 self._last_saved = newest[-1][0] if newest else None  # that step is not saved
-            raise AsyncSaveError(
+            error = AsyncSaveError(
                 f"the async save of step {step} (not committed) failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            )
+            error.__cause__ = exc
+            self._observers.error("save", step, error)
+            raise error from exc
+        self._observers.save_committed(result)
 
     def _engine_save(self, engine: tc.CheckpointManager, job: _Job) -> Future[Any] | None:
         return engine.save(str(job.pending), {TENSORS_ITEM: job.tensors, STATE_ITEM: job.state})
