@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
@@ -426,6 +428,13 @@ def test_export_torch_and_safetensors(run: Run, tmp_path: Path, capsys: pytest.C
     assert main(["export", str(run.ckpt(20)), "--to", "safetensors", "--out", str(tmp_path / "s"), "--dtype", "bfloat16"]) == 0
     loaded = load_file(tmp_path / "s" / "model.safetensors")
     assert all(torch.equal(loaded[k], v.to(torch.bfloat16)) for k, v in run.weights[20].items())
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "s"), "--json"]) == 0  # safetensors weights inspect too
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "safetensors" and doc["step"] is None
+    assert {t["name"]: (t["shape"], t["dtype"], t["bytes"]) for t in doc["tensors"]} == {
+        k: (list(v.shape), "bfloat16", v.numel() * 2) for k, v in run.weights[20].items()
+    }
 
 
 def test_convert_safetensors_to_dcp(run: Run, children: Children) -> None:
@@ -490,6 +499,34 @@ def test_prune_usage_errors(run: Run, capsys: pytest.CaptureFixture[str]) -> Non
     assert capsys.readouterr().err == "ckpt prune: error: --keep-last 0: must be at least 1\n"
     assert main(["prune", str(run.ckpt(10)), "--keep-last", "1"]) == 2
     assert "is one checkpoint; prune takes its save directory" in capsys.readouterr().err
+
+
+def _hold_lock(directory: str, ready: Any, done: Any) -> None:
+    from checkpoint_manager.lock import WriterLock
+
+    with WriterLock(directory):
+        ready.set()
+        done.wait(60)
+
+
+def test_prune_refuses_while_a_run_holds_the_lock(run: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "run"
+    shutil.copytree(run.root, root)
+    ctx = multiprocessing.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_hold_lock, args=(str(root), ready, done))
+    child.start()
+    try:
+        assert ready.wait(60)
+        assert main(["prune", str(root), "--keep-last", "1", "--dry-run"]) == 0  # a dry run takes no lock
+        capsys.readouterr()
+        assert main(["prune", str(root), "--keep-last", "1"]) == 5
+        err = capsys.readouterr().err
+        assert err.startswith("ckpt prune: error: ") and f"pid {child.pid}" in err and err.count("\n") == 1
+    finally:
+        done.set()
+        child.join(60)
+    assert sorted(p.name for p in root.glob("step_*")) == [f"step_{s:08d}" for s in STEPS]
 
 
 # -- errors --------------------------------------------------------------------------------------------
@@ -563,6 +600,10 @@ def test_url_verify_and_prune(remote_run: tuple[str, dict[int, dict[str, torch.T
     fs.pipe_file(key, bytes(raw))
     assert main(["verify", copy, "--sizes"]) == 0  # same size: only the CRC32 can tell
     capsys.readouterr()
+    assert main(["list", copy, "--verify", "full", "--json"]) == 1
+    rows = {r["name"]: r["state"] for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows == {"step_00000010": "committed", "step_00000020": "corrupt", "step_00000030": "committed",
+                    "step_00000040": "committed"}
     assert main(["verify", copy, "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     bad = [c for c in doc["checkpoints"] if not c["ok"]]
