@@ -195,10 +195,12 @@ def test_callbacks_observe_both_tiers(tmp_path: Path) -> None:
 # ---- kill the job, resume ------------------------------------------------------------------------
 
 
-def _run_child_and_kill(root: Path, steps: int, *, async_save: bool) -> None:
+def _run_child_and_kill(root: Path, steps: int) -> None:
+    """One training child runs two jobs (sync saves into root/sync, async into root/async), then dies."""
     ready = root / "ready"
+    root.mkdir(parents=True, exist_ok=True)
     child = subprocess.Popen(
-        [sys.executable, __file__, str(root), str(steps), "async" if async_save else "sync"],
+        [sys.executable, __file__, str(root), str(steps)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -229,8 +231,15 @@ def _resume(root: Path, **extra: Any) -> tuple[Rig, Any, TieredCheckpointManager
     return rig, result, manager
 
 
-def test_killed_job_resumes_from_either_tier(tmp_path: Path) -> None:
-    _run_child_and_kill(tmp_path / "run", 7, async_save=False)
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("killed")
+    _run_child_and_kill(root, 7)
+    return root
+
+
+def test_killed_job_resumes_from_either_tier(tmp_path: Path, killed_run: Path) -> None:
+    shutil.copytree(killed_run / "sync", tmp_path / "run")
     listing = {"local": [6, 7], "durable": [4]}
     # the same killed run, twice: node lost (local tier gone) and node kept
     lost = tmp_path / "lost"
@@ -255,9 +264,10 @@ def test_killed_job_resumes_from_either_tier(tmp_path: Path) -> None:
     manager.finalize_async_saves(terminate=True)
 
 
-def test_killed_async_job_resumes_bit_exact(tmp_path: Path) -> None:
+def test_killed_async_job_resumes_bit_exact(tmp_path: Path, killed_run: Path) -> None:
     # killed right after the async save of step 7 returned (staged, maybe not yet committed)
-    _run_child_and_kill(tmp_path, 7, async_save=True)
+    shutil.rmtree(tmp_path)
+    shutil.copytree(killed_run / "async", tmp_path)
     rig, result, manager = _resume(tmp_path, async_save=True)
     assert result.step in (6, 7)
     assert_same(rig.snapshot(), replay(result.step))
@@ -468,15 +478,20 @@ def test_tier_configs_split_the_fields(tmp_path: Path) -> None:
 # ---- the child: train, save every step, wait to be killed ----------------------------------------
 
 
-def _child(root: Path, steps: int, async_save: bool) -> None:
-    manager = create_checkpoint_manager(tiered_fields(root, async_save=async_save))
-    rig = Rig(seed=0)
-    for _ in range(steps):
-        rig.step()
-        manager.save(SaveContext(**rig.kwargs()))
+def _child(root: Path, steps: int) -> None:
+    managers = {
+        mode: create_checkpoint_manager(tiered_fields(root / mode, async_save=mode == "async"))
+        for mode in ("sync", "async")
+    }
+    for manager in managers.values():
+        rig = Rig(seed=0)
+        for _ in range(steps):
+            rig.step()
+            manager.save(SaveContext(**rig.kwargs()))
+    # the async job's last save was staged just now and may still be writing when the kill comes
     (root / "ready").write_text(str(os.getpid()))
     time.sleep(600)
 
 
 if __name__ == "__main__":
-    _child(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "async")
+    _child(Path(sys.argv[1]), int(sys.argv[2]))
