@@ -9,6 +9,7 @@ directories whose ``checkpoint.json`` is damaged or missing (``corrupt``), saves
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -77,6 +78,7 @@ def _row(
 
 def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]:
     """The listing of ``root`` as one JSON-able document (what ``--json`` prints)."""
+    from checkpoint_manager.errors import CheckpointCorruptError
     from checkpoint_manager.layout import CHECKPOINT_JSON, read_checkpoint_json, scan_checkpoints
     from checkpoint_manager.pointers import BEST_POINTER, LATEST_POINTER, read_pointer
     from checkpoint_manager.storage.local import PENDING_DIR, LocalStorage
@@ -105,10 +107,8 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
             state = "deleting" if "~deleting~" in entry else "pending"
             base = entry.split(".~deleting~")[0] if state == "deleting" else entry.rsplit(".", 1)[0]
             meta: dict[str, Any] = {}
-            try:
+            with contextlib.suppress(CheckpointCorruptError, OSError):  # none until its last moment
                 meta = read_checkpoint_json(pending_root / entry)
-            except Exception:  # a pending save has no checkpoint.json until its last moment
-                meta = {}
             step = meta.get("step") if isinstance(meta.get("step"), int) else None
             row = _row(base, pending_root / entry, state, step=step, meta=meta)
             rows.append(row)
@@ -126,7 +126,7 @@ def _verify_local(path: Path, level: str) -> list[str]:
 def collect_remote(url: str, options: dict[str, Any] | None, verify_level: str | None, out: Output) -> dict[str, Any]:
     """The listing of a save root at an fsspec URL (committed and damaged checkpoints; pending
     saves live on the writer's machine, not in the store)."""
-    from checkpoint_manager.cli.remote import open_remote, remote_size
+    from checkpoint_manager.cli.remote import open_remote, remote_size, verify_remote
     from checkpoint_manager.layout import CheckpointInfo
     from checkpoint_manager.pointers import BEST_POINTER, LATEST_POINTER
 
@@ -144,19 +144,8 @@ def collect_remote(url: str, options: dict[str, Any] | None, verify_level: str |
         row["problems"].append(problem)
         rows.append(row)
 
-    def check(row: dict[str, Any], level: str) -> list[str]:
-        info = by_name[row["name"]]
-        problems = storage.check_sizes(info)
-        if problems or level == "sizes":
-            return problems
-        local = storage.localize(info.location)
-        try:
-            return [p.replace(str(local), info.location) for p in _verify_local(local, "full")]
-        finally:
-            storage.release_local(local)
-
     return _finish(url, rows, storage.read_pointer(LATEST_POINTER), storage.read_pointer(BEST_POINTER),
-                   verify_level, out, check)
+                   verify_level, out, lambda row, level: verify_remote(storage, by_name[row["name"]], level))
 
 
 def _finish(

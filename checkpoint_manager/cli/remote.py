@@ -22,7 +22,14 @@ if TYPE_CHECKING:
     from checkpoint_manager.layout import CheckpointInfo
     from checkpoint_manager.storage import FsspecStorage
 
-__all__ = ["RemoteCheckpoint", "open_remote", "parse_storage_options", "remote_checkpoint", "remote_size"]
+__all__ = [
+    "RemoteCheckpoint",
+    "open_remote",
+    "parse_storage_options",
+    "remote_checkpoint",
+    "remote_size",
+    "verify_remote",
+]
 
 
 def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
@@ -109,6 +116,21 @@ def remote_size(storage: FsspecStorage, name: str) -> int:
     storage.fs.invalidate_cache(key)
     listing = storage.fs.find(key, detail=True)
     return sum(int(i.get("size") or 0) for i in dict(listing).values())
+
+
+def verify_remote(storage: FsspecStorage, info: CheckpointInfo, level: str) -> list[str]:
+    """Sizes from one listing; ``full`` also downloads the checkpoint and recomputes every CRC32
+    (problems name the URL, not the temporary copy)."""
+    from checkpoint_manager.integrity import verify
+
+    problems = storage.check_sizes(info)
+    if problems or level == "sizes":
+        return problems
+    local = storage.localize(info.location)
+    try:
+        return [p.replace(str(local), info.location) for p in verify(local, "full")]
+    finally:
+        storage.release_local(local)
 
 
 @contextlib.contextmanager

@@ -76,8 +76,7 @@ def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
 
 def _remote_targets(url: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
     """Sizes from a listing (nothing downloaded); ``--full`` downloads each checkpoint to check CRC32s."""
-    from checkpoint_manager.cli.remote import open_remote, remote_checkpoint
-    from checkpoint_manager.integrity import verify
+    from checkpoint_manager.cli.remote import open_remote, remote_checkpoint, verify_remote
     from checkpoint_manager.layout import CheckpointInfo
     from checkpoint_manager.storage import FsspecStorage
 
@@ -90,17 +89,7 @@ def _remote_targets(url: str, args: argparse.Namespace) -> tuple[list[Target], b
         storage, infos = single.storage, [single.info]
 
     def checker(store: FsspecStorage, info: CheckpointInfo) -> Callable[[str], list[str]]:
-        def check(level: str) -> list[str]:
-            problems = store.check_sizes(info)
-            if problems or level == "sizes":
-                return problems
-            local = store.localize(info.location)
-            try:
-                return [p.replace(str(local), info.location) for p in verify(local, "full")]
-            finally:
-                store.release_local(local)
-
-        return check
+        return lambda level: verify_remote(store, info, level)
 
     out: list[Target] = [(i.name, i.location, [], checker(storage, i)) for i in infos]
     out += [(name, storage.location_of(name), [problem], None) for name, problem in bad]
