@@ -370,6 +370,8 @@ def test_every_write_fsync_rename_and_replace_of_a_save_fails_in_turn(
             assert err is None or isinstance(err.__cause__ if async_save else err, PostCommitError), repr(err)
             assert committed(root) == [1, 2, 3], where
             assert pointer(root) in ({"name": "step_00000002", "step": 2}, {"name": "step_00000003", "step": 3})
+            # the step counts as saved: saving it again is a no-op, never a second copy (step_00000003-v2)
+            assert s.manager.save(s.run.ctx()) is None, where
             s.manager.finalize_async_saves(blocking=True, terminate=True)
         assert committed(root) == [1, 2, 3], where
         assert_earlier_intact(root, s, (1, 2, 3))
