@@ -233,7 +233,8 @@ def assert_same_final(ref_out: Path, out: Path, world_size: int) -> None:
         got = load_file(str(out / f"final_rank{rank}.safetensors"))
         assert sorted(got) == sorted(want)
         for key, tensor in want.items():
-            assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), f"rank {rank}: {key} differs"
+            same = got[key].dtype == tensor.dtype and torch.equal(got[key], tensor)
+            assert same, f"rank {rank}: {key} differs from the uninterrupted run"
         want_facts = json.loads((ref_out / f"final_rank{rank}.json").read_text())
         assert json.loads((out / f"final_rank{rank}.json").read_text()) == want_facts
         assert want_facts["train_state"]["step"] == STEPS

@@ -8,9 +8,10 @@ kind raises (ENOSPC for writes: a full disk; EIO for the rest), sync and async. 
   ``AsyncSaveError`` naming the step with it as ``__cause__``); nothing of the failed save is left in
   ``.pending``; the two earlier checkpoints are intact (CRC32) and load bit-exact; ``latest`` is
   unchanged; and the same manager then saves that step successfully;
-- after the commit rename (directory fsyncs, the ``latest`` pointer, retention): the checkpoint is
-  complete and loads bit-exact, ``latest`` names it or the previous one, retention failures are
-  warnings that the next save retries.
+- after the commit rename (directory fsyncs, the ``latest`` pointer): the checkpoint is complete and
+  loads bit-exact, the error (if any) is a ``PostCommitError`` saying so, ``latest`` names it or the
+  previous one, and the step counts as saved; retention failures are only warnings, retried by the
+  next save.
 
 The faults are injected by wrapping ``os`` functions and ``open`` in this process, only for paths
 inside the save directory. A real full disk (a 2 MiB tmpfs) runs too where mounting one is allowed.
