@@ -12,7 +12,7 @@ import argparse
 import math
 from typing import TYPE_CHECKING, Any
 
-from checkpoint_manager.cli.errors import ExitCode
+from checkpoint_manager.cli.errors import CliError, ExitCode
 from checkpoint_manager.cli.output import Output
 from checkpoint_manager.cli.targets import existing, is_url, resolve_checkpoint
 from checkpoint_manager.cli.tensors import TensorInfo, TensorSource, name_filter, open_source
@@ -123,8 +123,6 @@ def run(args: argparse.Namespace, out: Output) -> int:
     from checkpoint_manager.formats.sizes import parse_size
 
     if args.atol < 0 or math.isnan(args.atol):
-        from checkpoint_manager.cli.errors import CliError
-
         raise CliError(ExitCode.USAGE, f"--atol {args.atol}: must be a non-negative number")
     buffer = parse_size(args.buffer_size)
     section = args.section
