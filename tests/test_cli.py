@@ -633,3 +633,25 @@ def test_closed_pipe_is_not_an_error(run: Run, plain: bool, monkeypatch: pytest.
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     assert main(["inspect", str(run.root)]) == 0
     assert capsys.readouterr().err == ""
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_goes_to_a_terminal_stderr_only() -> None:
+    from checkpoint_manager.cli.output import Output
+
+    stdout, stderr = io.StringIO(), Terminal()
+    out = Output(json_mode=True, stdout=stdout, stderr=stderr)
+    with out.progress("verifying", 3) as advance:
+        for _ in range(3):
+            advance(1)
+    out.emit({"ok": True})
+    assert json.loads(stdout.getvalue()) == {"ok": True}  # the bar never touches stdout
+    assert "verifying" in stderr.getvalue()
+    quiet = io.StringIO()  # not a terminal (a log file, CI): no bar at all
+    with Output(json_mode=False, stdout=io.StringIO(), stderr=quiet).progress("verifying", 3) as advance:
+        advance(3)
+    assert quiet.getvalue() == ""
