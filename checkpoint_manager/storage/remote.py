@@ -313,11 +313,13 @@ class FsspecStorage:
         self._uploaded.setdefault(str(pending), set()).update(rels)
 
     def upload_part(self, pending: Path, rank: int, files: list[str]) -> None:
-        """This rank's tensor files, its rank JSON and (rank 0) DCP's ``.metadata``; the local copies
-        of the tensor files are dropped at once (the disk holds one checkpoint at most)."""
+        """This rank's tensor files, its rank JSON and (rank 0) DCP's ``.metadata``. The local copies
+        go at once (the disk holds one checkpoint at most), but rank 0's small files, which it
+        describes in the marker; other ranks' directories on other nodes are left empty (swept at
+        the next start; removing them could race rank 0 on a shared staging directory)."""
         rels = [*files, rank_file(rank)] + ([METADATA_FILE] if rank == 0 else [])
         self._put(pending, rels)
-        for rel in files:
+        for rel in files if rank == 0 else rels:
             with contextlib.suppress(FileNotFoundError):
                 (pending / rel).unlink()
 
