@@ -283,9 +283,11 @@ class CheckpointReader(FileSystemReader):
     Other DCP files go through ``torch.load(weights_only=True)``.
     """
 
-    def __init__(self, path: str | Path, *, fast: bool = False) -> None:
+    def __init__(self, path: str | Path, *, fast: bool = False, metadata: Metadata | None = None) -> None:
+        """``metadata``: what :func:`read_dcp_metadata` already returned for ``path`` (unpickling it
+        again costs ~30 us per tensor)."""
         super().__init__(path)
-        self._metadata_cache: Metadata | None = None
+        self._metadata_cache: Metadata | None = metadata
         self.fast = fast
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
