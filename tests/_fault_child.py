@@ -495,6 +495,11 @@ def serve() -> int:
         if not line.strip():
             continue
         job = json.loads(line)
+        if job.get("probe"):  # what a fork inherits: must stay one thread, no process group
+            reply = {"id": job["id"], "threads": threading.active_count(), "dist": dist.is_initialized()}
+            sys.stdout.write(json.dumps(reply) + "\n")
+            sys.stdout.flush()
+            continue
         t0 = time.monotonic()
         reply = run_job(job)
         reply["seconds"] = time.monotonic() - t0
