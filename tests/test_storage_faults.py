@@ -452,15 +452,24 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(mount)], capture_output=True, timeout=20, check=False)
 
 
-def test_a_real_full_disk_fails_the_save_cleanly(small_disk: Path) -> None:
-    """Sync save of 4 MB of weights (+ AdamW state) onto 2 MiB: ENOSPC, nothing left, the old one loads."""
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_real_full_disk_fails_the_save_cleanly(small_disk: Path, async_save: bool) -> None:
+    """A save of 4 MB of weights onto 2 MiB: ENOSPC, nothing left behind, the earlier ones load."""
     save_dir = small_disk / "ck"
-    s = two_saves(save_dir, False)
+    s = two_saves(save_dir, async_save)
     torch.manual_seed(1)
     big = nn.Linear(1024, 1024)
-    with pytest.raises(OSError, match=r"\[Errno 28\] No space left on device") as info:
-        s.manager.save(SaveContext(model=big, train_state=TrainState(step=3)))
-    assert info.value.errno == errno.ENOSPC
+    if async_save:
+        pattern = r"the async save of step 3 \(not committed\) failed: OSError: \[Errno 28\] No space left on device"
+        with pytest.raises(AsyncSaveError, match=pattern) as info:
+            s.manager.save(SaveContext(model=big, train_state=TrainState(step=3)))
+            s.manager.finalize_async_saves(blocking=True)
+        cause = info.value.__cause__
+        assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, repr(cause)
+    else:
+        with pytest.raises(OSError, match=r"\[Errno 28\] No space left on device") as err:
+            s.manager.save(SaveContext(model=big, train_state=TrainState(step=3)))
+        assert err.value.errno == errno.ENOSPC
     assert committed(save_dir) == [1, 2] and pending(save_dir) == []
     assert pointer(save_dir) == {"name": "step_00000002", "step": 2}
     assert shutil.disk_usage(small_disk).used < 1 << 20, "the partial files of the failed save were left"
