@@ -34,6 +34,7 @@ from checkpoint_manager import (
     LoadContext,
     SaveContext,
     TrainState,
+    prune,
     verify,
 )
 from checkpoint_manager.lock import CheckpointLockError
@@ -256,6 +257,14 @@ def test_discovery_pointers_and_sweep(s3: MotoS3, url: str, tmp_path: Path) -> N
     assert verify(f"{url}/step_00000003", storage_options=cfg.storage_options) == [
         f"{url}/step_00000003/checkpoint.json: missing (not a committed checkpoint)"
     ]
+
+    # prune() outside a run takes the store's writer lock and deletes from the store
+    assert [c.name for c in prune(url, keep_last=1, storage_options=cfg.storage_options)] == ["step_00000001"]
+    assert storage.list_names() == ["step_00000001", "step_00000002"]  # a dry run deletes nothing
+    deleted = prune(url, keep_last=1, dry_run=False, storage_options=cfg.storage_options)
+    assert [c.name for c in deleted] == ["step_00000001"]
+    assert storage.list_names() == ["step_00000002"]
+    assert not [o for o in objects(storage) if o.startswith("step_00000001/") or o == ".writer.lock"]
 
 
 def test_writer_lock_on_the_store(s3: MotoS3, url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -21,6 +21,7 @@ import logging
 import re
 import shutil
 import tempfile
+import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,7 @@ METADATA_FILE = ".metadata"
 # what a save of ours puts under a checkpoint prefix: only prefixes made of these are ever swept
 _OURS = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank_\d+\.json|state\.json|hf/.+)$")
 _RANK_JSON = re.compile(r"^rank_\d+\.json$")
+_CACHE_STALE_S = 3600.0  # a download this old belongs to no running load
 _TRANSFERS = 8  # files moved at once (each big one is itself a concurrent multipart transfer)
 
 
@@ -428,9 +430,11 @@ class FsspecStorage:
         """Local staging leftovers, and prefixes without a marker that hold only files a save of ours
         writes (a user's own folder next to the checkpoints is never touched)."""
         removed = self._local.sweep_pending()
-        if self.cache_root.is_dir():
+        if self.cache_root.is_dir():  # downloads left by crashed loads (not a reader's current one)
             for entry in self.cache_root.iterdir():
-                shutil.rmtree(entry, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    if time.time() - entry.stat().st_mtime > _CACHE_STALE_S:
+                        shutil.rmtree(entry, ignore_errors=True)
         self.fs.invalidate_cache(self.root)
         try:
             listing = self._call(f"list {self.url}", self.fs.find, self.root)
