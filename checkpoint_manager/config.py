@@ -155,8 +155,10 @@ class CheckpointConfig(BaseModel):
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         repr=False,
+        exclude=True,
         description="Options for fsspec when save_dir/load_dir is a URL (credentials, "
-        "client_kwargs={'endpoint_url': ...}); never logged or shown in repr.",
+        "client_kwargs={'endpoint_url': ...}); may hold secrets, so never logged, shown in repr or "
+        "serialized (model_dump, bundles): give it again when rebuilding a config.",
     )
     staging_dir: str | None = Field(
         default=None,

@@ -493,7 +493,8 @@ def test_retry_classification() -> None:
 
 def test_config_fields_validate_and_hide_credentials(tmp_path: Path) -> None:
     cfg = CheckpointConfig(save_dir="s3://b/p", storage_options={"secret": DUMMY_SECRET})
-    assert DUMMY_SECRET not in repr(cfg)
+    assert DUMMY_SECRET not in repr(cfg) and cfg.storage_options == {"secret": DUMMY_SECRET}
+    assert "storage_options" not in cfg.model_dump() and DUMMY_SECRET not in cfg.model_dump_json()
     assert (cfg.upload_mode, cfg.storage_retries, cfg.storage_retry_backoff_s, cfg.staging_dir) == (
         "staged", 4, 0.5, None,
     )
