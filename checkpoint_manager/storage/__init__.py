@@ -51,6 +51,7 @@ def open_storage(
             retry_backoff_s=retry_backoff_s,
             fsync=fsync,
         )
-    if text.startswith("file://"):
-        text = text[len("file://") :]
+    for scheme in ("file://", "local://"):
+        if text.startswith(scheme):
+            text = text[len(scheme) :]
     return LocalStorage(text, fsync=fsync)
