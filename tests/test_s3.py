@@ -299,17 +299,19 @@ def test_kill_during_upload_is_never_listed(
     """SIGKILL while step 2's marker is in flight: step 2 is pending (listed never), step 1 loads,
     and the next writer sweeps step 2's prefix."""
     proxy.stall = lambda method, path: method == "PUT" and path.endswith("step_00000002/checkpoint.json")
-    child = subprocess.Popen(
-        [sys.executable, str(HERE / "_s3_child.py"), "kill", proxy.endpoint, url, str(tmp_path / "child"), upload_mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    log = tmp_path / "child.log"  # a file, not a pipe: a full pipe would block the child
+    with open(log, "wb") as sink:
+        child = subprocess.Popen(
+            [sys.executable, str(HERE / "_s3_child.py"), "kill", proxy.endpoint, url, str(tmp_path / "child"),
+             upload_mode],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     try:
         if not proxy.stalled.wait(CHILD_TIMEOUT_S):
             child.kill()
-            out, err = child.communicate(timeout=30)
-            pytest.fail(f"the child never reached step 2's commit:\n{out}\n{err[-3000:]}")
+            child.wait(timeout=30)
+            pytest.fail(f"the child never reached step 2's commit:\n{log.read_text()[-4000:]}")
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     finally:
@@ -345,24 +347,25 @@ def test_two_ranks_each_upload_their_shard(s3: MotoS3, url: str, tmp_path: Path)
     writes the marker listing both with their CRC32s, and every local shard loads back bit-exact."""
     env_base = {**os.environ, "WORLD_SIZE": "2", "PYTHONPATH": str(HERE)}
     store = tmp_path / "store"
-    children = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "_s3_child.py"), "rank", s3.endpoint, url, str(tmp_path / "staging"),
-             str(store), str(tmp_path / f"rank{rank}.json")],
-            env={**env_base, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    children = []
+    for rank in range(2):
+        with open(logs[rank], "wb") as sink:  # files, not pipes: a full pipe would block a rank
+            children.append(subprocess.Popen(
+                [sys.executable, str(HERE / "_s3_child.py"), "rank", s3.endpoint, url, str(tmp_path / "staging"),
+                 str(store), str(tmp_path / f"rank{rank}.json")],
+                env={**env_base, "RANK": str(rank)}, stdout=sink, stderr=subprocess.STDOUT,
+            ))
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
     try:
         for child in children:
-            outputs.append(child.communicate(timeout=CHILD_TIMEOUT_S)[0])
+            child.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for child in children:
             if child.poll() is None:
                 child.kill()
                 child.wait(timeout=30)
-    assert [c.returncode for c in children] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert [c.returncode for c in children] == [0, 0], "\n".join(p.read_text()[-3000:] for p in logs)
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for report in reports:
         assert report["equal"] and report["step"] == 3 and report["path"] == f"{url}/step_00000003"
