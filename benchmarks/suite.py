@@ -264,7 +264,7 @@ def async_floors(async_data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
-    parts = [p for p in args.parts.split(",") if p]
+    parts = [p for p in args.parts.split(",") if p and p != "none"]
     bad = sorted(set(parts) - set(PARTS))
     if bad:
         print(f"unknown parts {bad}; choose from {PARTS}", file=sys.stderr)
@@ -280,6 +280,10 @@ def run(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
     errors: dict[str, str] = {}
+    for earlier in args.include or []:  # merge runs made separately (e.g. one size at a time)
+        prior = json.loads(Path(earlier).read_text())
+        records += prior.get("records", [])
+        extra.update({k: prior[k] for k in ("async", "dist", "export") if k in prior})
 
     wanted = [op.strip() for op in args.ops.split(",")]
 
@@ -407,6 +411,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dist-mib", type=float, help="total state of the 1/2-rank part (default 1024)")
     p.add_argument("--export-gib", type=float, help="model size of the export part (default 1)")
     p.add_argument("--out", default="bench_results/suite", help="directory for suite.json / suite.md / PNG")
+    p.add_argument("--include", action="append",
+                   help="also report the records of an earlier suite.json (repeatable; --parts none: only merge)")
     p.add_argument("--plot", help="also copy the PNG here (e.g. docs/benchmarks-time-vs-size.png)")
     p.add_argument("--workdir", help="where checkpoints are written (default: the system temp dir)")
     p.add_argument("--drop-caches", action=argparse.BooleanOptionalAction, default=True)
