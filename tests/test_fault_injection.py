@@ -323,7 +323,7 @@ def test_sigkill_at_random_points_of_saves(
             stats.kill_ranks[hit["rank"]] += 1
             on_disk = committed_on_disk(save_dir)
             newest = on_disk[-1] if on_disk else None
-            check_newest_fits({**kill, "step": hit["step"]}, newest)
+            check_newest_fits({**kill, "step": hit["step"], "mode": hit["mode"]}, newest)
         else:
             pytest.fail(f"run {stats.campaigns} did not finish after 60 jobs")
     stats.seconds = time.monotonic() - started
