@@ -171,6 +171,8 @@ class _Holding:
 
 _registry: dict[str, _Holding] = {}
 _registry_lock = threading.Lock()
+# Object-store locks do network I/O under their lock: never the one a GC finalizer may need.
+_object_registry_lock = threading.Lock()
 
 
 class WriterLock:
@@ -236,7 +238,7 @@ class WriterLock:
         # A WriterLock dropped without release() (a manager never terminated, then garbage collected)
         # gives its share back, so it cannot keep the directory locked for the rest of the process.
         self._held = True
-        self._finalizer = weakref.finalize(self, _release_share, key, holding)
+        self._finalizer = weakref.finalize(self, _release_share_from_gc, key, holding)
 
     def _take(self) -> LockOwner:
         """Create the lock file, or replace a stale one; raise if a live owner holds it."""
@@ -315,26 +317,46 @@ class WriterLock:
         if not self._held:
             return
         self._held = False
-        if self._finalizer is not None:
-            self._finalizer()  # runs _release_share once
+        detached = self._finalizer.detach() if self._finalizer is not None else None
+        if detached is not None:  # not yet run by the collector: release now, on this thread
+            _release_share(*detached[2])
+
+
+def _release_share_from_gc(key: str, holding: _Holding) -> None:
+    """A lock dropped without ``release``: the collector may run this on any thread, even one that
+    the thread holding ``_registry_lock`` is waiting for, so it must never block on that lock."""
+    if _registry_lock.acquire(blocking=False):
+        try:
+            _release_share_locked(key, holding)
+        finally:
+            _registry_lock.release()
+        return
+    threading.Thread(
+        target=_release_share, args=(key, holding), name="checkpoint-lock-release", daemon=True
+    ).start()
 
 
 def _release_share(key: str, holding: _Holding) -> None:
     """Drop one holder's share of this process's hold on ``key``; the last one removes the file."""
     with _registry_lock:
-        if _registry.get(key) is not holding or holding.owner.pid != os.getpid():
-            return  # already released or replaced, or inherited through fork: not ours to remove
-        holding.count -= 1
-        if holding.count > 0:
-            return
-        del _registry[key]
-        _stop(holding)
-        path = Path(key)
-        try:
-            with _guard(path.parent):
-                _remove_if_ours(path, holding.owner.token)
-        except OSError as exc:  # the directory is gone (or unreachable): nothing left to release
-            log.debug("releasing %s: %s", path, exc)
+        _release_share_locked(key, holding)
+
+
+def _release_share_locked(key: str, holding: _Holding) -> None:
+    """The body of a release, with ``_registry_lock`` held by the caller."""
+    if _registry.get(key) is not holding or holding.owner.pid != os.getpid():
+        return  # already released or replaced, or inherited through fork: not ours to remove
+    holding.count -= 1
+    if holding.count > 0:
+        return
+    del _registry[key]
+    _stop(holding)
+    path = Path(key)
+    try:
+        with _guard(path.parent):
+            _remove_if_ours(path, holding.owner.token)
+    except OSError as exc:  # the directory is gone (or unreachable): nothing left to release
+        log.debug("releasing %s: %s", path, exc)
 
 
 @contextlib.contextmanager
@@ -488,7 +510,7 @@ class ObjectWriterLock:
     def acquire(self) -> ObjectWriterLock:
         if self._held:
             return self
-        with _registry_lock:
+        with _object_registry_lock:
             entry = _object_registry.get(self.key)
             if entry is not None:
                 current, _ = self.read()
@@ -541,7 +563,7 @@ class ObjectWriterLock:
         if not self._held:
             return
         self._held = False
-        with _registry_lock:
+        with _object_registry_lock:
             entry = _object_registry.get(self.key)
             if entry is None:
                 return

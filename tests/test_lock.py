@@ -309,3 +309,37 @@ def test_releasing_after_the_directory_is_gone_is_quiet(tmp_path: Path) -> None:
     again = WriterLock(directory).acquire()  # and the directory can be locked anew
     assert again.held and read_lock_owner(directory) is not None
     again.release()
+
+
+def test_a_lock_collected_on_another_thread_never_deadlocks(tmp_path: Path) -> None:
+    """The collector may run a dropped lock's finalizer on a thread that the holder of the registry
+    lock is waiting for (fsspec's I/O thread, seen in CI): the finalizer must not block on it."""
+    import gc
+    import threading
+
+    from checkpoint_manager import lock as lock_module
+
+    gc.disable()  # collected only by the worker's gc.collect() below
+    try:
+        dropped = WriterLock(tmp_path).acquire()
+        dropped.cycle = dropped  # type: ignore[attr-defined]  # freed only by the cycle collector
+        del dropped
+        assert (tmp_path / LOCK_FILE).exists()
+    finally:
+        gc.enable()
+    done = threading.Event()
+
+    def collect() -> None:
+        gc.collect()
+        done.set()
+
+    with lock_module._registry_lock:  # "the main thread waits for the collecting thread"
+        worker = threading.Thread(target=collect)
+        worker.start()
+        assert done.wait(10), "the finalizer blocked on the registry lock"
+    worker.join(10)
+    deadline = time.monotonic() + 10
+    while (tmp_path / LOCK_FILE).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)  # released by a helper thread once the registry lock is free
+    assert not (tmp_path / LOCK_FILE).exists()
+    WriterLock(tmp_path).acquire().release()  # and the directory is free again
