@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from checkpoint_manager.direct_io import (
+    _WRITE_DEPTH,
     BLOCK,
     DEFAULT_CHUNK,
     AlignedFileReader,
@@ -257,7 +258,7 @@ class CheckpointWriter(FileSystemWriter):
         return fut
 
 
-# The two bounce buffers of a save stay within this share of the bytes it writes (never below 1 MiB).
+# The bounce buffers of a save stay within this share of the bytes it writes (never below 1 MiB each).
 _BUFFER_SHARE = 1 / 10
 _MIN_CHUNK = 1 << 20
 
@@ -269,7 +270,7 @@ def _chunk_for(plan: SavePlan, largest: int) -> int:
         if item.tensor_data is not None:
             total += math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
     chunk = largest
-    while chunk > _MIN_CHUNK and 2 * chunk > total * _BUFFER_SHARE:
+    while chunk > _MIN_CHUNK and _WRITE_DEPTH * chunk > total * _BUFFER_SHARE:
         chunk //= 2
     return max(chunk, min(largest, _MIN_CHUNK)) // BLOCK * BLOCK
 
@@ -396,6 +397,8 @@ class _Job:
 
 # Streamed reads merge records separated by less than this: reading a small gap beats a new request.
 _GAP = 1 << 20
+# One preadv of a warm record: large enough that per-call cost vanishes.
+_PREAD_PIECE = 64 << 20
 # Files at least this much in the page cache are copied from it; others are read with O_DIRECT.
 _CACHED = 0.5
 
@@ -446,10 +449,21 @@ class _RecordFile:
             start = self.data_offset(job)
             if start + job.nbytes > self.size:
                 raise CheckpointCorruptError(f"{self.path}: {job.fqn!r} ends early (file truncated?)")
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                raw = torch.frombuffer(self.view(), dtype=torch.uint8, count=job.nbytes, offset=start)
-            job.target.view(-1).view(torch.uint8).copy_(raw)
+            self._pread_into(job, start)
+
+    def _pread_into(self, job: _Job, start: int) -> None:
+        """Copy a record from the page cache straight into its target: ``preadv``, no map, no faults.
+
+        Measured against copying out of a map of the file: the map faulted every page in (2 GiB warm:
+        4.3 GB/s marginal, vs 10 GB/s for torch.load(mmap) + copy).
+        """
+        dest = memoryview((ctypes.c_char * job.nbytes).from_address(job.target.data_ptr())).cast("B")
+        done = 0
+        while done < job.nbytes:
+            n = os.preadv(self._fd, [dest[done : done + _PREAD_PIECE]], start + done)
+            if n <= 0:
+                raise CheckpointCorruptError(f"{self.path}: {job.fqn!r} ends early (file truncated?)")
+            done += n
 
     def read_slice(self, job: _Job) -> None:
         """Copy the part of a record a resharded target needs, from the map."""
@@ -471,7 +485,7 @@ class _RecordFile:
         if job.data_start >= 0:
             return job.data_start
         prefix = envelope_for(job.shape, job.dtype).prefix
-        if self.view()[job.offset : job.offset + len(prefix)] == prefix:
+        if os.pread(self._fd, len(prefix), job.offset) == prefix:
             job.data_start = job.offset + len(prefix)  # byte-identical envelope: dtype and shape agree
             return job.data_start
         try:  # another torch version's envelope: read the zip's directory instead

@@ -64,14 +64,15 @@ class _Buffers(threading.local):
         return self.maps, self.addrs
 
 
-_BUFFERS = _Buffers()
+_WRITE_DEPTH = 3  # buffers of a writer: one being filled, two being written (two requests in flight)
+_BUFFERS = _Buffers(_WRITE_DEPTH)
 _READ_DEPTH = 3  # buffers of a reader: one held by the caller, two being read ahead
 _READ_BUFFERS = _Buffers(_READ_DEPTH)
 
 
 def _forget_buffers_in_child() -> None:
     global _BUFFERS, _READ_BUFFERS
-    _BUFFERS = _Buffers()
+    _BUFFERS = _Buffers(_WRITE_DEPTH)
     _READ_BUFFERS = _Buffers(_READ_DEPTH)
 
 
@@ -95,8 +96,8 @@ class AlignedFileWriter:
         self.fsync_seconds = 0.0  # reported as the save's "fsync" phase
         self._flushed = 0  # bytes handed to the I/O thread
         self.crc = 0  # CRC32 of every byte handed to the I/O thread: the file's, once closed
-        self._inflight: Future[None] | None = None
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-io")
+        self._inflight: dict[int, Future[None]] = {}  # buffer -> its write
+        self._io = ThreadPoolExecutor(max_workers=len(self._maps) - 1, thread_name_prefix="checkpoint-io")
         self.direct = bool(direct and _O_DIRECT)
         self._fd = self._open()
 
@@ -188,12 +189,16 @@ class AlignedFileWriter:
             pad = BLOCK - length % BLOCK
             self._maps[self._cur][length : length + pad] = bytes(pad)
             length += pad
-        self._wait()  # the other buffer must be on disk before we refill it
         offset, buf = self._flushed, self._cur
-        self._inflight = self._io.submit(self._pwrite, buf, length, offset)
+        self._inflight[buf] = self._io.submit(self._pwrite, buf, length, offset)
+        if offset == 0:
+            self._wait()  # the first write may reopen the file without O_DIRECT: nothing beside it
         self._flushed += self._fill
-        self._cur ^= 1
+        self._cur = (self._cur + 1) % len(self._maps)
         self._fill = 0
+        pending = self._inflight.pop(self._cur, None)  # the next buffer must be on disk before reuse
+        if pending is not None:
+            pending.result()
 
     def _pwrite(self, buf: int, length: int, offset: int) -> None:
         view = memoryview(self._maps[buf])[:length]
@@ -210,9 +215,16 @@ class AlignedFileWriter:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def _wait(self) -> None:
-        if self._inflight is not None:
-            future, self._inflight = self._inflight, None
-            future.result()
+        """Wait for every write in flight; the first failure is raised once all have settled."""
+        futures, self._inflight = list(self._inflight.values()), {}
+        error: BaseException | None = None
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as exc:  # keep waiting: no write may land in a reused buffer
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 def cached_fraction(fd: int, size: int) -> float:

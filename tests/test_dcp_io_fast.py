@@ -152,8 +152,8 @@ def test_bounce_buffers_shrink_for_small_states(tmp_path: Path) -> None:
     def plan(nbytes: int) -> _Plan:
         return _Plan([_create_write_item_for_tensor("t", torch.empty(nbytes // 4))])
 
-    assert _chunk_for(plan(1 << 30), 16 << 20) == 16 << 20  # 2 x 16 MiB = 3% of 1 GiB
-    assert _chunk_for(plan(80 << 20), 16 << 20) == 4 << 20  # 8 MiB = 10% of 80 MiB
+    assert _chunk_for(plan(1 << 30), 16 << 20) == 16 << 20  # 3 x 16 MiB = 5% of 1 GiB
+    assert _chunk_for(plan(80 << 20), 16 << 20) == 2 << 20  # 3 x 2 MiB: under 10% of 80 MiB
     assert _chunk_for(plan(4 << 20), 16 << 20) == 1 << 20  # never below 1 MiB
     assert _chunk_for(plan(4 << 20), 64 << 10) == 64 << 10  # never above what was asked
 
