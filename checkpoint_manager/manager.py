@@ -26,7 +26,13 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from checkpoint_manager._version import __version__
 from checkpoint_manager.codec import decode, encode
 from checkpoint_manager.config import CheckpointConfig
-from checkpoint_manager.dcp_io import WRITER_ID, CheckpointReader, CheckpointWriter, read_dcp_metadata
+from checkpoint_manager.dcp_io import (
+    WRITER_ID,
+    CheckpointReader,
+    CheckpointWriter,
+    paused_gc,
+    read_dcp_metadata,
+)
 from checkpoint_manager.dist import DistContext
 from checkpoint_manager.errors import (
     AsyncSaveError,
@@ -393,10 +399,12 @@ class DefaultCheckpointManager:
         t_plan = time.perf_counter()
         if targets:
             try:
-                with _quiet_single_process(), self._dist.phase(f"load {path.name}: read"):
+                with _quiet_single_process(), self._dist.phase(f"load {path.name}: read"), paused_gc():
                     dcp_load(
                         targets,
-                        storage_reader=CheckpointReader(path, fast=meta.get("writer") == WRITER_ID),
+                        storage_reader=CheckpointReader(
+                            path, fast=meta.get("writer") == WRITER_ID, metadata=metadata
+                        ),
                         process_group=self._dist.group,
                         no_dist=self._dist.world_size == 1,
                     )
@@ -660,7 +668,7 @@ class DefaultCheckpointManager:
                 if self._storage.is_local
                 else self._storage.dcp_writer(job.pending, fsync=self.config.fsync, direct=self.config.direct_io)
             )
-            with _quiet_single_process(), io.phase(f"step {job.step}: write"):
+            with _quiet_single_process(), io.phase(f"step {job.step}: write"), paused_gc():
                 dcp_save(
                     job.state.tensors,
                     storage_writer=writer,
