@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -137,3 +138,30 @@ def reference_run(trainer: ModuleType, tmp_path_factory: pytest.TempPathFactory)
 def pytest_configure(config: pytest.Config) -> None:
     # torchdata 0.11 calls a torch API that torch deprecated; nothing in this project can act on it.
     config.addinivalue_line("filterwarnings", "ignore:'set_vital' is deprecated:UserWarning")
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A real, small tmpfs at ``where`` that fills up: the genuine ENOSPC path (mounting needs root,
+    which CI has; skipped where it is refused)."""
+    where.mkdir()
+    try:
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+            capture_output=True, text=True, timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], capture_output=True, timeout=20, check=False)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB tmpfs."""
+    with mounted_tmpfs(tmp_path / "tmpfs", "2m") as mount:
+        yield mount

@@ -381,26 +381,6 @@ def test_a_failed_background_write_is_raised_by_finalize(tmp_path: Path, gate: G
     assert _pending(save_dir) == []
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 2 MiB filesystem that fills up; needs root (skipped elsewhere)."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    try:
-        proc = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-            capture_output=True, text=True, timeout=20,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True, timeout=20, check=False)
-
-
 def test_a_full_disk_is_raised_and_nothing_is_committed(tiny_tmpfs: Path) -> None:
     save_dir = tiny_tmpfs / "ck"
     small = Setup(width=32)  # a few KB

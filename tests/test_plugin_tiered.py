@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -389,25 +388,6 @@ def test_a_failing_tier_never_costs_the_other(tmp_path: Path) -> None:
     assert "cm_tiered: save failed on the durable tier" in getattr(info.value, "__notes__", [])
     manager.finalize_async_saves(blocking=True, terminate=True)  # the local save was still committed
     assert manager.local.list_checkpoints()[-1].step == 1
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 2 MiB filesystem that fills up; mounting needs root (skipped where it is refused)."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    try:
-        proc = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True, timeout=20
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True, timeout=20, check=False)
 
 
 class Big:

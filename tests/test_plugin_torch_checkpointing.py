@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -273,25 +272,6 @@ def test_an_unstorable_dtype_is_refused_before_any_file(tmp_path: Path, async_sa
     ):
         manager.save(SaveContext(**{**rig.kwargs(), "extra": {"spectrum": Spectrum()}}, force=True))
     assert list(tmp_path.iterdir()) == []
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 2 MiB filesystem that fills up; mounting needs root (skipped where it is refused)."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    try:
-        proc = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True, timeout=20
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True, timeout=20, check=False)
 
 
 class Big:

@@ -10,10 +10,12 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import mounted_tmpfs
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -532,21 +534,10 @@ def test_a_retention_failure_never_fails_the_save(tmp_path: Path, caplog: pytest
 
 
 @pytest.fixture
-def tiny_filesystem(tmp_path: Path) -> Any:
-    """A real 1 MiB tmpfs that fills up (needs root; skipped elsewhere)."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                              capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+def tiny_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs that fills up (tests/conftest.py)."""
+    with mounted_tmpfs(tmp_path / "tmpfs", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True, timeout=20, check=False)
 
 
 def test_a_save_that_fails_prunes_nothing(tiny_filesystem: Path) -> None:

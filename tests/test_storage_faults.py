@@ -26,9 +26,7 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -435,21 +433,9 @@ def test_an_error_after_the_commit_says_the_checkpoint_is_committed(
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A real 2 MiB tmpfs that fills up (mounting needs root: skipped where it is refused)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                              capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True, timeout=20, check=False)
+def small_disk(tiny_tmpfs: Path) -> Path:
+    """A real 2 MiB tmpfs that fills up (tests/conftest.py)."""
+    return tiny_tmpfs
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
