@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,13 +203,13 @@ def w_tc(size: float, d: Path) -> dict[str, Any]:
     return out
 
 
-def w_train(size: float, d: Path) -> dict[str, Any]:
-    """Per-step time of forward/backward/AdamW step, alone vs while our background write runs."""
+def _slowdown(bench: Any, start_save: Callable[[int], tuple[Callable[[], bool], Callable[[], None]]]) -> dict[str, Any]:
+    """Per-step time of forward/backward/AdamW, alone vs while two background saves run.
+
+    ``start_save(k)`` starts save ``k`` and returns (still writing?, wait until durable).
+    """
     import torch
 
-    from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
-
-    bench = _build(size)
     model, opt = bench.model, bench.optimizer
     x = torch.randn(32, bench.width)
 
@@ -222,20 +223,16 @@ def w_train(size: float, d: Path) -> dict[str, Any]:
     for _ in range(2):
         step()
     alone = [step() for _ in range(5)]
-    cfg = CheckpointConfig(save_dir=str(d / "t"), async_save=True, writer_lock=False, keep_last=1)
-    mgr = DefaultCheckpointManager(cfg)
     during: list[float] = []
     stalls = []
     for k in (1, 2):
         t0 = time.perf_counter()
-        mgr.save(SaveContext(model=model, optimizer=opt, train_state=TrainState(step=k), force=True))
+        busy, finish = start_save(k)
         stalls.append(time.perf_counter() - t0)
-        while mgr.save_in_flight:
+        while busy():
             during.append(step())
-        mgr.finalize_async_saves(blocking=True)
-    mgr.finalize_async_saves(blocking=True, terminate=True)
+        finish()
     after = [step() for _ in range(5)]
-    shutil.rmtree(d / "t")
     base = statistics.median(alone + after)
     dur = statistics.median(during) if during else float("nan")
     return {
@@ -246,6 +243,25 @@ def w_train(size: float, d: Path) -> dict[str, Any]:
         "slowdown": dur / base,
         "save_stalls": stalls,
     }
+
+
+def w_train(size: float, d: Path) -> dict[str, Any]:
+    """Training steps while our background write runs."""
+    from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
+
+    bench = _build(size)
+    cfg = CheckpointConfig(save_dir=str(d / "t"), async_save=True, writer_lock=False, keep_last=1)
+    mgr = DefaultCheckpointManager(cfg)
+
+    def start(k: int) -> tuple[Callable[[], bool], Callable[[], None]]:
+        ctx = SaveContext(model=bench.model, optimizer=bench.optimizer, train_state=TrainState(step=k), force=True)
+        mgr.save(ctx)
+        return (lambda: mgr.save_in_flight), (lambda: mgr.finalize_async_saves(blocking=True))
+
+    out = _slowdown(bench, start)
+    mgr.finalize_async_saves(blocking=True, terminate=True)
+    shutil.rmtree(d / "t")
+    return out
 
 
 def w_train_dcp(size: float, d: Path, mode: str) -> dict[str, Any]:
@@ -255,7 +271,6 @@ def w_train_dcp(size: float, d: Path, mode: str) -> dict[str, Any]:
     for a second copy into shared memory and for the process start; our thread holds the GIL only
     between GIL-free memmove / crc32 / write calls.
     """
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -263,43 +278,21 @@ def w_train_dcp(size: float, d: Path, mode: str) -> dict[str, Any]:
     store = dist.FileStore(str(d / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     bench = _build(size)
-    model, opt = bench.model, bench.optimizer
-    x = torch.randn(32, bench.width)
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-        opt.step()
-        return time.perf_counter() - t0
-
-    for _ in range(2):
-        step()
-    alone = [step() for _ in range(5)]
     kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
-    during: list[float] = []
-    stalls = []
-    for k in (1, 2):
-        t0 = time.perf_counter()
+
+    def start(k: int) -> tuple[Callable[[], bool], Callable[[], None]]:
         res = dcp.async_save(bench.state_dict(), checkpoint_id=str(d / f"t{k}"), async_checkpointer_type=kind)
-        stalls.append(time.perf_counter() - t0)
         fut = res.upload_completion if hasattr(res, "upload_completion") else res
-        while not fut.done():
-            during.append(step())
-        fut.result()
-        shutil.rmtree(d / f"t{k}")
-    after = [step() for _ in range(5)]
+
+        def finish() -> None:
+            fut.result()
+            shutil.rmtree(d / f"t{k}")
+
+        return (lambda: not fut.done()), finish
+
+    out = _slowdown(bench, start)
     dist.destroy_process_group()
-    base = statistics.median(alone + after)
-    dur = statistics.median(during) if during else float("nan")
-    return {
-        "bytes": bench.payload_bytes,
-        "step_alone": base,
-        "step_during_write": dur,
-        "steps_during": len(during),
-        "slowdown": dur / base,
-        "save_stalls": stalls,
-    }
+    return out
 
 
 WORKERS = {
