@@ -140,10 +140,18 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("filterwarnings", "ignore:'set_vital' is deprecated:UserWarning")
 
 
+def missing_capability(reason: str) -> None:
+    """Skip a test the machine cannot run (no root, no chattr...), except under CI (``CI`` set), where
+    every test must run: there a missing capability is a failure, never a silent skip."""
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        pytest.fail(f"CI must run this test, but: {reason}")
+    pytest.skip(reason)
+
+
 @contextlib.contextmanager
 def mounted_tmpfs(where: Path, size: str) -> Iterator[Path]:
     """A real, small tmpfs at ``where`` that fills up: the genuine ENOSPC path (mounting needs root,
-    which CI has; skipped where it is refused)."""
+    which CI has; see missing_capability)."""
     where.mkdir()
     try:
         proc = subprocess.run(
@@ -151,9 +159,9 @@ def mounted_tmpfs(where: Path, size: str) -> Iterator[Path]:
             capture_output=True, text=True, timeout=20,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+        missing_capability(f"cannot mount a tmpfs here: {exc}")
     if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        missing_capability(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     try:
         yield where
     finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import missing_capability
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -89,7 +90,7 @@ def test_tmpfs_round_trip(tmp_path: Path) -> None:
     """tmpfs refused O_DIRECT before Linux 6.6 (the fallback); later kernels accept it: loads either way."""
     shm = Path("/dev/shm")
     if not shm.is_dir():
-        pytest.skip("no /dev/shm tmpfs here")
+        missing_capability("no /dev/shm tmpfs here")
     root = shm / f"cm-test-{os.getpid()}"
     try:
         state = _state(2, small=20)

@@ -12,14 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+import transformers  # the [hf] extra, installed by scripts/venv.sh: never skipped
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-transformers = pytest.importorskip("transformers")
-
-from safetensors import safe_open  # noqa: E402
-
-from checkpoint_manager import (  # noqa: E402
+from checkpoint_manager import (
     CheckpointConfig,
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -28,9 +26,9 @@ from checkpoint_manager import (  # noqa: E402
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.formats import export_hf, load_hf_weights  # noqa: E402
-from checkpoint_manager.formats.cli import main as cli_main  # noqa: E402
-from checkpoint_manager.integrity import verify  # noqa: E402
+from checkpoint_manager.formats import export_hf, load_hf_weights
+from checkpoint_manager.formats.cli import main as cli_main
+from checkpoint_manager.integrity import verify
 
 VOCAB = 96
 

@@ -7,22 +7,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+import peft  # the [hf] extra, installed by scripts/venv.sh: never skipped
 import pytest
 import torch
+import transformers
+from safetensors import safe_open
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-
-from safetensors import safe_open  # noqa: E402
-
-from checkpoint_manager import (  # noqa: E402
+from checkpoint_manager import (
     CheckpointConfig,
     CheckpointMismatchError,
     DefaultCheckpointManager,
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.formats import export_peft_adapter  # noqa: E402
+from checkpoint_manager.formats import export_peft_adapter
 
 
 def tiny_base(seed: int = 0) -> Any:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import missing_capability
 
 from checkpoint_manager.lock import LOCK_FILE, CheckpointLockError, WriterLock, read_lock_owner
 
@@ -211,7 +212,7 @@ def test_a_live_process_with_a_reused_pid_does_not_hold_the_lock(
     tmp_path: Path, children: list[subprocess.Popen[str]]
 ) -> None:
     if not Path("/proc/self/stat").exists():
-        pytest.skip("needs /proc to tell processes apart")
+        missing_capability("needs /proc to tell processes apart")
     sleeper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, text=True)
     children.append(sleeper)  # type: ignore[arg-type]
     write_owner(tmp_path, pid=sleeper.pid, process_start=1)  # alive, but not the process that locked

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from cm_tiered import TieredCheckpointManager, TieredConfig, tier_configs
 from torch import nn
 
 from checkpoint_manager import (
@@ -33,9 +34,6 @@ from checkpoint_manager import (
     create_checkpoint_manager,
 )
 from checkpoint_manager.testing import CONFORMANCE_CHECKS, run_conformance_check
-
-cm_tiered = pytest.importorskip("cm_tiered")
-from cm_tiered import TieredCheckpointManager, TieredConfig, tier_configs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

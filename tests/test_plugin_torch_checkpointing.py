@@ -17,6 +17,11 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from cm_torch_checkpointing import (
+    COMMIT_FILE,
+    TorchCheckpointingConfig,
+    TorchCheckpointingManager,
+)
 from torch import nn
 
 from checkpoint_manager import (
@@ -35,13 +40,6 @@ from checkpoint_manager import (
 )
 from checkpoint_manager.observe import CheckpointErrorEvent, SaveStartEvent
 from checkpoint_manager.testing import CONFORMANCE_CHECKS, manager_maker, run_conformance_check
-
-cm_tc = pytest.importorskip("cm_torch_checkpointing")
-from cm_torch_checkpointing import (  # noqa: E402
-    COMMIT_FILE,
-    TorchCheckpointingConfig,
-    TorchCheckpointingManager,
-)
 
 pytestmark = pytest.mark.timeout(120)
 

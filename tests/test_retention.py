@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import mounted_tmpfs
+from conftest import missing_capability, mounted_tmpfs
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -248,7 +248,7 @@ def test_a_removal_the_filesystem_refuses_is_retried(tmp_path: Path, caplog: pyt
     storage = make_dir(tmp_path, [0.1, 0.2])
     victim = storage.root / "step_00000010" / "__0_0.distcp"
     if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(victim)], capture_output=True).returncode:
-        pytest.skip("needs chattr +i (an immutable file) to make a removal fail for real")
+        missing_capability("needs chattr +i (an immutable file) to make a removal fail for real")
     try:
         pruner = Pruner(storage, KeepLast(1))
         with caplog.at_level(logging.WARNING, logger="checkpoint_manager"):
@@ -520,7 +520,7 @@ def test_a_retention_failure_never_fails_the_save(tmp_path: Path, caplog: pytest
         _save(mgr, 1)
         first = tmp_path / "step_00000001"
         if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(first)], capture_output=True).returncode:
-            pytest.skip("needs chattr +i (an immutable directory) to make a deletion fail for real")
+            missing_capability("needs chattr +i (an immutable directory) to make a deletion fail for real")
         try:
             with caplog.at_level(logging.WARNING, logger="checkpoint_manager"):
                 result = _save(mgr, 2)
