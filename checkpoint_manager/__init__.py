@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     )
     from checkpoint_manager.protocol import (
         CheckpointManager,
+        FinalizeOnExit,
         LoadContext,
         LoadResult,
         SaveContext,
@@ -101,6 +102,7 @@ _EXPORTS: dict[str, str] = {
     "EveryNSeconds": "checkpoint_manager.policy",
     "EveryNSteps": "checkpoint_manager.policy",
     "FinalStep": "checkpoint_manager.policy",
+    "FinalizeOnExit": "checkpoint_manager.protocol",
     "FsspecStorage": "checkpoint_manager.storage",
     "KeepAll": "checkpoint_manager.retention",
     "KeepAny": "checkpoint_manager.retention",
@@ -167,6 +169,7 @@ __all__ = [
     "EveryNSeconds",
     "EveryNSteps",
     "FinalStep",
+    "FinalizeOnExit",
     "FsspecStorage",
     "KeepAll",
     "KeepAny",

@@ -15,7 +15,6 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, ClassVar
 
 import torch
@@ -62,7 +61,7 @@ from checkpoint_manager.lock import AnyWriterLock, writer_lock_for
 from checkpoint_manager.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
 from checkpoint_manager.policy import build_save_policy
 from checkpoint_manager.preemption import PreemptionWatcher
-from checkpoint_manager.protocol import LoadContext, LoadResult, SaveContext, SaveResult
+from checkpoint_manager.protocol import FinalizeOnExit, LoadContext, LoadResult, SaveContext, SaveResult
 from checkpoint_manager.retention import Pruner
 from checkpoint_manager.staging import StagingBuffers
 from checkpoint_manager.state import GatheredState, StateLoader, gather_state, per_rank_state
@@ -155,7 +154,7 @@ def _save_context(ctx: LoadContext) -> SaveContext:
     )
 
 
-class DefaultCheckpointManager:
+class DefaultCheckpointManager(FinalizeOnExit):
     """Saves and restores the whole training state with torch.distributed.checkpoint, atomically."""
 
     config_class: ClassVar[type[CheckpointConfig]] = CheckpointConfig
@@ -243,22 +242,6 @@ class DefaultCheckpointManager:
             log.warning(
                 "removed %d leftover(s) of interrupted saves in %s", len(removed), self.config.save_dir
             )
-
-    # -- context manager --------------------------------------------------------------------------
-    def __enter__(self) -> DefaultCheckpointManager:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is None:
-            self.finalize_async_saves(blocking=True, terminate=True)
-            return
-        try:
-            self.finalize_async_saves(blocking=True, terminate=True)
-        except Exception as final_exc:  # keep the user's exception primary, but never lose ours
-            log.error("finalizing checkpoints failed while handling another error: %r", final_exc)
-            exc.add_note(f"checkpoint_manager: finalizing pending saves also failed: {final_exc!r}")
 
     # -- discovery --------------------------------------------------------------------------------
     def list_checkpoints(self, *, load_dir: bool = False) -> list[CheckpointInfo]:

@@ -7,18 +7,22 @@ dataclasses, so a team can swap in its own save/load code without forking the tr
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import Self
 
 from checkpoint_manager.train_state import TrainState
 
 __all__ = [
     "CheckpointManager",
+    "FinalizeOnExit",
     "LoadContext",
     "LoadResult",
     "SaveContext",
@@ -162,3 +166,31 @@ class CheckpointManager(Protocol):
     def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None:
         """Commit finished background saves; ``blocking`` waits; ``terminate`` also shuts down."""
         ...
+
+
+class FinalizeOnExit:
+    """Mixin: ``with manager:`` commits pending async saves and shuts the manager down on exit.
+
+    Leaving on an exception still finalizes; if that fails too, the failure is logged and attached
+    to the user's exception as a note, so it is never lost and never replaces the original.
+    """
+
+    def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.finalize_async_saves(blocking=True, terminate=True)
+            return
+        try:
+            self.finalize_async_saves(blocking=True, terminate=True)
+        except Exception as final_exc:
+            logging.getLogger("checkpoint_manager").error(
+                "finalizing checkpoints failed while handling another error: %r", final_exc
+            )
+            exc.add_note(f"{type(self).__name__}: finalizing pending saves also failed: {final_exc!r}")

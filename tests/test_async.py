@@ -550,3 +550,26 @@ def test_a_resume_prepares_the_staging_buffers_for_the_first_save(tmp_path: Path
     assert all(mgr._staging._buffers[k] is b for k, b in buffers_before.items())  # reused, not reallocated
     mgr.finalize_async_saves(blocking=True, terminate=True)
     assert _committed_steps(tmp_path) == [4, 10]
+
+
+def test_leaving_the_block_on_an_error_keeps_it_primary_and_notes_a_failed_finalize(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from checkpoint_manager.dcp_io import CheckpointWriter
+
+    def failing_write(self: Any, plan: Any, planner: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(CheckpointWriter, "write_data", failing_write)
+    s = Setup()
+    with pytest.raises(KeyError, match="the training loop's own error") as info, DefaultCheckpointManager(
+        _config(tmp_path)
+    ) as mgr:
+        assert mgr.save(s.ctx(1)) is not None  # staged; its write fails in the background
+        raise KeyError("the training loop's own error")
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1 and notes[0].startswith(
+        "DefaultCheckpointManager: finalizing pending saves also failed: AsyncSaveError("
+    ), notes
+    assert "No space left on device" in notes[0]
+    assert _committed_steps(tmp_path) == [] and _pending(tmp_path) == []

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import ClassVar, TypeVar
 
 from checkpoint_manager import (
@@ -30,6 +29,7 @@ from checkpoint_manager import (
     SaveResult,
 )
 from checkpoint_manager.factory import fields_set
+from checkpoint_manager.protocol import FinalizeOnExit
 from cm_tiered.config import LOCAL_POLICY_FIELDS, SHARED_FIELDS, TieredConfig
 
 __all__ = ["TieredCheckpointManager", "tier_configs"]
@@ -70,7 +70,7 @@ class _Candidate:
     location: str
 
 
-class TieredCheckpointManager:
+class TieredCheckpointManager(FinalizeOnExit):
     """Two :class:`DefaultCheckpointManager` tiers behind the four protocol calls."""
 
     config_class: ClassVar[type[CheckpointConfig]] = TieredConfig
@@ -93,21 +93,6 @@ class TieredCheckpointManager:
         """Observe both tiers: every event's path says which tier it came from."""
         self.local.add_callback(callback)
         self.durable.add_callback(callback)
-
-    # -- context manager --------------------------------------------------------------------------
-    def __enter__(self) -> TieredCheckpointManager:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is None:
-            self.finalize_async_saves(blocking=True, terminate=True)
-            return
-        try:
-            self.finalize_async_saves(blocking=True, terminate=True)
-        except Exception as final_exc:  # the user's exception stays primary; ours is not lost
-            exc.add_note(f"cm_tiered: finalizing pending saves also failed: {final_exc!r}")
 
     # -- save -------------------------------------------------------------------------------------
     def save(self, ctx: SaveContext) -> SaveResult | None:

@@ -29,7 +29,6 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, ClassVar
 
 import torch
@@ -57,6 +56,7 @@ from checkpoint_manager.dist import DistContext
 from checkpoint_manager.factory import fields_set
 from checkpoint_manager.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
 from checkpoint_manager.policy import build_save_policy
+from checkpoint_manager.protocol import FinalizeOnExit
 from checkpoint_manager.staging import StagingBuffers
 from checkpoint_manager.state import StateLoader, gather_state
 from cm_torch_checkpointing.config import TorchCheckpointingConfig
@@ -99,7 +99,7 @@ class _Job:
     stall: float | None = None
 
 
-class TorchCheckpointingManager:
+class TorchCheckpointingManager(FinalizeOnExit):
     """Model, optimizer, scheduler, TrainState, RNG, dataloader and extras through torch_checkpointing."""
 
     config_class: ClassVar[type[CheckpointConfig]] = TorchCheckpointingConfig
@@ -146,21 +146,6 @@ class TorchCheckpointingManager:
             _sweep(self.root)
         newest = _committed(self.root)
         return newest[-1][0] if newest else None
-
-    # -- context manager --------------------------------------------------------------------------
-    def __enter__(self) -> TorchCheckpointingManager:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is None:
-            self.finalize_async_saves(blocking=True, terminate=True)
-            return
-        try:
-            self.finalize_async_saves(blocking=True, terminate=True)
-        except Exception as final_exc:  # the user's exception stays primary; ours is not lost
-            exc.add_note(f"cm_torch_checkpointing: finalizing pending saves also failed: {final_exc!r}")
 
     # -- engines ----------------------------------------------------------------------------------
     def _engine_config(self, *, async_save: bool) -> tc.CheckpointManager.Config:
