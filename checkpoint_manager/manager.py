@@ -25,13 +25,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from checkpoint_manager._version import __version__
 from checkpoint_manager.codec import decode, encode
 from checkpoint_manager.config import CheckpointConfig
-from checkpoint_manager.dcp_io import (
-    WRITER_ID,
-    CheckpointReader,
-    CheckpointWriter,
-    paused_gc,
-    read_dcp_metadata,
-)
+from checkpoint_manager.dcp_io import paused_gc, read_dcp_metadata
+from checkpoint_manager.dcp_reader import CheckpointReader
+from checkpoint_manager.dcp_writer import WRITER_ID, CheckpointWriter
 from checkpoint_manager.dist import DistContext
 from checkpoint_manager.errors import (
     AsyncSaveError,

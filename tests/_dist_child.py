@@ -46,7 +46,7 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.dcp_io import CheckpointWriter
+from checkpoint_manager.dcp_writer import CheckpointWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)

@@ -555,7 +555,7 @@ def test_a_resume_prepares_the_staging_buffers_for_the_first_save(tmp_path: Path
 def test_leaving_the_block_on_an_error_keeps_it_primary_and_notes_a_failed_finalize(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from checkpoint_manager.dcp_io import CheckpointWriter
+    from checkpoint_manager.dcp_writer import CheckpointWriter
 
     def failing_write(self: Any, plan: Any, planner: Any) -> Any:
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -15,7 +15,9 @@ from conftest import missing_capability
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from checkpoint_manager.dcp_io import CheckpointReader, CheckpointWriter, _chunk_for, read_dcp_metadata
+from checkpoint_manager.dcp_io import read_dcp_metadata
+from checkpoint_manager.dcp_reader import CheckpointReader
+from checkpoint_manager.dcp_writer import CheckpointWriter, _chunk_for
 from checkpoint_manager.direct_io import cached_fraction, crc32
 
 

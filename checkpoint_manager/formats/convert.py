@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from checkpoint_manager._version import __version__
 from checkpoint_manager.codec import split_tensors
-from checkpoint_manager.dcp_io import METADATA_FILE, CheckpointWriter
+from checkpoint_manager.dcp_io import METADATA_FILE
+from checkpoint_manager.dcp_writer import CheckpointWriter
 from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
 from checkpoint_manager.formats.bundle import is_bundle, resolve_checkpoint_path
 from checkpoint_manager.formats.dcp_stream import group_entries, read_entries, tensor_entries

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from checkpoint_manager.dcp_io import CheckpointWriter
+    from checkpoint_manager.dcp_writer import CheckpointWriter
     from checkpoint_manager.integrity import VerifyLevel
     from checkpoint_manager.layout import CheckpointInfo
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from checkpoint_manager.errors import PostCommitError
 
 if TYPE_CHECKING:
-    from checkpoint_manager.dcp_io import CheckpointWriter
+    from checkpoint_manager.dcp_writer import CheckpointWriter
     from checkpoint_manager.integrity import VerifyLevel
     from checkpoint_manager.layout import CheckpointInfo
 
@@ -102,7 +102,7 @@ class LocalStorage:
 
     # -- the save path (the manager's hooks; local files need no upload) --------------------------
     def dcp_writer(self, pending: Path, *, fsync: bool, direct: bool) -> CheckpointWriter:
-        from checkpoint_manager.dcp_io import CheckpointWriter
+        from checkpoint_manager.dcp_writer import CheckpointWriter
 
         return CheckpointWriter(pending, fsync=fsync, direct=direct)
 

@@ -42,7 +42,7 @@ from checkpoint_manager.storage.retry import RetryPolicy, is_transient
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-    from checkpoint_manager.dcp_io import CheckpointWriter
+    from checkpoint_manager.dcp_writer import CheckpointWriter
     from checkpoint_manager.integrity import VerifyLevel
 
 __all__ = ["FsspecStorage", "UploadMode"]
@@ -289,7 +289,7 @@ class FsspecStorage:
             from checkpoint_manager.storage.stream import StreamingWriter
 
             return StreamingWriter(pending, fs=self.fs, remote_dir=self.remote_dir(pending), retry=self.retry)
-        from checkpoint_manager.dcp_io import CheckpointWriter
+        from checkpoint_manager.dcp_writer import CheckpointWriter
 
         # the staging copy is uploaded at once: its durability comes from the store, not from fsync
         return CheckpointWriter(pending, fsync=False, direct=direct)

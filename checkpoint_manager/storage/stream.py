@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from checkpoint_manager.dcp_io import CheckpointWriter
+from checkpoint_manager.dcp_writer import CheckpointWriter
 from checkpoint_manager.envelope import crc32_combine, envelope_for
 from checkpoint_manager.storage.retry import RetryPolicy
 
@@ -43,7 +43,7 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 class StreamingWriter(CheckpointWriter):
-    """:class:`~checkpoint_manager.dcp_io.CheckpointWriter` whose tensor file goes to ``remote_dir``."""
+    """:class:`~checkpoint_manager.dcp_writer.CheckpointWriter` whose tensor file goes to ``remote_dir``."""
 
     def __init__(
         self,
