@@ -10,6 +10,7 @@ a committed checkpoint.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -18,7 +19,22 @@ if TYPE_CHECKING:
     from checkpoint_manager.integrity import VerifyLevel
     from checkpoint_manager.layout import CheckpointInfo
 
-__all__ = ["Storage", "basename", "is_url"]
+__all__ = ["Storage", "basename", "is_url", "json_bytes"]
+
+# Documents up to this size are indented for people who open them; larger ones stay compact.
+_PRETTY_UNDER = 64 << 10
+
+
+def json_bytes(data: Any) -> bytes:
+    """The JSON a save writes: indented when small, compact when large.
+
+    ``json.dumps`` with ``indent`` runs the pure-Python encoder: 1 s for the state skeleton of 27,000
+    tensors, against 50 ms for the C encoder that compact output uses.
+    """
+    raw = json.dumps(data, allow_nan=True)
+    if len(raw) < _PRETTY_UNDER:
+        raw = json.dumps(data, indent=1, allow_nan=True)
+    return raw.encode("utf-8")
 
 
 def is_url(path: str | Path) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from checkpoint_manager.errors import PostCommitError
+from checkpoint_manager.storage.base import json_bytes
 
 if TYPE_CHECKING:
     from checkpoint_manager.dcp_writer import CheckpointWriter
@@ -165,7 +166,7 @@ class LocalStorage:
     # -- files ------------------------------------------------------------------------------------
     def write_json(self, path: Path, data: Any) -> int:
         """Write JSON durably; returns its size."""
-        raw = json.dumps(data, indent=1, sort_keys=False, allow_nan=True).encode("utf-8")
+        raw = json_bytes(data)
         with open(path, "wb") as f:
             f.write(raw)
             if self.fsync:

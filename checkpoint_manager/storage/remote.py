@@ -36,6 +36,7 @@ from checkpoint_manager.layout import (
     parse_checkpoint_json,
     rank_file,
 )
+from checkpoint_manager.storage.base import json_bytes
 from checkpoint_manager.storage.local import PENDING_DIR, LocalStorage
 from checkpoint_manager.storage.retry import RetryPolicy, is_transient
 
@@ -58,10 +59,6 @@ _OURS = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank_\d+\.json|state\.json|h
 _RANK_JSON = re.compile(r"^rank_\d+\.json$")
 _CACHE_STALE_S = 3600.0  # a download this old belongs to no running load
 _TRANSFERS = 8  # files moved at once (each big one is itself a concurrent multipart transfer)
-
-
-def _json_bytes(data: Any) -> bytes:
-    return json.dumps(data, indent=1, allow_nan=True).encode("utf-8")
 
 
 class FsspecStorage:
@@ -398,7 +395,7 @@ class FsspecStorage:
 
     def write_pointer(self, kind: str, data: dict[str, Any]) -> None:
         """One PUT: readers see the old pointer or the new one."""
-        self._call(f"write {self.url}/{kind}", self.fs.pipe_file, self.key(kind), _json_bytes(data))
+        self._call(f"write {self.url}/{kind}", self.fs.pipe_file, self.key(kind), json_bytes(data))
 
     def remove_pointer(self, kind: str) -> None:
         with contextlib.suppress(FileNotFoundError):
