@@ -124,6 +124,7 @@ class AlignedFileWriter:
         self.crc = 0  # CRC32 of every byte handed to the I/O thread: the file's, once closed
         self._inflight: dict[int, Future[None]] = {}  # buffer -> its write
         self._direct_writes: list[Future[None]] = []  # writes straight from a tensor's memory
+        self.in_place_bytes = 0  # bytes written from where they were, without the bounce copy
         self._io = ThreadPoolExecutor(max_workers=len(self._maps) - 1, thread_name_prefix="checkpoint-io")
         self.direct = bool(direct and _O_DIRECT)
         self._fd = self._open()
@@ -206,6 +207,7 @@ class AlignedFileWriter:
             while len(self._direct_writes) > _DIRECT_DEPTH:
                 self._direct_writes.pop(0).result()
         self.crc = crc32_combine(self.crc, crc, bulk)
+        self.in_place_bytes += bulk
         return self._copy_in(src + bulk, total - bulk, crc)
 
     def close(self) -> int:
