@@ -34,11 +34,20 @@ from checkpoint_manager.codec import (
     split_tensors,
     tensor_placeholders,
 )
+from checkpoint_manager.dcp_io import paused_gc
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
 from checkpoint_manager.layout import rank_file
 from checkpoint_manager.protocol import LoadContext, SaveContext, Stateful
 
-__all__ = ["PER_RANK_PARTS", "GatheredState", "StateLoader", "gather_state", "per_rank_state", "read_rank_json"]
+__all__ = [
+    "PER_RANK_PARTS",
+    "GatheredState",
+    "StateLoader",
+    "gather_state",
+    "load_optimizers_in_place",
+    "per_rank_state",
+    "read_rank_json",
+]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -111,6 +120,11 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 def gather_state(ctx: SaveContext) -> GatheredState:
     """Collect everything ``ctx`` names into tensors for DCP and JSON-able data."""
+    with paused_gc():  # builds objects per tensor: see paused_gc (GC passes tripled this at 27k tensors)
+        return _gather_state(ctx)
+
+
+def _gather_state(ctx: SaveContext) -> GatheredState:
     tensors: dict[str, torch.Tensor] = {}
     global_json: dict[str, Any] = {}
     models = ctx.models()
@@ -233,6 +247,10 @@ class StateLoader:
 
     def targets(self, metadata: Metadata) -> dict[str, torch.Tensor]:
         """Tensors DCP loads into, checked against the checkpoint's keys, shapes and dtypes."""
+        with paused_gc():  # objects per tensor: see paused_gc
+            return self._targets(metadata)
+
+    def _targets(self, metadata: Metadata) -> dict[str, torch.Tensor]:
         ctx = self.ctx
         available = metadata.state_dict_metadata
         out: dict[str, torch.Tensor] = {}
@@ -249,9 +267,10 @@ class StateLoader:
                 self.skipped.append(key)
                 continue
             self._need(key)
-            live, _ = split_tensors(get_optimizer_state_dict(model, optims), key)
+            live_osd = get_optimizer_state_dict(model, optims)
+            live, _ = split_tensors(live_osd, key)
             out.update(self._check(key, live, available, strict=ctx.strict))
-            self._plans.append(("optim", (key, model, optims), live))
+            self._plans.append(("optim", (key, model, optims, live_osd), live))
         for i, sched in enumerate(ctx.schedulers()):
             key = "scheduler" if i == 0 else f"scheduler_{i}"
             if not ctx.load_scheduler or self.model_only:
@@ -322,6 +341,10 @@ class StateLoader:
 
     def apply(self, loaded: dict[str, torch.Tensor]) -> None:
         """Set every object from the loaded tensors and the JSON state, RNG last."""
+        with paused_gc():  # objects per tensor: see paused_gc
+            self._apply(loaded)
+
+    def _apply(self, loaded: dict[str, torch.Tensor]) -> None:
         ctx = self.ctx
         opts = StateDictOptions(strict=ctx.strict)
         for kind, args, _ in self._plans:
@@ -330,9 +353,10 @@ class StateLoader:
                 sd = merge_tensors(self.global_json[key], loaded, drop_missing=not ctx.strict)
                 set_model_state_dict(model, sd, options=opts)
             elif kind == "optim":
-                key, model, optims = args
+                key, model, optims, live_osd = args
                 osd = merge_tensors(self.global_json[key], loaded, drop_missing=not ctx.strict)
-                set_optimizer_state_dict(model, optims, osd, options=opts)
+                if not load_optimizers_in_place(optims, live_osd, osd):
+                    set_optimizer_state_dict(model, optims, osd, options=opts)
             elif kind == "scheduler":
                 key, sched = args
                 sched.load_state_dict(merge_tensors(self.global_json[key], loaded))
@@ -364,6 +388,105 @@ class StateLoader:
             self.restored.append("rng")
         else:
             self.skipped.append("rng")
+
+
+_SCALARS = (int, float, bool, type(None))
+
+
+def load_optimizers_in_place(optims: list[Optimizer], live: dict[str, Any], loaded: dict[str, Any]) -> bool:
+    """Finish an optimizer load whose state tensors DCP already filled in place; False: not possible.
+
+    DCP loads into the tensors ``get_optimizer_state_dict`` returned, which are the optimizers' own
+    state tensors. ``set_optimizer_state_dict`` would then rebuild every state dict through
+    ``Optimizer.load_state_dict`` (which scans a group's parameter list per value: 0.5 s at 6,666
+    parameters) only to end up with those very tensors. Here only the hyperparameters and scalar
+    state are set, and the optimizer's ``__setstate__`` runs as it would.
+
+    Taken only when the result equals ``load_state_dict``'s: the loaded state has exactly the live
+    keys, every loaded tensor *is* the live one, no cast would apply (dtype/device as the param
+    policy wants), no value is a container or a tensor hyperparameter, and no optimizer overrides
+    ``load_state_dict`` or has load-state-dict hooks (those run only on the full path).
+    """
+    if not optims:
+        return False
+    for o in optims:
+        if (
+            type(o).load_state_dict is not Optimizer.load_state_dict
+            or "load_state_dict" in vars(o)
+            or o._optimizer_load_state_dict_pre_hooks
+            or o._optimizer_load_state_dict_post_hooks
+        ):
+            return False
+    live_state, live_groups = live.get("state"), live.get("param_groups")
+    state, groups = loaded.get("state"), loaded.get("param_groups")
+    if not (
+        isinstance(live_state, dict)
+        and isinstance(state, dict)
+        and isinstance(live_groups, list)
+        and isinstance(groups, list)
+        and set(loaded) == {"state", "param_groups"}
+        and len(groups) == len(live_groups)
+        and state.keys() == live_state.keys()
+    ):
+        return False
+    # the live groups, in get_optimizer_state_dict's order (one optimizer after the other)
+    owned = [(o, g) for o in optims for g in o.param_groups]
+    if len(owned) != len(groups):
+        return False
+    updates: list[tuple[dict[Any, Any], str, Any]] = []
+    new_groups: dict[int, list[dict[str, Any]]] = {}
+    for (o, group), saved, live_group in zip(owned, groups, live_groups, strict=True):
+        if not isinstance(saved, dict) or saved.get("params") != live_group.get("params"):
+            return False
+        if len(group["params"]) != len(saved["params"]):
+            return False
+        if not all(_plain_hyper(v) for k, v in saved.items() if k != "params"):
+            return False
+        # load_state_dict decides the step's cast by the *saved* group's flags
+        step_cast = bool(saved.get("capturable", False) or saved.get("fused", False))
+        for param, fqn in zip(group["params"], saved["params"], strict=True):
+            if fqn not in state:
+                if o.state.get(param):
+                    return False
+                continue
+            values, current = state[fqn], o.state.get(param)
+            if not isinstance(values, dict) or current is None or values.keys() != current.keys():
+                return False
+            for k, v in values.items():
+                now = current[k]
+                if isinstance(v, torch.Tensor):
+                    if v is not now or not _cast_is_noop(param, v, k, step_cast):
+                        return False
+                elif isinstance(v, _SCALARS) and isinstance(now, _SCALARS):
+                    updates.append((current, k, v))
+                else:
+                    return False
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        hyper["params"] = group["params"]
+        if "param_names" in group and "param_names" not in hyper:
+            hyper["param_names"] = group["param_names"]
+        new_groups.setdefault(id(o), []).append(hyper)
+    for current, k, v in updates:
+        current[k] = v
+    for o in optims:
+        o.__setstate__({"state": o.state, "param_groups": new_groups.get(id(o), [])})
+    return True
+
+
+def _plain_hyper(value: Any) -> bool:
+    """A hyperparameter load_state_dict would deep-copy into an equal value (no tensor inside)."""
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, (*_SCALARS, str)) for v in value)
+    return isinstance(value, (*_SCALARS, str))
+
+
+def _cast_is_noop(param: torch.Tensor, value: torch.Tensor, key: str, step_cast: bool) -> bool:
+    """Whether ``Optimizer.load_state_dict``'s cast of ``value`` would return it unchanged."""
+    if key == "step":
+        return not step_cast or (value.dtype == torch.float32 and value.device == param.device)
+    if param.is_floating_point() and value.dtype != param.dtype:
+        return False
+    return value.device == param.device
 
 
 def _short(keys: list[str], limit: int = 8) -> str:
