@@ -130,12 +130,17 @@ class _SaveJob:
 
     step: int
     name: str
-    pending: Path
+    pending_dir: Path | None  # created by the writer for an async save (off the training thread)
     state: GatheredState
     metrics: dict[str, float]
     started: float
     timings: dict[str, float] = field(default_factory=dict)
     final: bool = False  # the end of training (save_consolidated="final" exports only then)
+
+    @property
+    def pending(self) -> Path:
+        assert self.pending_dir is not None, "the pending directory is made before anything is written"
+        return self.pending_dir
 
 
 def _save_context(ctx: LoadContext) -> SaveContext:
@@ -511,12 +516,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._collect_background(wait=True)
         job = self._prepare(ctx, step, async_save=True)
         t0 = time.perf_counter()
-        try:
-            job.state.tensors = self._staging.stage(job.state.tensors)
-        except BaseException:
-            if self._dist.is_coordinator:
-                self._storage.remove_tree(job.pending)
-            raise
+        job.state.tensors = self._staging.stage(job.state.tensors)  # nothing on disk yet
         job.timings["stage"] = time.perf_counter() - t0
         stall = time.perf_counter() - job.started
         job.timings["stall"] = stall
@@ -627,13 +627,17 @@ class DefaultCheckpointManager(FinalizeOnExit):
             )
         )
         state = gather_state(ctx)  # before any file exists: a bad state leaves nothing behind
-        pending = self._dist.on_coordinator(
-            lambda: str(self._storage.new_pending(name)), f"step {step}: create pending directory"
-        )
-        job = _SaveJob(step, name, Path(pending), state, dict(ctx.metrics), started)
+        # an async save makes its directory on the writer thread: a few syscalls less of stall
+        pending = None if async_save else self._new_pending(self._dist, name, step)
+        job = _SaveJob(step, name, pending, state, dict(ctx.metrics), started)
         job.final = ctx.final or step == self.config.final_step
         job.timings["gather"] = time.perf_counter() - started
         return job
+
+    def _new_pending(self, dist: DistContext, name: str, step: int) -> Path:
+        return Path(
+            dist.on_coordinator(lambda: str(self._storage.new_pending(name)), f"step {step}: create pending directory")
+        )
 
     def _write_and_commit(self, job: _SaveJob) -> SaveResult:
         """Write this rank's part, vote, and (rank 0) commit; on any failure nothing is published."""
@@ -641,6 +645,8 @@ class DefaultCheckpointManager(FinalizeOnExit):
         failure: BaseException | None = None
         t0 = time.perf_counter()
         writer: CheckpointWriter | None = None
+        if job.pending_dir is None:
+            job.pending_dir = self._new_pending(io, job.name, job.step)  # every rank, or none, gets it
         try:
             writer = (  # object stores: staged locally, or streamed
                 CheckpointWriter(job.pending, fsync=self.config.fsync, direct=self.config.direct_io)

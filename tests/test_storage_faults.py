@@ -317,7 +317,7 @@ def expected_message(kind: str) -> str:
 def assert_reported(err: BaseException | None, faults: Faults, call: Call, async_save: bool) -> None:
     """The failure comes out typed: the OSError itself (sync), or AsyncSaveError naming the step (async)."""
     assert faults.raised is not None, f"the fault at {call} never fired"
-    if async_save and call.kind != "mkdir":  # (the pending directory is made before the save goes async)
+    if async_save:  # (even the pending directory is made in the background)
         assert isinstance(err, AsyncSaveError), repr(err)
         pattern = rf"the async save of step 3 \(not committed\) failed: OSError: {expected_message(call.kind)}"
         with pytest.raises(AsyncSaveError, match=pattern):
