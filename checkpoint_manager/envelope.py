@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import io
 import struct
+import tempfile
 import zipfile
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import IO
 
 import torch
 
@@ -21,37 +23,6 @@ __all__ = ["Envelope", "crc32_combine", "envelope_for", "locate_data"]
 
 _DESCRIPTOR_SIG = 0x08074B50
 _CENTRAL_SIG = 0x02014B50
-
-
-class _HoleStream(io.RawIOBase):
-    """A seekable sink that keeps what torch writes and leaves seeked-over regions as zeros."""
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-        self.pos = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: len(self.buf)}[whence]
-        self.pos = base + offset
-        return self.pos
-
-    def write(self, b: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
-        data = bytes(b)
-        end = self.pos + len(data)
-        if end > len(self.buf):
-            self.buf.extend(bytes(end - len(self.buf)))
-        self.buf[self.pos : end] = data
-        self.pos = end
-        return len(data)
 
 
 @dataclass(frozen=True)
@@ -78,40 +49,46 @@ def envelope_for(shape: tuple[int, ...], dtype: torch.dtype) -> Envelope:
         plain = io.BytesIO()
         torch.save(proxy, plain)
         return Envelope(plain.getvalue(), b"", 0, ())
-    sink = _HoleStream()
-    with torch.serialization.skip_data():
-        torch.save(proxy, sink)  # type: ignore[arg-type]
-    raw = bytes(sink.buf)
-    nbytes = proxy.numel() * proxy.element_size()
-    data_start, member = _data_member(raw)
-    data_end = data_start + nbytes
+    # A real (sparse) file: torch seeks over the storage bytes, and the hole costs no memory. (A
+    # bytearray sink zero-filled it: two transient copies of the largest tensor on its first save.)
+    with tempfile.TemporaryFile() as sink:
+        with torch.serialization.skip_data():
+            torch.save(proxy, sink)
+        nbytes = proxy.numel() * proxy.element_size()
+        data_start, member, start_dir = _data_member(sink)
+        data_end = data_start + nbytes
+        sink.seek(0)
+        prefix = sink.read(data_start)
+        sink.seek(data_end)
+        suffix = sink.read()
     crc_offsets: list[int] = []
     # data descriptor right after the data: [signature] crc32 csize usize
-    sig = struct.unpack_from("<I", raw, data_end)[0]
-    crc_offsets.append((data_end + 4 if sig == _DESCRIPTOR_SIG else data_end) - data_end)
+    sig = struct.unpack_from("<I", suffix, 0)[0]
+    crc_offsets.append(4 if sig == _DESCRIPTOR_SIG else 0)
     # the member's central directory record
-    zf = zipfile.ZipFile(io.BytesIO(raw))
-    pos = zf.start_dir
-    while struct.unpack_from("<I", raw, pos)[0] == _CENTRAL_SIG:
-        n, x, c = struct.unpack_from("<HHH", raw, pos + 28)
-        name = raw[pos + 46 : pos + 46 + n].decode("utf-8")
+    pos = start_dir - data_end
+    while pos >= 0 and struct.unpack_from("<I", suffix, pos)[0] == _CENTRAL_SIG:
+        n, x, c = struct.unpack_from("<HHH", suffix, pos + 28)
+        name = suffix[pos + 46 : pos + 46 + n].decode("utf-8")
         if name == member:
-            crc_offsets.append(pos + 16 - data_end)
+            crc_offsets.append(pos + 16)
         pos += 46 + n + x + c
     if len(crc_offsets) != 2:
         raise RuntimeError(f"unexpected torch.save layout for {shape} {dtype}: cannot find CRC fields")
-    return Envelope(raw[:data_start], raw[data_end:], nbytes, tuple(crc_offsets))
+    return Envelope(prefix, suffix, nbytes, tuple(crc_offsets))
 
 
-def _data_member(raw: bytes) -> tuple[int, str]:
-    """Offset of the storage bytes inside a torch.save zip, and the member's name."""
-    zf = zipfile.ZipFile(io.BytesIO(raw))
+def _data_member(file: IO[bytes]) -> tuple[int, str, int]:
+    """Offset of the storage bytes inside a torch.save zip, the member's name, and where the zip's
+    central directory starts (only headers are read)."""
+    zf = zipfile.ZipFile(file)
     members = [i for i in zf.infolist() if i.filename.endswith("/data/0")]
     if len(members) != 1:
         raise RuntimeError("torch.save output has no single data record")
     info = members[0]
-    n, x = struct.unpack_from("<HH", raw, info.header_offset + 26)
-    return info.header_offset + 30 + n + x, info.filename
+    file.seek(info.header_offset + 26)
+    n, x = struct.unpack("<HH", file.read(4))
+    return info.header_offset + 30 + n + x, info.filename, zf.start_dir
 
 
 class _SliceReader(io.RawIOBase):

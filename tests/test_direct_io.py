@@ -199,3 +199,23 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint(tmp_path: Path, caplog
     assert "skipping damaged checkpoint" in caplog.text and "__0_0.distcp: CRC32" in caplog.text
     with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp: CRC32"):  # an explicit step fails loudly
         DefaultCheckpointManager(cfg).load(LoadContext(model=fresh, step=2))
+
+
+def test_envelope_of_a_huge_shape_allocates_no_hole() -> None:
+    """The envelope is built without materialising the tensor's bytes (it once took 2x its size)."""
+    import tracemalloc
+
+    shape = (8192, 8191)  # 256 MiB of float32, never allocated
+    envelope_for.cache_clear()
+    tracemalloc.start()
+    try:
+        env = envelope_for(shape, torch.float32)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert env.nbytes == 8192 * 8191 * 4
+    data = bytes(16)  # the record of a small tensor with the same code path still round-trips
+    small = envelope_for((4,), torch.float32)
+    record = small.prefix + data + small.render_suffix(zlib.crc32(data))
+    assert torch.equal(torch.load(io.BytesIO(record), weights_only=True), torch.zeros(4))
