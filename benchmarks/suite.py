@@ -244,7 +244,9 @@ def async_floors(async_data: dict[str, Any]) -> list[dict[str, Any]]:
         rows = s["rows"]
         memcpy = rows.get("memcpy copy_", {}).get("stall")
         sync = rows.get("ours sync save", {}).get("stall")
-        for label in ("cold first", "second"):
+        # "cold first": the very first save() of a process, nothing before it (fresh pages); in a
+        # training loop the first save follows skipped steps or a resume: "first after 1 skipped step"
+        for label in ("cold first", "first after 1 skipped step", "second", "third"):
             r = rows.get(f"ours async, {label}", {})
             if memcpy and r.get("stall") is not None:
                 v = r["stall"] / memcpy
