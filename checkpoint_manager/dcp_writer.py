@@ -131,8 +131,8 @@ class _SmallRecords:
         self._out = out
         self._parts: list[bytes] = []
         self._pending = 0
-        # (shape, dtype) -> (prefix, suffix pieces around the CRC fields)
-        self._envelopes: dict[tuple[torch.Size, torch.dtype], tuple[bytes, list[bytes]]] = {}
+        # (shape, dtype) -> (prefix, suffix pieces around the CRC fields, record bytes besides the data)
+        self._envelopes: dict[tuple[torch.Size, torch.dtype], tuple[bytes, list[bytes], int]] = {}
 
     def add(self, tensor: torch.Tensor, nbytes: int) -> tuple[int, int]:
         """Queue ``tensor``'s record; returns its (offset, length) in the file."""
@@ -140,18 +140,17 @@ class _SmallRecords:
         env = self._envelopes.get(key)
         if env is None:
             env = self._envelopes[key] = _split_envelope(envelope_for(tuple(tensor.shape), tensor.dtype))
-        prefix, pieces = env
+        prefix, pieces, overhead = env
         raw = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
         crc = zlib.crc32(raw).to_bytes(4, "little")
         offset = self._out.position + self._pending
-        parts = self._parts
-        parts.append(prefix)
-        parts.append(raw)
-        parts.append(pieces[0])
-        for piece in pieces[1:]:
-            parts.append(crc)
-            parts.append(piece)
-        length = len(prefix) + nbytes + sum(map(len, pieces)) + 4 * (len(pieces) - 1)
+        if len(pieces) == 3:  # torch.save's layout: the CRC in the data descriptor and the directory
+            self._parts.extend((prefix, raw, pieces[0], crc, pieces[1], crc, pieces[2]))
+        else:
+            self._parts.extend((prefix, raw, pieces[0]))
+            for piece in pieces[1:]:
+                self._parts.extend((crc, piece))
+        length = overhead + nbytes
         self._pending += length
         if self._pending >= _BATCH:
             self.flush()
@@ -164,15 +163,16 @@ class _SmallRecords:
             self._pending = 0
 
 
-def _split_envelope(env: Envelope) -> tuple[bytes, list[bytes]]:
-    """An envelope's prefix, and its suffix cut around the CRC fields (filled per record)."""
+def _split_envelope(env: Envelope) -> tuple[bytes, list[bytes], int]:
+    """An envelope's prefix, its suffix cut around the CRC fields (filled per record), and the
+    record's length besides the tensor bytes."""
     pieces: list[bytes] = []
     start = 0
     for off in sorted(env.crc_offsets):
         pieces.append(env.suffix[start:off])
         start = off + 4
     pieces.append(env.suffix[start:])
-    return env.prefix, pieces
+    return env.prefix, pieces, len(env.prefix) + len(env.suffix)
 
 
 def _align_record(out: AlignedFileWriter, tensor: torch.Tensor, prefix_len: int) -> int:

@@ -255,6 +255,11 @@ class FastLoadPlanner(DefaultLoadPlanner):
         requests: list[ReadItem] = []
         whole = self._whole = {}
         tensor_type = LoadItemType.TENSOR
+        # the checkpoint's own index objects (keys of FileSystemReader's storage data), reused
+        storage = self.metadata.storage_data
+        indices: dict[str, MetadataIndex] = (
+            {k.fqn: k for k in storage if type(k) is MetadataIndex} if isinstance(storage, dict) else {}
+        )
         for fqn, obj in self.state_dict.items():
             md = available.get(fqn)
             if md is None:
@@ -269,12 +274,17 @@ class FastLoadPlanner(DefaultLoadPlanner):
                     chunk = md.chunks[0]
                     zeros = shapes.zeros(len(size))
                     if chunk.offsets == zeros and chunk.sizes == size:
+                        index = indices.get(fqn)
+                        if index is None or index.index != 0 or index.offset != zeros:
+                            index = MetadataIndex(fqn, zeros, 0)
+                        # one immutable index as destination and source (they are equal): a storage
+                        # reader's lookups by it then hit on identity
                         requests.append(
                             ReadItem(
                                 type=tensor_type,
-                                dest_index=MetadataIndex(fqn, zeros, 0),
+                                dest_index=index,
                                 dest_offsets=zeros,
-                                storage_index=MetadataIndex(fqn, chunk.offsets, 0),
+                                storage_index=index,
                                 storage_offsets=zeros,
                                 lengths=size,
                             )

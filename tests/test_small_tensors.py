@@ -122,7 +122,8 @@ def test_fast_save_planner_falls_back_outside_plain_tensors() -> None:
 def test_fast_load_plan_equals_dcps(tmp_path: Path) -> None:
     model, opt = _trained()
     flat = _flat_state(model, opt)
-    _, md, _ = _save_plan(DefaultSavePlanner(), flat)
+    save_tensors(flat, storage_writer=CheckpointWriter(tmp_path, fsync=False), no_dist=True)
+    md = read_dcp_metadata(tmp_path)  # with storage data: the fast plan reuses its index objects
     p0, p1 = DefaultLoadPlanner(), FastLoadPlanner()
     p0.set_up_planner(dict(flat), md, True)
     p1.set_up_planner(nest(flat), md, True)
@@ -132,6 +133,7 @@ def test_fast_load_plan_equals_dcps(tmp_path: Path) -> None:
         (i.dest_index.index, i.storage_index.index) for i in plan0.items
     ]
     assert all(p1.resolve_tensor(i) is p0.resolve_tensor(i) for i in plan0.items)
+    assert all(md.storage_data[i.storage_index].relative_path == "__0_0.distcp" for i in plan1.items)
 
 
 def test_fast_load_planner_errors_like_dcps() -> None:
@@ -339,3 +341,20 @@ def test_batched_small_records_are_byte_identical(tmp_path: Path, monkeypatch: p
     back = {k: torch.zeros_like(v) for k, v in flat.items()}
     dcp.load(back, storage_reader=dcp.FileSystemReader(tmp_path / "batched"), no_dist=True)
     assert all(torch.equal(back[k], flat[k]) for k in flat)
+
+
+def test_codec_fast_paths_round_trip_exactly() -> None:
+    """Lists/tuples of plain atoms skip the per-item walk; anything else still takes it."""
+    from checkpoint_manager.codec import decode, dtype_name, encode
+
+    state = (3, tuple(range(625)), None)  # the shape of random.getstate()
+    assert encode(state) == {
+        "__cm__": "tuple",
+        "items": [3, {"__cm__": "tuple", "items": list(range(625))}, None],
+    }
+    mixed = [1, "a", True, None, float("nan"), (2, 3), [torch.tensor([1.5])]]
+    back = decode(encode(mixed))
+    assert back[:4] == [1, "a", True, None] and back[4] != back[4] and back[5] == (2, 3)
+    assert torch.equal(back[6][0], torch.tensor([1.5]))
+    assert decode(encode(state)) == state
+    assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name(torch.float8_e4m3fnuz) == "float8_e4m3fnuz"
