@@ -2,7 +2,8 @@
 
 Each contender runs in its own subprocess on the same model + AdamW state (benchmarks/state.py):
 
-* memcpy: a warm ``dst.copy_(src)`` over every tensor into preallocated buffers (and a single-thread
+* memcpy: a warm ``dst.copy_(src)`` over every tensor into preallocated buffers, or one
+  ``torch._foreach_copy_`` (the faster of the two is the reference), and a single-thread
   ``ctypes.memmove``) -- the floor for any stall that takes a private snapshot;
 * ours: ``DefaultCheckpointManager(async_save=True)``, first save cold, first save after one skipped
   step (the manager faults its staging buffers in on that skipped step), second save; plus the sync
@@ -70,6 +71,7 @@ def w_memcpy(size: float, d: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"bytes": bench.payload_bytes}
     for name, fn in (
         ("copy_", lambda: [b.copy_(a) for a, b in zip(src, dst, strict=True)]),
+        ("foreach", lambda: torch._foreach_copy_(dst, src)),  # one call: no per-tensor Python
         (
             "memmove",
             lambda: [ctypes.memmove(b.data_ptr(), a.data_ptr(), a.numel() * a.element_size()) for a, b in zip(src, dst, strict=True)],
@@ -343,7 +345,8 @@ def _med(runs: list[dict[str, Any]], *keys: str) -> float | None:
 
 
 def summarize(size: float, res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    memcpy = _med(res.get("memcpy", []), "copy_")
+    # the faster of a copy_ per tensor and one _foreach_copy_: the floor of any snapshot
+    memcpy = min((m for m in (_med(res.get("memcpy", []), k) for k in ("copy_", "foreach")) if m is not None), default=None)
     sync = _med(res.get("ours", []), "sync")
     rows: dict[str, dict[str, float | None]] = {}
     rows["memcpy copy_"] = {"stall": memcpy}
