@@ -9,7 +9,10 @@ in all (the staging), not two (staging, then the writer's bounce buffer).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
+import mmap
 
 import torch
 from torch import nn
@@ -17,6 +20,8 @@ from torch import nn
 from checkpoint_manager.direct_io import BLOCK, DIRECT_MIN
 
 __all__ = ["StagingBuffers"]
+
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB base pages)
 
 try:
     from torch.distributed.tensor import DTensor
@@ -85,15 +90,26 @@ class StagingBuffers:
 def _aligned_empty(shape: torch.Size, dtype: torch.dtype, *, pin_memory: bool) -> torch.Tensor:
     """A buffer whose bytes start on a page: the writer sends such tensors to disk without a copy.
 
-    torch's allocator aligns to 64 bytes only; O_DIRECT needs whole pages. Small tensors keep the
-    plain allocation (a page of slack each would add up).
+    torch's allocator aligns to 64 bytes only; O_DIRECT needs whole pages. Host (not pinned) buffers
+    also sit on transparent huge pages where the kernel allows: an O_DIRECT request carries a bounded
+    number of physically contiguous segments, so from 4 KiB pages it moves ~1 MiB, from 2 MiB pages
+    the device's maximum; and fresh huge pages fault in 512x less often. Small tensors keep the plain
+    allocation (a page of slack each would add up).
     """
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < DIRECT_MIN:
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin_memory)
-    raw = torch.empty(nbytes + BLOCK, dtype=torch.uint8, device="cpu", pin_memory=pin_memory)
-    skip = -raw.data_ptr() % BLOCK
-    return raw[skip : skip + nbytes].view(dtype).view(shape)
+    if pin_memory:
+        raw = torch.empty(nbytes + BLOCK, dtype=torch.uint8, device="cpu", pin_memory=True)
+        skip = -raw.data_ptr() % BLOCK
+        return raw[skip : skip + nbytes].view(dtype).view(shape)
+    # MAP_PRIVATE: a shared anonymous map would be written through by a forked child
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    skip = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
+    with contextlib.suppress(AttributeError, OSError):  # no THP here: 4 KiB pages, still aligned
+        region.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)
+    # the tensor keeps the map alive; the pages are faulted in by the first copy (or prepare)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=skip).view(dtype).view(shape)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
