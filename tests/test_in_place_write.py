@@ -78,13 +78,16 @@ def test_unaligned_or_small_tensors_take_the_bounce_buffer(tmp_path: Path) -> No
     assert (tmp_path / "f.bin").read_bytes() == b"x" + _bytes(big[: 2 * DIRECT_MIN])
 
 
-def test_staging_buffers_of_large_tensors_are_page_aligned() -> None:
+def test_staging_buffers_prepared_ahead_are_page_aligned_and_reused() -> None:
     staging = StagingBuffers(pin_memory=False)
     state = {"big": torch.randn(DIRECT_MIN // 4 + 3), "small": torch.randn(10)}
+    staging.prepare(state)
     staged = staging.stage(state)
-    assert staged["big"].data_ptr() % BLOCK == 0
+    assert staged["big"].data_ptr() % (2 << 20) == 0  # on a huge-page boundary
     assert all(torch.equal(staged[k], state[k]) for k in state)
     assert staging.stage(state)["big"].data_ptr() == staged["big"].data_ptr()  # reused
+    state["big"].add_(1.0)  # a snapshot, not a view
+    assert not torch.equal(staged["big"], state["big"])
 
 
 def test_async_save_writes_large_tensors_in_place_and_any_dcp_reader_loads_them(tmp_path: Path) -> None:
@@ -94,8 +97,9 @@ def test_async_save_writes_large_tensors_in_place_and_any_dcp_reader_loads_them(
     model(torch.randn(4, 1000)).sum().backward()
     opt.step()
     ts = TrainState(step=3)
-    cfg = CheckpointConfig(save_dir=str(tmp_path / "ck"), async_save=True)
+    cfg = CheckpointConfig(save_dir=str(tmp_path / "ck"), async_save=True, save_every_n_steps=100)
     with DefaultCheckpointManager(cfg) as mgr:
+        assert mgr.save(SaveContext(model=model, optimizer=opt, train_state=ts)) is None  # prepares ahead
         res = mgr.save(SaveContext(model=model, optimizer=opt, train_state=ts, force=True))
         assert res is not None
         mgr.finalize_async_saves(blocking=True)
