@@ -457,7 +457,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
             return None
         if self.config.async_save and not (ctx.final or preempting):
             return self._save_async(ctx, step)
-        self._collect_background(wait=True)
+        self._collect_background(wait=True, for_save=True)
         result = self._write_and_commit(self._prepare(ctx, step, async_save=False))
         if preempting:
             self._preempted = True
@@ -513,7 +513,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
                 self._inflight_step,
                 step,
             )
-        self._collect_background(wait=True)
+        self._collect_background(wait=True, for_save=True)
         job = self._prepare(ctx, step, async_save=True)
         t0 = time.perf_counter()
         job.state.tensors = self._staging.stage(job.state.tensors)  # nothing on disk yet
@@ -557,11 +557,17 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._inflight = self._executor.submit(self._staging.prepare, tensors)
         self._inflight_step = None
 
-    def _collect_background(self, *, wait: bool) -> None:
-        """Surface the outcome of the in-flight save: never swallow its error."""
+    def _collect_background(self, *, wait: bool, for_save: bool = False) -> None:
+        """Surface the outcome of the in-flight save: never swallow its error.
+
+        ``for_save``: a save (or load) is waiting, so a staging preparation still running stops
+        after its current tensor instead of making training wait for all of it.
+        """
         future = self._inflight
         if future is None or (not wait and not future.done()):
             return
+        if for_save and self._inflight_step is None:
+            self._staging.stop_preparing()
         step = self._inflight_step
         self._inflight, self._inflight_step = None, None
         try:

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import math
 import mmap
+import threading
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ class StagingBuffers:
     def __init__(self, *, pin_memory: bool | None = None) -> None:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._buffers: dict[str, torch.Tensor] = {}
+        self._stop = threading.Event()
 
     @property
     def nbytes(self) -> int:
@@ -57,11 +59,20 @@ class StagingBuffers:
 
         Fresh pages cost a fault each on first touch (several times a warm copy); doing that here, off
         the training thread, keeps it out of the first save's stall. The copied values are discarded.
+        A save that comes before this is done calls :meth:`stop_preparing` and waits for one tensor
+        at most; it allocates the rest itself.
         """
+        self._stop.clear()
         for key, tensor in tensors.items():
+            if self._stop.is_set():
+                return
             local = _local(tensor)
             if key not in self._buffers:
                 self._buffer_for(key, local, ahead=True).copy_(local.detach())
+
+    def stop_preparing(self) -> None:
+        """Make a :meth:`prepare` running on another thread return after its current tensor."""
+        self._stop.set()
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` into the buffers; returns the staged (host) state dict.

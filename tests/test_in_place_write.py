@@ -120,3 +120,22 @@ def test_async_save_writes_large_tensors_in_place_and_any_dcp_reader_loads_them(
     plain = {f"model.{k}": torch.zeros_like(v) for k, v in expected.items()}  # torch's own reader
     dcp.load(plain, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=True)
     assert all(torch.equal(plain[f"model.{k}"], v) for k, v in expected.items())
+
+
+def test_a_save_stops_a_preparation_after_its_current_tensor() -> None:
+    staging = StagingBuffers(pin_memory=False)
+    state = {name: torch.randn(DIRECT_MIN // 4) for name in ("a", "b", "c")}
+
+    class SaveArrives(dict[str, torch.Tensor]):
+        def items(self):  # type: ignore[override]
+            for i, item in enumerate(super().items()):
+                if i == 1:
+                    staging.stop_preparing()  # what the manager does when a save comes
+                yield item
+
+    staging.prepare(SaveArrives(state))
+    assert staging.nbytes == DIRECT_MIN  # "a" only: it stopped before "b"
+    staging.prepare(state)  # a later preparation is not stopped by the earlier request
+    assert staging.nbytes == 3 * DIRECT_MIN
+    staged = staging.stage(state)
+    assert all(torch.equal(staged[k], v) for k, v in state.items())
