@@ -19,7 +19,7 @@ try:  # numpy is optional: only needed to checkpoint numpy values (e.g. numpy's 
 except ImportError:  # pragma: no cover - depends on the environment
     np = None  # type: ignore[assignment]
 
-__all__ = ["decode", "encode", "merge_tensors", "split_tensors", "tensor_placeholders"]
+__all__ = ["collect_tensors", "decode", "encode", "merge_tensors", "split_tensors", "tensor_placeholders"]
 
 _TAG = "__cm__"
 _DTYPES: dict[str, torch.dtype] = {
@@ -200,6 +200,25 @@ def split_tensors(tree: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]
         return {_TAG: "dcp", "key": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
 
     return tensors, encode(tree, tensor_hook=hook)
+
+
+def collect_tensors(tree: Any, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors :func:`split_tensors` would pull out of ``tree``, under the same keys, without
+    building the JSON skeleton (for when only the tensors are wanted, e.g. as load targets)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, torch.Tensor):
+            tensors[_join(prefix, path)] = node
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, _join(path, k if isinstance(k, str) else str(k)))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, _join(path, str(i)))
+
+    walk(tree, "")
+    return tensors
 
 
 def tensor_placeholders(skeleton: Any) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from checkpoint_manager.codec import (
+    collect_tensors,
     decode,
     dtype_name,
     encode,
@@ -294,7 +295,7 @@ class StateLoader:
         # without the optimizers when they are not loaded: their state would be initialized
         state_dicts = _state_dicts(models, ctx.optimizers(), with_optim=want_optim)
         for key, model, (msd, _) in zip(_model_keys(len(models)), models, state_dicts, strict=True):
-            live, _ = split_tensors(msd, key)
+            live = collect_tensors(msd, key)
             out.update(self._check(key, live, available, strict=ctx.strict))
             self._plans.append(("model", (key, model), live))
         osds = [osd for _, osd in state_dicts if osd is not None]
@@ -304,7 +305,7 @@ class StateLoader:
                 self.skipped.append(key)
                 continue
             live_osd = osds[i]
-            live, _ = split_tensors(live_osd, key)
+            live = collect_tensors(live_osd, key)
             out.update(self._check(key, live, available, strict=ctx.strict))
             self._plans.append(("optim", (key, model, optims, live_osd), live))
         for i, sched in enumerate(ctx.schedulers()):

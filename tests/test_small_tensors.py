@@ -358,3 +358,26 @@ def test_codec_fast_paths_round_trip_exactly() -> None:
     assert torch.equal(back[6][0], torch.tensor([1.5]))
     assert decode(encode(state)) == state
     assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name(torch.float8_e4m3fnuz) == "float8_e4m3fnuz"
+
+
+def test_collect_tensors_matches_split_tensors() -> None:
+    """Load targets are collected without the skeleton: same keys, same tensor objects, same order."""
+    import numpy as np
+
+    from checkpoint_manager.codec import collect_tensors
+
+    t = [torch.full((2,), float(i)) for i in range(6)]
+    tree = {
+        "a": {"b": t[0], 3: [t[1], (t[2], "x")]},
+        (1, 2): {"c": t[3]},
+        "n": np.float32(1.5),
+        "__cm__": t[4],
+        "l": [[], {}, None, t[5]],
+    }
+    split, _ = split_tensors(tree, "p")
+    collected = collect_tensors(tree, "p")
+    assert list(collected) == list(split)
+    assert all(collected[k] is split[k] for k in split)
+    model, opt = _trained()
+    osd = get_optimizer_state_dict(model, [opt])
+    assert list(collect_tensors(osd, "optim")) == list(split_tensors(osd, "optim")[0])
