@@ -83,7 +83,7 @@ class CheckpointWriter(FileSystemWriter):
                     tensor = data if type(data) is torch.Tensor and not data.requires_grad else data.detach()
                     if not (tensor.is_cpu and tensor.is_contiguous()):
                         tensor = tensor.cpu().contiguous()
-                    nbytes = tensor.numel() * tensor.element_size()
+                    nbytes = tensor.nbytes
                     if nbytes <= _SMALL_RECORD:
                         offset, length = small.add(tensor, nbytes)
                     else:
@@ -131,6 +131,7 @@ class _SmallRecords:
         self._out = out
         self._parts: list[bytes] = []
         self._pending = 0
+        self._base = 0  # where the queued records start: the writer's position when the queue began
         # (shape, dtype) -> (prefix, suffix pieces around the CRC fields, record bytes besides the data)
         self._envelopes: dict[tuple[torch.Size, torch.dtype], tuple[bytes, list[bytes], int]] = {}
 
@@ -143,7 +144,9 @@ class _SmallRecords:
         prefix, pieces, overhead = env
         raw = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
         crc = zlib.crc32(raw).to_bytes(4, "little")
-        offset = self._out.position + self._pending
+        if not self._parts:  # others write only after a flush: the position is current until then
+            self._base = self._out.position
+        offset = self._base + self._pending
         if len(pieces) == 3:  # torch.save's layout: the CRC in the data descriptor and the directory
             self._parts.extend((prefix, raw, pieces[0], crc, pieces[1], crc, pieces[2]))
         else:
@@ -157,6 +160,7 @@ class _SmallRecords:
         return offset, length
 
     def flush(self) -> None:
+        """Hand the queued records to the writer; call before anything else writes to it."""
         if self._parts:
             self._out.write_bytes(b"".join(self._parts))
             self._parts.clear()

@@ -325,7 +325,11 @@ def test_batched_small_records_are_byte_identical(tmp_path: Path, monkeypatch: p
     from checkpoint_manager import dcp_writer
 
     model, opt = _trained()
-    flat = _flat_state(model, opt)
+    state = _flat_state(model, opt)
+    keys = list(state)
+    # large records (written one by one) between small ones (batched), a 0-d one first
+    flat = {"first": torch.tensor(3.0), **{k: state[k] for k in keys[:5]}, "big": torch.randn(40000)}
+    flat |= {k: state[k] for k in keys[5:]} | {"big2": torch.randn(3, 30000), "last": torch.ones(2)}
     flat["empty"] = torch.zeros(0)
     flat["ints"] = torch.arange(7, dtype=torch.int64)
     flat["strided"] = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
