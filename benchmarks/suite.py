@@ -246,7 +246,14 @@ def async_floors(async_data: dict[str, Any]) -> list[dict[str, Any]]:
         sync = rows.get("ours sync save", {}).get("stall")
         # "cold first": the very first save() of a process, nothing before it (fresh pages); in a
         # training loop the first save follows skipped steps or a resume: "first after 1 skipped step"
-        for label in ("cold first", "first after 1 skipped step", "second", "third"):
+        for label in (
+            "cold first",
+            "second",
+            "third",
+            "first after 1 skipped step",
+            "second after a skipped step",
+            "third after a skipped step",
+        ):
             r = rows.get(f"ours async, {label}", {})
             if memcpy and r.get("stall") is not None:
                 v = r["stall"] / memcpy
