@@ -14,6 +14,7 @@ import mmap
 import os
 import pickle
 import warnings
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -86,13 +87,14 @@ class CheckpointReader(FileSystemReader):
 
     def _read_mapped(self, plan: LoadPlan, planner: LoadPlanner, metadata: Metadata) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
+        storage = self.storage_data
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            per_file.setdefault(storage[item.storage_index].relative_path, []).append(item)
         root = Path(os.fspath(self.path))
         for relative_path, items in per_file.items():
-            items.sort(key=lambda r: self.storage_data[r.storage_index].offset)  # one forward pass
             with _RecordFile(root / relative_path) as records:
                 jobs = [self._job(req, planner, metadata, records) for req in items]
+                jobs.sort(key=_offset_of)  # one forward pass over the file
                 whole = [job for job in jobs if job.whole]
                 if whole:
                     records.read_whole(whole)
@@ -109,31 +111,37 @@ class CheckpointReader(FileSystemReader):
         sinfo = self.storage_data[req.storage_index]
         fqn = req.storage_index.fqn
         tmeta = metadata.state_dict_metadata[fqn]
-        assert isinstance(tmeta, TensorStorageMetadata)
+        if not isinstance(tmeta, TensorStorageMetadata):
+            raise CheckpointCorruptError(f"{records.path}: {fqn!r} is not a tensor in the DCP metadata")
         chunk = _chunk_of(tmeta, req.storage_index)
         dtype = tmeta.properties.dtype
-        shape = tuple(chunk.sizes)
-        nbytes = math.prod(shape) * _itemsize(dtype)
+        shape = chunk.sizes
         if sinfo.offset + sinfo.length > records.size:
             raise CheckpointCorruptError(f"{records.path}: record of {fqn!r} runs past the end of the file")
-        target = planner.resolve_tensor(req).detach()
+        target = planner.resolve_tensor(req)
+        nbytes = _nbytes(shape, dtype)
         whole = (
             nbytes > 0
-            and all(o == 0 for o in req.storage_offsets)
-            and tuple(req.lengths) == shape
-            and target.is_cpu
-            and target.is_contiguous()
+            and req.lengths == shape
+            and not any(req.storage_offsets)
             and target.dtype == dtype
+            and target.is_contiguous()
+            and target.is_cpu
         )
-        if whole and tuple(target.shape) != shape:
+        if whole and target.shape != shape:
             raise CheckpointCorruptError(
-                f"{records.path}: {fqn!r} has shape {shape}, expected {tuple(target.shape)}"
+                f"{records.path}: {fqn!r} has shape {tuple(shape)}, expected {tuple(target.shape)}"
             )
         return _Job(req, fqn, sinfo.offset, sinfo.length, shape, dtype, nbytes, target, whole)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
+def _offset_of(job: _Job) -> int:
+    return job.offset
+
+
+@lru_cache(maxsize=4096)
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
 class _Job:
@@ -147,7 +155,7 @@ class _Job:
         fqn: str,
         offset: int,
         length: int,
-        shape: tuple[int, ...],
+        shape: torch.Size,
         dtype: torch.dtype,
         nbytes: int,
         target: torch.Tensor,
@@ -164,14 +172,17 @@ _GAP = 1 << 20
 _PREAD_PIECE = 64 << 20
 # Files at least this much in the page cache are copied from it; others are read with O_DIRECT.
 _CACHED = 0.5
+# Warm records this large are read straight into their target (one copy); smaller ones are read in
+# 16 MiB pieces and copied out (two copies, but one system call per piece, not two per record).
+_DIRECT_RECORD = 1 << 20
 
 
 class _RecordFile:
     """One tensor file of our writer: finds each record's bytes and reads them without pickle.
 
-    Whole records go straight into their targets: from the page cache through a map when the file
-    is mostly cached, else streamed with O_DIRECT (:class:`AlignedFileReader`), the envelope of
-    each record checked as it passes. Slices (resharding) always come from the map.
+    Whole records go straight into their targets: from the page cache when the file is mostly
+    cached, else streamed with O_DIRECT (:class:`AlignedFileReader`), the envelope of each record
+    checked as it passes. Slices (resharding) always come from a map of the file.
     """
 
     def __init__(self, path: Path) -> None:
@@ -198,17 +209,23 @@ class _RecordFile:
         return self._view
 
     def read_whole(self, jobs: list[_Job]) -> None:
-        """Fill every job's target with its record's tensor bytes."""
+        """Fill every job's target (jobs sorted by offset) with its record's tensor bytes."""
         if cached_fraction(self._fd, self.size) < _CACHED:
             try:
-                missed = self._stream(jobs)
+                self._stream(jobs, direct=True)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                missed = jobs  # O_DIRECT refused (tmpfs, some network filesystems): buffered
+                self._stream(jobs, direct=False)  # O_DIRECT refused (tmpfs, some network filesystems)
+            streamed, direct_jobs = jobs, []
         else:
-            missed = jobs
-        for job in missed:
+            streamed = [job for job in jobs if job.nbytes < _DIRECT_RECORD]
+            direct_jobs = [job for job in jobs if job.nbytes >= _DIRECT_RECORD]
+            if streamed:
+                self._stream(streamed, direct=False)
+        # records in another envelope than ours: found through the zip's directory
+        direct_jobs += [job for job in streamed if job.data_start < 0]
+        for job in direct_jobs:
             start = self.data_offset(job)
             if start + job.nbytes > self.size:
                 raise CheckpointCorruptError(f"{self.path}: {job.fqn!r} ends early (file truncated?)")
@@ -241,7 +258,8 @@ class _RecordFile:
             raise CheckpointCorruptError(
                 f"{self.path}: {job.fqn!r} has shape {tuple(src.size())}, expected {tuple(job.target.size())}"
             )
-        job.target.copy_(src)
+        with torch.no_grad():
+            job.target.copy_(src)
 
     def data_offset(self, job: _Job) -> int:
         """Where the record's tensor bytes start: after the envelope our writer uses for this shape."""
@@ -257,57 +275,71 @@ class _RecordFile:
             raise CheckpointCorruptError(f"{self.path}: record of {job.fqn!r}: {exc}") from exc
         return job.data_start
 
-    def _stream(self, jobs: list[_Job]) -> list[_Job]:
-        """Read the records front to back with O_DIRECT; returns the jobs whose envelope differed.
+    def _stream(self, jobs: list[_Job], *, direct: bool) -> None:
+        """Read the records (sorted by offset) front to back in large pieces, and copy each one's
+        tensor bytes into its target (``memmove``, GIL released, while the next piece is read).
 
-        Each record is two intervals of the file, its envelope prefix (compared on the way) and its
-        tensor bytes (copied into the target, ``memmove`` with the GIL released, while the next
-        buffer is being read).
+        Each record's envelope prefix is compared on the way: a record whose prefix is not ours keeps
+        ``data_start < 0`` and is located through its zip directory afterwards.
         """
-        # (start, end, job, is_data)
-        intervals: list[tuple[int, int, _Job, bool]] = []
+        todo: list[tuple[_Job, bytes, int, int]] = []  # job, prefix, data start, data end
         spans: list[tuple[int, int]] = []
-        for job in sorted(jobs, key=lambda j: j.offset):
-            plen = len(envelope_for(job.shape, job.dtype).prefix)
-            end = job.offset + plen + job.nbytes
-            if plen + job.nbytes > job.length:
-                job.data_start = -2  # cannot be our envelope: resolved from the map afterwards
-                continue
-            intervals.append((job.offset, job.offset + plen, job, False))
-            intervals.append((job.offset + plen, end, job, True))
+        for job in jobs:
+            job.data_start = -1
+            prefix = envelope_for(job.shape, job.dtype).prefix
+            dstart = job.offset + len(prefix)
+            dend = dstart + job.nbytes
+            if len(prefix) + job.nbytes > job.length or (spans and job.offset < spans[-1][1]):
+                continue  # cannot be our envelope, or overlaps another record: checked one by one
+            todo.append((job, prefix, dstart, dend))
             if spans and job.offset - spans[-1][1] < _GAP:
-                spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+                spans[-1] = (spans[-1][0], dend)
             else:
-                spans.append((job.offset, end))
-        seen: dict[int, bytearray] = {}
-        good: dict[int, bool] = {}
-        k = 0
-        with AlignedFileReader(self.path) as reader:
+                spans.append((job.offset, dend))
+        if not todo:
+            return
+        k, count = 0, len(todo)
+        job, prefix, dstart, dend = todo[0]
+        pos = job.offset  # the next file offset the current record needs
+        head = b""  # a prefix split across two pieces: its first part
+        with AlignedFileReader(self.path, direct=direct) as reader:
             for cstart, clen, addr in reader.chunks(spans):
                 cend = cstart + clen
-                while k < len(intervals):
-                    start, end, job, is_data = intervals[k]
-                    if start >= cend:
-                        break
-                    lo, hi = max(start, cstart), min(end, cend)
-                    if lo < hi:
-                        if not is_data:
-                            seen.setdefault(id(job), bytearray()).extend(ctypes.string_at(addr + lo - cstart, hi - lo))
+                if pos >= cend:
+                    continue  # the rest of a record whose envelope was not ours
+                if pos < cstart:
+                    raise CheckpointCorruptError(f"{self.path}: records out of order")  # never: sorted
+                while True:
+                    if pos < dstart:  # the envelope prefix
+                        hi = dstart if dstart <= cend else cend
+                        got = ctypes.string_at(addr + pos - cstart, hi - pos)
+                        if hi < dstart:
+                            head += got
+                            pos = hi
+                            break
+                        if (head + got if head else got) == prefix:
+                            job.data_start = dstart
+                            pos = dstart
                         else:
-                            ok = good.get(id(job))
-                            if ok is None:
-                                prefix = envelope_for(job.shape, job.dtype).prefix
-                                ok = good[id(job)] = bytes(seen.pop(id(job), b"")) == prefix
-                                if ok:
-                                    job.data_start = start
-                            if ok:
-                                ctypes.memmove(job.target.data_ptr() + lo - start, addr + lo - cstart, hi - lo)
-                    if end > cend:
-                        break  # continues in the next chunk
+                            pos = dend  # not our envelope: skip its data
+                        head = b""
+                    if job.data_start >= 0 and pos < dend:  # the tensor bytes
+                        hi = dend if dend <= cend else cend
+                        ctypes.memmove(job.target.data_ptr() + pos - dstart, addr + pos - cstart, hi - pos)
+                        pos = hi
+                        if pos < dend:
+                            break
                     k += 1
-        if k < len(intervals):
+                    if k == count:
+                        break
+                    job, prefix, dstart, dend = todo[k]
+                    pos = job.offset
+                    if pos >= cend:
+                        break
+                if k == count:
+                    break
+        if k < count:
             raise CheckpointCorruptError(f"{self.path}: ends early (file truncated?)")
-        return [job for job in jobs if job.data_start < 0]
 
 
 def _chunk_of(tmeta: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata:

@@ -344,16 +344,17 @@ class AlignedFileReader:
     """Reads byte ranges of a file with O_DIRECT through aligned buffers, a thread reading ahead.
 
     ``open`` raises ``OSError`` (``EINVAL``) where the filesystem refuses O_DIRECT; so may the first
-    read on filesystems that accept the flag at open but not the I/O. Callers fall back to buffered
-    reads on either.
+    read on filesystems that accept the flag at open but not the I/O. Callers fall back to
+    ``direct=False``: the same pieces through the page cache (also the fastest way to take many small
+    records out of a cached file: one system call per piece).
     """
 
-    def __init__(self, path: str | Path, *, chunk_bytes: int = DEFAULT_CHUNK) -> None:
-        if chunk_bytes % BLOCK or not _O_DIRECT:
+    def __init__(self, path: str | Path, *, chunk_bytes: int = DEFAULT_CHUNK, direct: bool = True) -> None:
+        if chunk_bytes % BLOCK or (direct and not _O_DIRECT):
             raise OSError(errno.EINVAL, "O_DIRECT reads unavailable", str(path))
         self.path = str(path)
         self._chunk = chunk_bytes
-        self._fd = os.open(self.path, os.O_RDONLY | _O_DIRECT)
+        self._fd = os.open(self.path, os.O_RDONLY | (_O_DIRECT if direct else 0))
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-read")
 
     def __enter__(self) -> AlignedFileReader:
