@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         if "async" in extra:
             data["async_floors"] = async_floors(extra["async"])
         png = out / "time_vs_size.png"
-        if plot(rows, data["fits"], png) and args.plot:
+        if plot(rows, data["fits"], png) and args.plot and Path(args.plot).resolve() != png.resolve():
             Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, args.plot)
         text = render(data)
