@@ -85,10 +85,8 @@ class StagingBuffers:
         targets: list[torch.Tensor] = []
         buffers = self._buffers
         for key, tensor in tensors.items():
-            local = tensor if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter else _local(tensor)
-            buf = buffers.get(key)
-            if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-                buf = self._buffer_for(key, local)
+            local = _local(tensor)
+            buf = self._buffer_for(key, local)
             sources.append(local)
             targets.append(buf)
             staged[key] = buf if local is tensor else _rewrap(tensor, buf)
@@ -131,6 +129,8 @@ def _huge_page_empty(shape: torch.Size, dtype: torch.dtype, *, pin_memory: bool)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:  # the common case, without isinstance
+        return t
     if DTensor is not None and isinstance(t, DTensor):
         return t.to_local()
     return t
