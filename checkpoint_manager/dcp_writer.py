@@ -29,7 +29,7 @@ from checkpoint_manager.dcp_io import paused_gc
 from checkpoint_manager.direct_io import _WRITE_DEPTH, BLOCK, DEFAULT_CHUNK, DIRECT_MIN, AlignedFileWriter
 from checkpoint_manager.envelope import Envelope, envelope_for
 
-__all__ = ["WRITER_ID", "CheckpointWriter"]
+__all__ = ["WRITER_ID", "CheckpointWriter", "chunk_for_bytes"]
 
 
 WRITER_ID = "checkpoint-manager-direct/1"
@@ -203,6 +203,11 @@ def _chunk_for(plan: SavePlan, largest: int) -> int:
     for item in plan.items:
         if item.tensor_data is not None:
             total += math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+    return chunk_for_bytes(total, largest)
+
+
+def chunk_for_bytes(total: int, largest: int = DEFAULT_CHUNK) -> int:
+    """Bounce-buffer size for a save of ``total`` tensor bytes (what the writer will ask the pool for)."""
     chunk = largest
     while chunk > _MIN_CHUNK and _WRITE_DEPTH * chunk > total * _BUFFER_SHARE:
         chunk //= 2

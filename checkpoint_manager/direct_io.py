@@ -25,7 +25,15 @@ import torch
 
 from checkpoint_manager.envelope import crc32_combine
 
-__all__ = ["BLOCK", "DIRECT_MIN", "AlignedFileReader", "AlignedFileWriter", "cached_fraction", "crc32"]
+__all__ = [
+    "BLOCK",
+    "DIRECT_MIN",
+    "AlignedFileReader",
+    "AlignedFileWriter",
+    "cached_fraction",
+    "crc32",
+    "reserve_write_buffers",
+]
 
 try:  # ISA-L's CRC32 (same polynomial as zlib's) runs at memory speed: ~28 GB/s vs zlib's ~1
     from isal.isal_zlib import crc32 as _crc32
@@ -91,14 +99,64 @@ def _aligned_buffers(count: int, chunk: int) -> tuple[list[memoryview], list[int
 
 
 _WRITE_DEPTH = 3  # buffers of a writer: one being filled, two being written (two requests in flight)
-_BUFFERS = _Buffers(_WRITE_DEPTH)
 _READ_DEPTH = 3  # buffers of a reader: one held by the caller, two being read ahead
 _READ_BUFFERS = _Buffers(_READ_DEPTH)
+_POOL_KEEP = 2  # free write-buffer sets kept: the training thread's sync saves and the async writer's
+
+
+class _WriteBufferPool:
+    """Process-wide write bounce buffers: a writer borrows a set and returns it when it closes.
+
+    Shared across threads (unlike per-thread buffers), so a manager can fault them in ahead of the
+    first save, off the training thread (:func:`reserve_write_buffers`): on the reference VM fresh
+    huge pages cost ~2 s/GiB, 50-100 ms for a set, which a first sync save would otherwise pay.
+    A set serves any chunk size up to its own; the largest few free sets are kept for the next save.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[tuple[int, list[memoryview], list[int]]] = []
+
+    def acquire(self, chunk: int) -> tuple[int, list[memoryview], list[int]]:
+        with self._lock:
+            fits = [s for s in self._free if s[0] >= chunk]
+            if fits:
+                best = min(fits, key=lambda s: s[0])
+                self._free.remove(best)
+                return best
+        maps, addrs = _aligned_buffers(_WRITE_DEPTH, chunk)
+        return chunk, maps, addrs
+
+    def release(self, buffers: tuple[int, list[memoryview], list[int]]) -> None:
+        with self._lock:
+            self._free.append(buffers)
+            self._free.sort(key=lambda s: s[0], reverse=True)
+            del self._free[_POOL_KEEP:]  # the smallest go: their memory returns to the system
+
+    def reserve(self, chunk: int) -> None:
+        """Make sure a free set of at least ``chunk`` bytes per buffer is ready (faulted in)."""
+        with self._lock:
+            if any(s[0] >= chunk for s in self._free):
+                return
+        self.release(self.acquire(chunk))
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(s[0] * len(s[1]) for s in self._free)
+
+
+_WRITE_POOL = _WriteBufferPool()
+
+
+def reserve_write_buffers(chunk_bytes: int = DEFAULT_CHUNK) -> None:
+    """Fault in one set of write bounce buffers now (call it off the training thread, ahead of a save)."""
+    _WRITE_POOL.reserve(chunk_bytes)
 
 
 def _forget_buffers_in_child() -> None:
-    global _BUFFERS, _READ_BUFFERS
-    _BUFFERS = _Buffers(_WRITE_DEPTH)
+    global _WRITE_POOL, _READ_BUFFERS
+    _WRITE_POOL = _WriteBufferPool()
     _READ_BUFFERS = _Buffers(_READ_DEPTH)
 
 
@@ -116,7 +174,10 @@ class AlignedFileWriter:
         self.path = str(path)
         self._fsync = fsync
         self._chunk = chunk_bytes
-        self._maps, self._addrs = _BUFFERS.get(chunk_bytes)
+        self._pool = _WRITE_POOL  # the pool it came from (a fork in between makes a new one)
+        self._set: tuple[int, list[memoryview], list[int]] | None = self._pool.acquire(chunk_bytes)
+        self._maps = [m[:chunk_bytes] for m in self._set[1]]
+        self._addrs = self._set[2]
         self._cur = 0
         self._fill = 0
         self.fsync_seconds = 0.0  # reported as the save's "fsync" phase
@@ -235,6 +296,9 @@ class AlignedFileWriter:
             pass
         finally:
             self._io.shutdown(wait=True)
+            if self._set is not None:  # every write has settled: the buffers are free again
+                self._pool.release(self._set)
+                self._set = None
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1

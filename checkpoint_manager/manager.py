@@ -25,7 +25,8 @@ from checkpoint_manager.codec import decode, encode
 from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.dcp_io import paused_gc, read_dcp_metadata
 from checkpoint_manager.dcp_reader import CheckpointReader
-from checkpoint_manager.dcp_writer import WRITER_ID, CheckpointWriter
+from checkpoint_manager.dcp_writer import WRITER_ID, CheckpointWriter, chunk_for_bytes
+from checkpoint_manager.direct_io import reserve_write_buffers
 from checkpoint_manager.dist import DistContext
 from checkpoint_manager.errors import (
     AsyncSaveError,
@@ -156,6 +157,21 @@ def _save_context(ctx: LoadContext) -> SaveContext:
     )
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.numel() * t.element_size())
+
+
+def _warm_save_path(chunk: int, staging: StagingBuffers | None, tensors: dict[str, torch.Tensor]) -> None:
+    """The background part of :meth:`DefaultCheckpointManager._prepare_ahead`."""
+    if chunk:
+        try:
+            reserve_write_buffers(chunk)
+        except (OSError, MemoryError) as exc:  # the save allocates its own buffers then
+            log.debug("not reserving write buffers ahead: %r", exc)
+    if staging is not None:
+        staging.prepare(tensors)
+
+
 class DefaultCheckpointManager(FinalizeOnExit):
     """Saves and restores the whole training state with torch.distributed.checkpoint, atomically."""
 
@@ -185,7 +201,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._last_saved_step: int | None = None
         self._last_saved_known = False
         self._staging = StagingBuffers()
-        self._staging_prepared = False
+        self._prepared = False  # the save path warmed up ahead of the first save (see _prepare_ahead)
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[Any] | None = None
         self._inflight_step: int | None = None
@@ -328,6 +344,8 @@ class DefaultCheckpointManager(FinalizeOnExit):
     # -- protocol ---------------------------------------------------------------------------------
     def should_load(self, ctx: LoadContext) -> bool:
         path, _ = self._resolve(ctx)
+        if path is None and not self._prepared:
+            self._prepare_ahead(_save_context(ctx))  # a fresh run: its first save will be warm too
         return path is not None
 
     def load(self, ctx: LoadContext) -> LoadResult:
@@ -403,8 +421,8 @@ class DefaultCheckpointManager(FinalizeOnExit):
             self._last_saved_known = True
             if self._in_save_dir(source):
                 self._resumed_from = basename(source)
-            if self.config.async_save and not self._staging_prepared:
-                self._prepare_staging(_save_context(ctx))  # the first save after a resume is warm too
+            if not self._prepared:
+                self._prepare_ahead(_save_context(ctx))  # the first save after a resume is warm too
         self._release_copies()
         nbytes = sum(int(t.numel() * t.element_size()) for t in targets.values())
         seconds = t_end - t0
@@ -453,8 +471,8 @@ class DefaultCheckpointManager(FinalizeOnExit):
             if preempting:  # this step is already saved: make sure it is committed, then stop
                 self._collect_background(wait=True)
                 self._preempted = True
-            elif self.config.async_save and not self._staging_prepared:
-                self._prepare_staging(ctx)
+            elif not self._prepared:
+                self._prepare_ahead(ctx)
             return None
         if self.config.async_save and not (ctx.final or preempting):
             return self._save_async(ctx, step)
@@ -521,7 +539,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         job.timings["stage"] = time.perf_counter() - t0
         stall = time.perf_counter() - job.started
         job.timings["stall"] = stall
-        self._staging_prepared = True
+        self._prepared = True
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._inflight = self._executor.submit(self._write_and_commit, job)
@@ -539,23 +557,39 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._observers.save_staged(staged)
         return staged
 
-    def _prepare_staging(self, ctx: SaveContext) -> None:
-        """After a resume or on the first skipped step, fault in the staging buffers in the background.
+    def _prepare_ahead(self, ctx: SaveContext) -> None:
+        """Before the first save (a fresh run's ``should_load``, a skipped step, a resume): warm the save path.
 
-        Fresh pages cost a kernel fault and zeroing each (10-30x a warm copy here), so the first async
-        save would stall for that; done ahead, off the training thread, every save stalls for one copy.
+        In the background, off the training thread: the writer's bounce buffers (every save), and
+        with ``async_save`` the staging buffers. Fresh pages cost a kernel fault and zeroing each
+        (10-30x a warm copy on the reference VM, more for huge pages); done ahead, the first save
+        costs what every later one does. Best effort: a save that comes first allocates what it needs.
         """
-        self._staging_prepared = True
         if self._inflight is not None:
-            return
+            return  # a save or a preparation is running: the next skipped step tries again
+        # An optimizer without state yet (before the first step) is left out: gathering it would make
+        # DCP initialize its state with a zero-lr step, changing the run. A later skipped step adds it.
+        complete = all(o.state for o in ctx.optimizers())
+        if not complete:
+            ctx = SaveContext(model=ctx.model, scheduler=ctx.scheduler, extra=dict(ctx.extra))
+        self._prepared = complete
         try:
             tensors = gather_state(ctx).tensors
         except Exception as exc:  # the save itself will raise this properly; preparing is best effort
-            log.debug("not preparing staging buffers ahead: %r", exc)
+            log.debug("not preparing the save path ahead: %r", exc)
             return
+        nbytes = sum(_nbytes(t) for t in tensors.values())
+        if not complete:
+            nbytes *= 3  # model bytes -> model + an Adam-like optimizer's two moments: a guess
+        chunk = (
+            chunk_for_bytes(nbytes)
+            if self._storage.is_local or self.config.upload_mode == "staged"
+            else 0  # streamed uploads write no local file
+        )
+        staging = self._staging if self.config.async_save else None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._inflight = self._executor.submit(self._staging.prepare, tensors)
+        self._inflight = self._executor.submit(_warm_save_path, chunk, staging, tensors)
         self._inflight_step = None
 
     def _collect_background(self, *, wait: bool, for_save: bool = False) -> None:
@@ -578,7 +612,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
                 error = AsyncSaveError(f"the async save of step {step}: {exc}")
             else:
                 what = (
-                    "preparing the async staging buffers"
+                    "preparing the async staging buffers ahead"
                     if step is None
                     else f"the async save of step {step} (not committed)"
                 )

@@ -573,3 +573,46 @@ def test_leaving_the_block_on_an_error_keeps_it_primary_and_notes_a_failed_final
     ), notes
     assert "No space left on device" in notes[0]
     assert _committed_steps(tmp_path) == [] and _pending(tmp_path) == []
+
+
+def test_a_fresh_run_prepares_ahead_without_touching_the_optimizer(tmp_path: Path) -> None:
+    """should_load() of a fresh run prepares the model's buffers; a fresh optimizer gets no state from it.
+
+    Gathering an optimizer without state would make DCP initialize it with a zero-lr step (its step
+    counter then differs from a run without checkpointing); it is prepared on the first skipped step.
+    """
+    s = Setup()
+    fresh = torch.optim.AdamW(s.model.parameters(), lr=1e-3)
+    model_bytes = sum(t.numel() * t.element_size() for t in s.model.state_dict().values())
+    mgr = DefaultCheckpointManager(_config(tmp_path, save_every_n_steps=10))
+    assert not mgr.should_load(LoadContext(model=s.model, optimizer=fresh, train_state=TrainState()))
+    mgr.finalize_async_saves(blocking=True)  # waits for the background preparation
+    assert mgr._staging.nbytes == model_bytes
+    assert fresh.state == {}  # untouched: no state, no step
+    s.optimizer = fresh
+    s.steps(1)
+    assert mgr.save(s.ctx(1)) is None  # a skipped step: now the optimizer's buffers too
+    mgr.finalize_async_saves(blocking=True)
+    optim_bytes = sum(
+        v.numel() * v.element_size() for st in fresh.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    )
+    assert mgr._staging.nbytes == model_bytes + optim_bytes
+    buffers_before = dict(mgr._staging._buffers)
+    s.steps(1)
+    assert mgr.save(s.ctx(10)) is not None
+    assert all(mgr._staging._buffers[k] is b for k, b in buffers_before.items())  # reused, not reallocated
+    mgr.finalize_async_saves(blocking=True, terminate=True)
+    assert _committed_steps(tmp_path) == [10]
+
+
+def test_a_load_that_skips_the_optimizer_leaves_a_fresh_one_without_state(tmp_path: Path) -> None:
+    s = Setup()
+    with DefaultCheckpointManager(_config(tmp_path, async_save=False)) as mgr:
+        mgr.save(s.ctx(4, force=True))
+    resumed = Setup(seed=1)
+    fresh = torch.optim.AdamW(resumed.model.parameters(), lr=1e-3)
+    with DefaultCheckpointManager(_config(tmp_path)) as mgr:
+        mgr.load(LoadContext(model=resumed.model, optimizer=fresh, load_optimizer=False))
+        mgr.finalize_async_saves(blocking=True)
+    assert fresh.state == {}
+    assert torch.equal(resumed.model[0].weight, s.model[0].weight)

@@ -22,6 +22,7 @@ from checkpoint_manager import (
     LoadContext,
     SaveContext,
     TrainState,
+    direct_io,
 )
 from checkpoint_manager.direct_io import BLOCK, AlignedFileWriter
 from checkpoint_manager.envelope import crc32_combine, envelope_for, locate_data
@@ -219,3 +220,37 @@ def test_envelope_of_a_huge_shape_allocates_no_hole() -> None:
     small = envelope_for((4,), torch.float32)
     record = small.prefix + data + small.render_suffix(zlib.crc32(data))
     assert torch.equal(torch.load(io.BytesIO(record), weights_only=True), torch.zeros(4))
+
+
+def test_write_buffers_reserved_ahead_are_the_ones_a_writer_uses(tmp_path: Path) -> None:
+    """reserve_write_buffers faults a set in ahead; writers borrow it (no allocation) and give it back."""
+    pool = direct_io._WriteBufferPool()
+    pool.reserve(8 * BLOCK)
+    assert pool.free_bytes == 3 * 8 * BLOCK
+    reserved = pool.acquire(4 * BLOCK)  # a smaller chunk is served by the reserved set
+    assert reserved[0] == 8 * BLOCK
+    other = pool.acquire(4 * BLOCK)  # none free: a new set, never shared with a writer in flight
+    assert set(other[2]).isdisjoint(reserved[2])
+    small = pool.acquire(BLOCK)
+    for buffers in (other, reserved, small):
+        pool.release(buffers)
+    assert pool.free_bytes == 3 * 8 * BLOCK + 3 * 4 * BLOCK  # the two largest sets are kept
+
+
+def test_a_writer_returns_its_buffers_to_the_pool_and_the_next_reuses_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = direct_io._WriteBufferPool()
+    monkeypatch.setattr(direct_io, "_WRITE_POOL", pool)
+    data = torch.randn(3 * 4 * BLOCK // 4 + 5)
+    first = AlignedFileWriter(tmp_path / "a.bin", chunk_bytes=4 * BLOCK)
+    addrs = list(first._addrs)
+    first.write_tensor(data)
+    first.close()
+    assert pool.free_bytes == 3 * 4 * BLOCK
+    second = AlignedFileWriter(tmp_path / "b.bin", chunk_bytes=2 * BLOCK)
+    assert second._addrs == addrs  # the same pages, already faulted in
+    second.write_tensor(data)
+    second.abort()  # an aborted writer gives them back too
+    assert pool.free_bytes == 3 * 4 * BLOCK
+    assert (tmp_path / "a.bin").read_bytes() == data.numpy().tobytes()
