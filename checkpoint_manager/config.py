@@ -63,6 +63,12 @@ class CheckpointConfig(BaseModel):
         "a bundle (.tar) or a Hugging Face directory / .safetensors file.",
     )
     async_save: bool = Field(default=False, description="Write in the background after staging.")
+    async_overlap: bool = Field(
+        default=False,
+        description="Start writing each large staged tensor while the rest is still being copied: the "
+        "async total drops by about one memcpy, the stall grows (the copy and the writes share memory "
+        "bandwidth and the two cores). Local save_dir only.",
+    )
     async_when_busy: Literal["wait", "skip"] = Field(
         default="wait",
         description="When a save is due while the previous async save still writes: wait for it, or skip "

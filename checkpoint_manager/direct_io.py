@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -33,6 +34,7 @@ __all__ = [
     "cached_fraction",
     "crc32",
     "reserve_write_buffers",
+    "staging_gate",
 ]
 
 try:  # ISA-L's CRC32 (same polynomial as zlib's) runs at memory speed: ~28 GB/s vs zlib's ~1
@@ -163,6 +165,28 @@ def _forget_buffers_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_buffers_in_child)
 
 
+class _Gate(Protocol):
+    def wait(self, address: int) -> None: ...
+
+
+_GATE = threading.local()
+
+
+@contextlib.contextmanager
+def staging_gate(gate: _Gate | None) -> Iterator[None]:
+    """Writers made on this thread inside the block wait on ``gate`` before reading a tensor's memory.
+
+    An async save with ``async_overlap`` writes while staging still copies: the gate says when each
+    staging buffer is complete (:class:`checkpoint_manager.staging.StagingGate`).
+    """
+    previous = getattr(_GATE, "gate", None)
+    _GATE.gate = gate
+    try:
+        yield
+    finally:
+        _GATE.gate = previous
+
+
 class AlignedFileWriter:
     """Writes one file front to back; ``write_tensor`` also returns the CRC32 of the tensor's bytes."""
 
@@ -189,6 +213,7 @@ class AlignedFileWriter:
         self._io = ThreadPoolExecutor(max_workers=len(self._maps) - 1, thread_name_prefix="checkpoint-io")
         self.direct = bool(direct and _O_DIRECT)
         self._fd = self._open()
+        self._gate: _Gate | None = getattr(_GATE, "gate", None)
 
     # -- public -----------------------------------------------------------------------------------
     @property
@@ -219,6 +244,8 @@ class AlignedFileWriter:
             raise ValueError("write_tensor needs a contiguous CPU tensor")
         total = tensor.numel() * tensor.element_size()
         src = tensor.data_ptr()
+        if self._gate is not None:
+            self._gate.wait(src)  # its staging copy may still be running (async_overlap)
         if self.direct_ready(src, total):
             return self._write_in_place(src, total)
         return self._copy_in(src, total, 0)
@@ -250,8 +277,12 @@ class AlignedFileWriter:
         The memory must stay unchanged until :meth:`close` returns (every write is waited for there):
         true of staged async buffers, and of live tensors during a sync save.
         """
+        head: tuple[int, memoryview] | None = None
         if self._fill:
-            self._flush()  # whole blocks (position is aligned): the file stays in order
+            if self._flushed and self.direct:
+                head = self._take_head()  # written in one request with the first piece, below
+            else:
+                self._flush()  # whole blocks (position is aligned): the file stays in order
         if not self.direct:  # the first write found O_DIRECT refused: buffered from here on
             return self._copy_in(src, total, 0)
         bulk = total // BLOCK * BLOCK
@@ -261,7 +292,14 @@ class AlignedFileWriter:
         while done < bulk:
             n = min(bulk - done, self._chunk)
             piece = view[done : done + n]
-            self._direct_writes.append(self._io.submit(self._pwrite_view, piece, self._flushed))
+            if head is None:
+                self._direct_writes.append(self._io.submit(self._pwrite_view, piece, self._flushed))
+            else:  # the bytes before this record (its envelope) and its first piece: one request
+                buf, before = head
+                future = self._io.submit(self._pwritev, [before, piece], self._flushed - len(before))
+                self._inflight[buf] = future  # that bounce buffer is reused only once this is on disk
+                self._direct_writes.append(future)
+                head = None
             crc = _crc32(piece, crc)  # while the write is in flight
             self._flushed += n
             done += n
@@ -333,6 +371,35 @@ class AlignedFileWriter:
         pending = self._inflight.pop(self._cur, None)  # the next buffer must be on disk before reuse
         if pending is not None:
             pending.result()
+
+    def _take_head(self) -> tuple[int, memoryview]:
+        """Hand over the filled part of the current bounce buffer (whole blocks) without writing it.
+
+        An aligned record's envelope, padding and the previous record's tail then go to disk in the
+        same request as its first piece (``pwritev``): a separate 4 KiB request per large record
+        cost ~10 ms per 64 MiB state on the reference VM's virtio disk.
+        """
+        length, buf = self._fill, self._cur
+        head = memoryview(self._maps[buf])[:length]
+        self.crc = _crc32(head, self.crc)
+        self._flushed += length
+        self._cur = (buf + 1) % len(self._maps)
+        self._fill = 0
+        pending = self._inflight.pop(self._cur, None)  # the next buffer must be on disk before reuse
+        if pending is not None:
+            pending.result()
+        return buf, head
+
+    def _pwritev(self, views: list[memoryview], offset: int) -> None:
+        done = os.pwritev(self._fd, views, offset)
+        for view in views:  # a short write (rare): the rest piece by piece
+            if done >= len(view):
+                done -= len(view)
+                offset += len(view)
+                continue
+            self._pwrite_view(view[done:], offset + done)
+            offset += len(view)
+            done = 0
 
     def _pwrite(self, buf: int, length: int, offset: int) -> None:
         view = memoryview(self._maps[buf])[:length]

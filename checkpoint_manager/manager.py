@@ -26,7 +26,7 @@ from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.dcp_io import paused_gc, read_dcp_metadata
 from checkpoint_manager.dcp_reader import CheckpointReader
 from checkpoint_manager.dcp_writer import WRITER_ID, CheckpointWriter, chunk_for_bytes
-from checkpoint_manager.direct_io import reserve_write_buffers
+from checkpoint_manager.direct_io import reserve_write_buffers, staging_gate
 from checkpoint_manager.dist import DistContext
 from checkpoint_manager.errors import (
     AsyncSaveError,
@@ -60,7 +60,7 @@ from checkpoint_manager.policy import build_save_policy
 from checkpoint_manager.preemption import PreemptionWatcher
 from checkpoint_manager.protocol import FinalizeOnExit, LoadContext, LoadResult, SaveContext, SaveResult
 from checkpoint_manager.retention import Pruner
-from checkpoint_manager.staging import StagingBuffers
+from checkpoint_manager.staging import StagingBuffers, StagingGate
 from checkpoint_manager.state import GatheredState, StateLoader, gather_state, per_rank_state
 from checkpoint_manager.storage import FsspecStorage, LocalStorage, basename, is_url, open_storage
 
@@ -534,16 +534,30 @@ class DefaultCheckpointManager(FinalizeOnExit):
             )
         self._collect_background(wait=True, for_save=True)
         job = self._prepare(ctx, step, async_save=True)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        executor = self._executor
         t0 = time.perf_counter()
-        job.state.tensors = self._staging.stage(job.state.tensors)  # nothing on disk yet
+        if self.config.async_overlap and self._storage.is_local:
+
+            def start_writer(staged: dict[str, torch.Tensor], gate: StagingGate) -> None:
+                job.state.tensors = staged  # the writer waits on the gate for each large buffer
+                self._inflight = executor.submit(self._write_gated, job, gate)
+                self._inflight_step = step
+
+            try:
+                self._staging.stage(job.state.tensors, start_writer=start_writer)
+            except BaseException:
+                self._abandon_inflight()  # the writer raised on the gate: only the staging error counts
+                raise
+        else:
+            job.state.tensors = self._staging.stage(job.state.tensors)  # nothing on disk yet
+            self._inflight = executor.submit(self._write_and_commit, job)
+            self._inflight_step = step
         job.timings["stage"] = time.perf_counter() - t0
         stall = time.perf_counter() - job.started
         job.timings["stall"] = stall
         self._prepared = True
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._inflight = self._executor.submit(self._write_and_commit, job)
-        self._inflight_step = step
         self._last_saved_step, self._last_saved_known = step, True
         staged = SaveResult(
             path=self._storage.location_of(job.name),
@@ -556,6 +570,17 @@ class DefaultCheckpointManager(FinalizeOnExit):
         )
         self._observers.save_staged(staged)
         return staged
+
+    def _write_gated(self, job: _SaveJob, gate: StagingGate) -> SaveResult:
+        with staging_gate(gate):  # writers wait for each staging buffer to be complete
+            return self._write_and_commit(job)
+
+    def _abandon_inflight(self) -> None:
+        """Wait for a background save that cannot succeed (its staging failed) and drop its outcome."""
+        future, self._inflight, self._inflight_step = self._inflight, None, None
+        if future is not None:
+            with contextlib.suppress(Exception):
+                future.result()
 
     def _prepare_ahead(self, ctx: SaveContext) -> None:
         """Before the first save (a fresh run's ``should_load``, a skipped step, a resume): warm the save path.

@@ -15,13 +15,14 @@ import ctypes
 import math
 import mmap
 import threading
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from checkpoint_manager.direct_io import BLOCK, DIRECT_MIN
 
-__all__ = ["StagingBuffers"]
+__all__ = ["StagingBuffers", "StagingGate"]
 
 HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB base pages)
 
@@ -74,11 +75,21 @@ class StagingBuffers:
         """Make a :meth:`prepare` running on another thread return after its current tensor."""
         self._stop.set()
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def stage(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        start_writer: Callable[[dict[str, torch.Tensor], StagingGate], None] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` into the buffers; returns the staged (host) state dict.
 
         One ``_foreach_copy_`` for all tensors instead of a Python ``copy_`` each: measured 20-35%
         less stall (27,000 small tensors: 135 -> 107 ms; 0.25 GiB dense on a busy machine: 104 -> 67 ms).
+
+        ``start_writer`` (overlap): the small tensors and those in plain buffers are copied first,
+        then ``start_writer(staged, gate)`` is called and the large prepared buffers are copied in
+        groups, each opened on ``gate`` once its bytes are in place; the writer waits on the gate
+        before it reads a buffer. Returns once every byte is staged, as without it.
         """
         staged: dict[str, torch.Tensor] = {}
         sources: list[torch.Tensor] = []
@@ -91,14 +102,83 @@ class StagingBuffers:
             targets.append(buf)
             staged[key] = buf if local is tensor else _rewrap(tensor, buf)
         device_copy = self.pin_memory and torch.cuda.is_available()
-        with torch.no_grad():  # a parameter's copy must not join the autograd graph
-            torch._foreach_copy_(targets, sources, non_blocking=device_copy)
-        if device_copy:
-            torch.cuda.synchronize()  # non-blocking device-to-host copies: complete only now
+        if start_writer is None:
+            _copy(targets, sources, device_copy)
+        else:
+            late = [i for i, t in enumerate(targets) if _in_place(t)]
+            late_set = set(late)
+            early = [i for i in range(len(targets)) if i not in late_set]
+            _copy([targets[i] for i in early], [sources[i] for i in early], device_copy)
+            gate = StagingGate(targets[i].data_ptr() for i in late)
+            start_writer(staged, gate)
+            try:
+                group: list[int] = []
+                size = 0
+                for i in late:
+                    group.append(i)
+                    size += targets[i].nbytes
+                    if size >= _GROUP_BYTES or i == late[-1]:
+                        _copy([targets[j] for j in group], [sources[j] for j in group], device_copy)
+                        gate.open(targets[j].data_ptr() for j in group)
+                        group, size = [], 0
+            except BaseException as exc:
+                gate.fail(exc)
+                raise
         if len(buffers) > len(staged):
             for key in set(buffers) - set(staged):
                 del buffers[key]  # state keys that disappeared: free their memory
         return staged
+
+
+# Large buffers are copied and opened to the writer in groups of about this many bytes: fewer
+# wake-ups than one per tensor, and the writer starts after the first group.
+_GROUP_BYTES = 64 << 20
+
+
+def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor], device_copy: bool) -> None:
+    if not targets:
+        return
+    with torch.no_grad():  # a parameter's copy must not join the autograd graph
+        torch._foreach_copy_(targets, sources, non_blocking=device_copy)
+    if device_copy:
+        torch.cuda.synchronize()  # non-blocking device-to-host copies: complete only now
+
+
+def _in_place(buf: torch.Tensor) -> bool:
+    """Whether the writer sends ``buf`` to disk straight from its memory (page-aligned and large)."""
+    return buf.nbytes >= DIRECT_MIN and buf.data_ptr() % BLOCK == 0
+
+
+class StagingGate:
+    """Tells the writer when a staging buffer's bytes are in place (``async_overlap``).
+
+    Keyed by buffer address: the writer checks the memory it is about to read, whatever path leads
+    there. Addresses not handed in at construction are never waited for. A failed staging copy
+    makes every waiter raise instead of writing a half-staged buffer.
+    """
+
+    def __init__(self, addresses: Iterable[int]) -> None:
+        self._cond = threading.Condition()
+        self._pending = set(addresses)
+        self._error: BaseException | None = None
+
+    def open(self, addresses: Iterable[int]) -> None:
+        with self._cond:
+            self._pending.difference_update(addresses)
+            self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
+
+    def wait(self, address: int) -> None:
+        """Block until the buffer at ``address`` is staged (at once for any other address)."""
+        with self._cond:
+            while address in self._pending:
+                if self._error is not None:
+                    raise RuntimeError("staging failed before this buffer was copied") from self._error
+                self._cond.wait()
 
 
 def _huge_page_empty(shape: torch.Size, dtype: torch.dtype, *, pin_memory: bool) -> torch.Tensor:

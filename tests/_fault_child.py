@@ -56,13 +56,14 @@ from checkpoint_manager.staging import StagingBuffers
 
 PHASES = ("gather", "stage", "write", "fsync", "commit-rename", "pointer", "retention")
 MODES = ("before", "after", "partial")
-WRITE_OPS = ("write", "pwrite")  # the calls a kill can interrupt halfway (half the bytes on disk)
+WRITE_OPS = ("write", "pwrite", "pwritev")  # the calls a kill can interrupt halfway (half the bytes on disk)
 
 _real = {
     "open": builtins.open,
     "os_open": os.open,
     "write": os.write,
     "pwrite": os.pwrite,
+    "pwritev": os.pwritev,
     "fsync": os.fsync,
     "rename": os.rename,
     "replace": os.replace,
@@ -272,6 +273,22 @@ def install(watcher: Watcher) -> None:
         w.event(phase, name, rel, "after")
         return n
 
+    def writev_at(fd: int, buffers: Any, offset: int) -> int:
+        path = w.fd_paths.get(fd)
+        if path is None or not w.in_save() or w.rel(path) is None:
+            return int(_real["pwritev"](fd, buffers, offset))
+        rel = w.rel(path)
+        assert rel is not None
+        phase = w.phase_of("write", rel) or "write"
+        w.event(phase, "pwritev", rel, "before")
+        if getattr(w.local, "armed", False) and w.kill is not None and w.kill["mode"] == "partial":
+            with contextlib.suppress(OSError):  # the first buffer (whole blocks) reaches the disk, no more
+                _real["pwrite"](fd, buffers[0], offset)
+            w.event(phase, "pwritev", rel, "partial")
+        n = int(_real["pwritev"](fd, buffers, offset))
+        w.event(phase, "pwritev", rel, "after")
+        return n
+
     def fsync(fd: Any) -> None:
         if not isinstance(fd, int):
             fd = fd.fileno()
@@ -320,6 +337,7 @@ def install(watcher: Watcher) -> None:
     os.close = os_close
     os.write = write_at
     os.pwrite = write_at
+    os.pwritev = writev_at
     os.fsync = fsync
     os.rename = two("rename")
     os.replace = two("replace")

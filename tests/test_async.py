@@ -616,3 +616,95 @@ def test_a_load_that_skips_the_optimizer_leaves_a_fresh_one_without_state(tmp_pa
         mgr.finalize_async_saves(blocking=True)
     assert fresh.state == {}
     assert torch.equal(resumed.model[0].weight, s.model[0].weight)
+
+
+# -- async_overlap: the writer starts while large buffers are still being staged ------------------------
+
+
+def test_overlap_writes_each_buffer_only_once_it_is_staged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With async_overlap the checkpoint is the snapshot at save() time, written in place, in several groups."""
+    import checkpoint_manager.staging as staging_module
+
+    monkeypatch.setattr(staging_module, "_GROUP_BYTES", 1 << 20)  # one group per 1 MiB buffer
+    opened: list[int] = []
+    real_open = staging_module.StagingGate.open
+
+    def record_open(self: Any, addresses: Any) -> None:
+        addresses = list(addresses)
+        opened.append(len(addresses))
+        time.sleep(0.01)  # the writer runs ahead meanwhile, and must wait for the next group
+        real_open(self, addresses)
+
+    monkeypatch.setattr(staging_module.StagingGate, "open", record_open)
+    s = Setup(width=512)  # 1 MiB weights and moments: prepared buffers are written in place
+    mgr = DefaultCheckpointManager(_config(tmp_path, save_every_n_steps=10, async_overlap=True))
+    assert mgr.save(s.ctx(1)) is None  # a skipped step prepares the buffers
+    mgr.finalize_async_saves(blocking=True)
+    for step in (10, 20):
+        s.steps(1)
+        before = s.snapshot()
+        assert mgr.save(s.ctx(step)) is not None
+        s.steps(1)  # mutate at once: the background write must not see it
+        mgr.finalize_async_saves(blocking=True)
+        _assert_loads_as(tmp_path, step, before, width=512)
+    mgr.finalize_async_saves(blocking=True, terminate=True)
+    assert len(opened) == 2 * 3 and all(n == 1 for n in opened)  # weight, exp_avg, exp_avg_sq each save
+
+
+def test_a_failed_overlapped_staging_raises_it_and_leaves_no_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import checkpoint_manager.staging as staging_module
+
+    monkeypatch.setattr(staging_module, "_GROUP_BYTES", 1 << 20)
+    s = Setup(width=512)
+    mgr = DefaultCheckpointManager(_config(tmp_path, save_every_n_steps=10, async_overlap=True))
+    mgr.save(s.ctx(1))
+    mgr.finalize_async_saves(blocking=True)
+    assert mgr.save(s.ctx(10)) is not None
+    mgr.finalize_async_saves(blocking=True)
+    expected = s.snapshot()
+    real_copy = staging_module._copy
+    calls = []
+
+    def failing_copy(targets: Any, sources: Any, device_copy: bool) -> None:
+        calls.append(len(targets))
+        if len(calls) == 3:  # the early copy, one group, then this one fails
+            raise RuntimeError("injected staging failure")
+        real_copy(targets, sources, device_copy)
+
+    monkeypatch.setattr(staging_module, "_copy", failing_copy)
+    s.steps(1)
+    with pytest.raises(RuntimeError, match=r"^injected staging failure$"):
+        mgr.save(s.ctx(20))
+    monkeypatch.setattr(staging_module, "_copy", real_copy)
+    assert _pending(tmp_path) == [] and _committed_steps(tmp_path) == [10]
+    assert mgr.save_in_flight is False
+    mgr.finalize_async_saves(blocking=True)  # nothing left to report: the staging error was the one
+    assert mgr.save(s.ctx(20)) is not None  # the manager keeps working
+    mgr.finalize_async_saves(blocking=True, terminate=True)
+    assert _committed_steps(tmp_path) == [10, 20]
+    _assert_loads_as(tmp_path, 10, expected, width=512)
+
+
+def test_staging_gate_waits_for_its_addresses_only() -> None:
+    from checkpoint_manager.staging import StagingGate
+
+    gate = StagingGate([1, 2])
+    gate.wait(3)  # not gated: returns at once
+    waited = threading.Event()
+
+    def waiter() -> None:
+        gate.wait(2)
+        waited.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    gate.open([1])
+    assert not waited.wait(0.05)
+    gate.open([2])
+    assert waited.wait(GATE_TIMEOUT)
+    t.join(GATE_TIMEOUT)
+    failing = StagingGate([5])
+    failing.fail(ValueError("boom"))
+    with pytest.raises(RuntimeError, match="staging failed before this buffer was copied") as info:
+        failing.wait(5)
+    assert isinstance(info.value.__cause__, ValueError)

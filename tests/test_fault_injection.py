@@ -195,7 +195,7 @@ def reference_run(zygote: Zygote, root: Path, mode: str, world_size: int) -> Ref
     for e in read_events(out, world_size):
         if e["kind"] == "event" and e["step"] in SAVE_STEPS:
             counts[(e["rank"], e["step"], e["phase"])] += 1
-            if e["op"] in ("write", "pwrite"):
+            if e["op"] in ("write", "pwrite", "pwritev"):
                 writes[(e["rank"], e["step"], e["phase"])] += 1
     return Reference(out, counts, writes)
 

@@ -129,6 +129,7 @@ def faults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Faults:
     """Wrap the calls a save makes; inert until ``active`` (only paths inside tmp_path/ck count)."""
     f = Faults(tmp_path / "ck")
     real_open, real_pwrite, real_write = builtins.open, os.pwrite, os.write
+    real_pwritev = os.pwritev
     real_fsync, real_rename, real_replace, real_mkdir = os.fsync, os.rename, os.replace, os.mkdir
 
     def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
@@ -139,6 +140,10 @@ def faults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Faults:
     def pwrite(fd: int, data: Any, offset: int) -> int:
         f.hit("write", _fd_path(fd) or "")
         return real_pwrite(fd, data, offset)
+
+    def pwritev(fd: int, buffers: Any, offset: int) -> int:
+        f.hit("write", _fd_path(fd) or "")
+        return real_pwritev(fd, buffers, offset)
 
     def write(fd: int, data: Any) -> int:
         f.hit("write", _fd_path(fd) or "")
@@ -166,6 +171,7 @@ def faults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Faults:
     monkeypatch.setattr(builtins, "open", open_)
     monkeypatch.setattr(io, "open", open_)
     monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "pwritev", pwritev)
     monkeypatch.setattr(os, "write", write)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
