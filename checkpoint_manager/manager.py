@@ -594,9 +594,15 @@ class DefaultCheckpointManager(FinalizeOnExit):
             return  # a save or a preparation is running: the next skipped step tries again
         # An optimizer without state yet (before the first step) is left out: gathering it would make
         # DCP initialize its state with a zero-lr step, changing the run. A later skipped step adds it.
+        # The data loader is left out too: a StatefulDataLoader's state_dict() may start an iterator,
+        # which draws its seed from the global RNG. Only what can hold tensors is gathered.
         complete = all(o.state for o in ctx.optimizers())
-        if not complete:
-            ctx = SaveContext(model=ctx.model, scheduler=ctx.scheduler, extra=dict(ctx.extra))
+        ctx = SaveContext(
+            model=ctx.model,
+            optimizer=ctx.optimizer if complete else None,
+            scheduler=ctx.scheduler,
+            extra=dict(ctx.extra),
+        )
         self._prepared = complete
         try:
             tensors = gather_state(ctx).tensors

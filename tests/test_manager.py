@@ -384,3 +384,32 @@ def test_context_manager_finalizes(tmp_path: Path) -> None:
     assert [i.step for i in mgr.list_checkpoints()] == [1]
     with pytest.raises(ManagerClosedError):
         mgr.save(SaveContext(model=model, train_state=TrainState(step=2), force=True))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_preparing_ahead_never_draws_from_the_rng_or_touches_the_loader(tmp_path: Path, async_save: bool) -> None:
+    """should_load() and load() warm the save path in the background: the next random number and the
+    loader's order are those of a run without a checkpoint manager (a fresh loader's state_dict()
+    would draw its seed from the global RNG, so the preparation never calls it)."""
+    model, opt, sched, loader = build()
+    it = iter(loader)
+    train(model, opt, sched, it, 3)
+    with DefaultCheckpointManager(cfg(tmp_path, async_save=async_save)) as mgr:
+        mgr.save(SaveContext(model=model, optimizer=opt, scheduler=sched, dataloader=loader,
+                             train_state=TrainState(step=3), force=True))
+    torch.manual_seed(99)
+    expected = torch.rand(3)
+    for how in ("should_load fresh", "load"):
+        m2, o2, s2, _ = build(seed=1)
+        # a fresh loader, never iterated, without a generator of its own: seeded from the global RNG
+        l2 = StatefulDataLoader(torch.utils.data.TensorDataset(torch.zeros(16, 4)), batch_size=2, shuffle=True)
+        torch.manual_seed(99)
+        save_dir = tmp_path / "empty" if how == "should_load fresh" else tmp_path / "ckpt"
+        with DefaultCheckpointManager(cfg(tmp_path, async_save=async_save, save_dir=str(save_dir))) as mgr:
+            ctx = LoadContext(model=m2, optimizer=o2, scheduler=s2, dataloader=l2, load_rng=False)
+            if mgr.should_load(ctx):
+                mgr.load(ctx)
+            mgr.finalize_async_saves(blocking=True)  # the background preparation is done
+            assert torch.equal(torch.rand(3), expected), how
+        if how == "should_load fresh":
+            assert o2.state == {}  # a fresh optimizer gets no state from the preparation
