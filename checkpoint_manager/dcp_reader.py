@@ -17,7 +17,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -36,6 +36,9 @@ from checkpoint_manager.dcp_io import paused_gc, read_dcp_metadata
 from checkpoint_manager.direct_io import AlignedFileReader, cached_fraction
 from checkpoint_manager.envelope import envelope_for, locate_data
 from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
+
+if TYPE_CHECKING:  # annotations only: a private name of torch's
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 __all__ = ["CheckpointReader"]
 
@@ -87,14 +90,15 @@ class CheckpointReader(FileSystemReader):
             ) from exc
 
     def _read_mapped(self, plan: LoadPlan, planner: LoadPlanner, metadata: Metadata) -> Future[None]:
-        per_file: dict[str, list[ReadItem]] = {}
+        per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]] = {}
         storage = self.storage_data
         for item in plan.items:
-            per_file.setdefault(storage[item.storage_index].relative_path, []).append(item)
+            sinfo = storage[item.storage_index]  # hashing a MetadataIndex: once per item, not twice
+            per_file.setdefault(sinfo.relative_path, []).append((item, sinfo))
         root = Path(os.fspath(self.path))
         for relative_path, items in per_file.items():
             with _RecordFile(root / relative_path) as records:
-                jobs = [self._job(req, planner, metadata, records) for req in items]
+                jobs = [self._job(req, sinfo, planner, metadata, records) for req, sinfo in items]
                 jobs.sort(key=_offset_of)  # one forward pass over the file
                 whole = [job for job in jobs if job.whole]
                 if whole:
@@ -107,9 +111,10 @@ class CheckpointReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _job(self, req: ReadItem, planner: LoadPlanner, metadata: Metadata, records: _RecordFile) -> _Job:
+    def _job(
+        self, req: ReadItem, sinfo: _StorageInfo, planner: LoadPlanner, metadata: Metadata, records: _RecordFile
+    ) -> _Job:
         """Everything the copy of one read item needs, checked against the file before any I/O."""
-        sinfo = self.storage_data[req.storage_index]
         fqn = req.storage_index.fqn
         tmeta = metadata.state_dict_metadata[fqn]
         if not isinstance(tmeta, TensorStorageMetadata):
@@ -372,7 +377,7 @@ class _RecordFile:
 def _chunk_of(tmeta: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata:
     if index.index is not None and index.index < len(tmeta.chunks):
         chunk = tmeta.chunks[index.index]
-        if index.offset is None or tuple(chunk.offsets) == tuple(index.offset):
+        if index.offset is None or chunk.offsets == index.offset:  # torch.Size is a tuple: no copies
             return chunk
     for chunk in tmeta.chunks:
         if index.offset is not None and tuple(chunk.offsets) == tuple(index.offset):
