@@ -72,3 +72,46 @@ def test_warm_load_of_many_small_records_streams_every_tensor_back(tmp_path: Pat
     dcp_load(targets, storage_reader=CheckpointReader(tmp_path / "ck", fast=True), no_dist=True)
     for k, v in state.items():
         assert torch.equal(targets[k], v), k
+
+
+def test_warm_large_records_split_over_threads_land_whole(tmp_path: Path, monkeypatch: object) -> None:
+    """Warm records above ``_SPLIT`` are copied in pieces by two threads: every byte lands once."""
+    import pytest
+    import torch
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from checkpoint_manager import dcp_reader
+    from checkpoint_manager.dcp_reader import CheckpointReader
+    from checkpoint_manager.dcp_writer import CheckpointWriter
+
+    assert isinstance(monkeypatch, pytest.MonkeyPatch)
+    monkeypatch.setattr(dcp_reader, "_SPLIT", 64 << 10)
+    monkeypatch.setattr(dcp_reader, "_THREADED", 1 << 20)
+    gen = torch.Generator().manual_seed(5)
+    state = {
+        "odd": torch.randn(1_000_003, generator=gen),  # not a multiple of the piece size
+        "half": torch.randn(300_001, generator=gen, dtype=torch.float64).to(torch.float16),
+        "int": torch.randint(0, 1 << 30, (700_000,), generator=gen),
+        "small": torch.randn(10, generator=gen),
+    }
+    dcp_save(state, storage_writer=CheckpointWriter(tmp_path / "ck"), no_dist=True)
+    for f in (tmp_path / "ck").iterdir():
+        f.read_bytes()  # warm
+    targets = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp_load(targets, storage_reader=CheckpointReader(tmp_path / "ck", fast=True), no_dist=True)
+    for k, v in state.items():
+        assert torch.equal(targets[k], v), k
+
+
+def test_split_pieces_cover_the_record_once() -> None:
+    import torch
+
+    from checkpoint_manager.dcp_reader import _SPLIT, _Job, _split
+
+    for nbytes in (1, _SPLIT, _SPLIT + 1, 3 * _SPLIT - 7, 5 * _SPLIT):
+        job = _Job(None, "x", 0, nbytes, torch.Size([nbytes]), torch.uint8, nbytes, torch.empty(0), True)  # type: ignore[arg-type]
+        pieces = _split(job, 100)
+        assert pieces[0][1] == 0 and pieces[-1][2] == nbytes
+        assert all(a[2] == b[1] for a, b in itertools.pairwise(pieces))
+        assert all(hi - lo <= _SPLIT for _, lo, hi, _ in pieces) and all(p[3] == 100 for p in pieces)
