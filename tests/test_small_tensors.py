@@ -16,8 +16,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.storage import WriteResult
 
 from checkpoint_manager import (
     CheckpointConfig,
@@ -32,6 +36,7 @@ from checkpoint_manager.dcp_writer import CheckpointWriter
 from checkpoint_manager.planner import (
     FastLoadPlanner,
     FastSavePlanner,
+    frozen,
     load_tensors,
     nest,
     save_tensors,
@@ -106,6 +111,25 @@ def test_fast_save_plan_equals_dcps() -> None:
     # one metadata object per distinct shape: the pickle shrinks, and still reads back equal
     assert len(pickle.dumps(md1)) < len(pickle.dumps(md0))
     assert pickle.loads(pickle.dumps(md1)) == md0
+
+
+def test_frozen_builds_what_the_dataclass_init_builds() -> None:
+    """Same attributes in the same order: equal, same hash, and the same pickle bytes."""
+    zeros = torch.Size([0, 0])
+    built = frozen(MetadataIndex, {"fqn": "a.b", "index": 0, "offset": zeros})
+    ref = MetadataIndex("a.b", zeros, 0)
+    assert built == ref and hash(built) == hash(ref)
+    assert pickle.dumps(built) == pickle.dumps(ref)
+    item = frozen(
+        WriteItem, {"index": ref, "type": WriteItemType.TENSOR, "bytes_io_data": None, "tensor_data": None}
+    )
+    assert item == WriteItem(index=ref, type=WriteItemType.TENSOR, tensor_data=None)
+    assert pickle.dumps(item) == pickle.dumps(
+        WriteItem(index=ref, type=WriteItemType.TENSOR, tensor_data=None)
+    )
+    info = _StorageInfo("f", 1, 2)
+    result = frozen(WriteResult, {"index": ref, "size_in_bytes": 2, "storage_data": info})
+    assert pickle.dumps(result) == pickle.dumps(WriteResult(index=ref, size_in_bytes=2, storage_data=info))
 
 
 def test_fast_save_planner_falls_back_outside_plain_tensors() -> None:
