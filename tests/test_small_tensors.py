@@ -7,6 +7,7 @@ must leave optimizers exactly as ``set_optimizer_state_dict`` would, or decline.
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.codec import merge_tensors, split_tensors
+from checkpoint_manager.codec import dtype_name as codec_dtype_name
+from checkpoint_manager.codec import encode, merge_tensors, split_tensors
 from checkpoint_manager.dcp_io import read_dcp_metadata
 from checkpoint_manager.dcp_writer import CheckpointWriter
 from checkpoint_manager.planner import (
@@ -386,6 +388,29 @@ def test_codec_fast_paths_round_trip_exactly() -> None:
     assert torch.equal(back[6][0], torch.tensor([1.5]))
     assert decode(encode(state)) == state
     assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name(torch.float8_e4m3fnuz) == "float8_e4m3fnuz"
+
+
+def test_split_tensors_skeleton_equals_encode_with_the_same_hook() -> None:
+    """split_tensors' own walk of string-keyed dicts gives what encode gives (keys, order, placeholders)."""
+    t = torch.arange(3.0)
+    tree = {
+        "a": {"w": t, "n": 1, "f": float("inf"), "l": [t, 2, (t, "x")]},
+        "b": {3: t, "k": {"deep": t}},
+        "__cm__": "tag clash",
+        "e": {},
+        "s": torch.tensor(5),
+    }
+
+    def hook(path: str, x: torch.Tensor) -> dict[str, Any]:
+        key = f"p.{path}"
+        return {"__cm__": "dcp", "key": key, "dtype": codec_dtype_name(x.dtype), "shape": list(x.shape)}
+
+    tensors, skeleton = split_tensors(tree, "p")
+    assert json.dumps(skeleton) == json.dumps(encode(tree, tensor_hook=hook))
+    nested = {"a": tree["a"], "b": tree["b"], "e": {}, "s": tree["s"]}
+    tensors, skeleton = split_tensors(nested, "p")
+    assert json.dumps(skeleton) == json.dumps(encode(nested, tensor_hook=hook))
+    assert list(tensors) == ["p.a.w", "p.a.l.0", "p.a.l.2.0", "p.b.3", "p.b.k.deep", "p.s"]
 
 
 def test_collect_tensors_matches_split_tensors() -> None:
