@@ -199,7 +199,25 @@ def split_tensors(tree: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]
         tensors[key] = t
         return {_TAG: "dcp", "key": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
 
-    return tensors, encode(tree, tensor_hook=hook)
+    tensor = torch.Tensor
+
+    def walk(obj: Any, path: str) -> Any:
+        # what encode(obj, tensor_hook=hook) returns; string-keyed dicts (nearly all of a state
+        # dict's nodes) are walked here and their tensors placed without an encode call each
+        if isinstance(obj, dict) and _TAG not in obj and all(isinstance(k, str) for k in obj):
+            out: dict[str, Any] = {}
+            for k, v in obj.items():
+                sub = f"{path}.{k}" if path else k
+                if isinstance(v, tensor):
+                    out[k] = hook(sub, v)
+                elif isinstance(v, dict):
+                    out[k] = walk(v, sub)
+                else:
+                    out[k] = encode(v, tensor_hook=hook, path=sub)
+            return out
+        return encode(obj, tensor_hook=hook, path=path)
+
+    return tensors, walk(tree, "")
 
 
 def collect_tensors(tree: Any, prefix: str) -> dict[str, torch.Tensor]:

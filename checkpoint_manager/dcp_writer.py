@@ -28,6 +28,7 @@ from torch.futures import Future
 from checkpoint_manager.dcp_io import paused_gc
 from checkpoint_manager.direct_io import _WRITE_DEPTH, BLOCK, DEFAULT_CHUNK, DIRECT_MIN, AlignedFileWriter
 from checkpoint_manager.envelope import Envelope, envelope_for
+from checkpoint_manager.planner import FastSavePlanner, frozen
 
 __all__ = ["WRITER_ID", "CheckpointWriter", "chunk_for_bytes"]
 
@@ -69,9 +70,15 @@ class CheckpointWriter(FileSystemWriter):
         out = AlignedFileWriter(path, direct=self.direct, fsync=self.sync_files, chunk_bytes=chunk)
         results: list[WriteResult] = []
         small = _SmallRecords(out)
+        # plain tensors straight from the planner's state (what its resolve_data returns for them)
+        flat = planner.plain_tensors() if isinstance(planner, FastSavePlanner) else None
+        tensor_type = WriteItemType.TENSOR
+        plain = torch.Tensor
         try:
             for item in plan.items:
-                data = planner.resolve_data(item)
+                data = flat.get(item.index.fqn) if flat is not None and item.type is tensor_type else None
+                if type(data) is not plain or data.requires_grad:
+                    data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     assert isinstance(data, io.BytesIO)
                     small.flush()
@@ -95,10 +102,13 @@ class CheckpointWriter(FileSystemWriter):
                         out.write_bytes(env.render_suffix(data_crc))
                         length = out.position - offset
                 results.append(
-                    WriteResult(
-                        index=item.index,
-                        size_in_bytes=length,
-                        storage_data=_StorageInfo(file_name, offset, length),
+                    frozen(
+                        WriteResult,
+                        {
+                            "index": item.index,
+                            "size_in_bytes": length,
+                            "storage_data": _StorageInfo(file_name, offset, length),
+                        },
                     )
                 )
             small.flush()

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.tensor import DTensor
 
-__all__ = ["FastLoadPlanner", "FastSavePlanner", "load_tensors", "nest", "save_tensors", "unnest"]
+__all__ = ["FastLoadPlanner", "FastSavePlanner", "frozen", "load_tensors", "nest", "save_tensors", "unnest"]
 
 
 def nest(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -82,6 +82,23 @@ def unnest(state_dict: dict[str, Any]) -> dict[str, Any] | None:
         else:
             flat[key] = value
     return flat
+
+
+_new = object.__new__
+_set = object.__setattr__
+
+
+def frozen(cls: type[Any], fields: dict[str, Any]) -> Any:
+    """An instance of the frozen dataclass ``cls`` with ``fields`` set as its generated ``__init__``
+    would (same attributes in the same order, so it pickles to the same bytes), for less: one per
+    tensor adds up over tens of thousands of tensors. ``fields`` must list every field in
+    declaration order, already of the types ``__init__`` would store (no conversion is done).
+    Attributes are set one by one, not by ``__dict__.update``: that materializes a dict per
+    object and raised the peak RSS of a save of 28k small tensors from 38% to 49% of the state."""
+    obj = _new(cls)
+    for name, value in fields.items():
+        _set(obj, name, value)
+    return obj
 
 
 def _plain(value: Any) -> bool:
@@ -164,10 +181,14 @@ class FastSavePlanner(DefaultSavePlanner):
                 twd = shapes.write_data(obj)
                 assert twd.chunk is not None
                 # index hint 0: the one chunk of a whole tensor (DCP's global plan sets the same)
-                index = MetadataIndex(fqn, twd.chunk.offsets, 0)
-                # share the offsets object (the constructor copies it): pickled once in .metadata
-                object.__setattr__(index, "offset", twd.chunk.offsets)
-                items.append(WriteItem(index=index, type=tensor_type, tensor_data=twd))
+                # sharing the offsets object (the constructor copies it): pickled once in .metadata
+                index = frozen(MetadataIndex, {"fqn": fqn, "index": 0, "offset": twd.chunk.offsets})
+                items.append(
+                    frozen(
+                        WriteItem,
+                        {"index": index, "type": tensor_type, "bytes_io_data": None, "tensor_data": twd},
+                    )
+                )
             elif isinstance(obj, DTensor):
                 if obj.device_mesh.get_coordinate() is not None:
                     items += _create_write_items(fqn, obj)
@@ -199,6 +220,11 @@ class FastSavePlanner(DefaultSavePlanner):
         self.global_plan = [plan]
         self.metadata = metadata
         return [plan], metadata
+
+    def plain_tensors(self) -> dict[str, Any] | None:
+        """The flat state whose plain-tensor entries ``resolve_data`` returns as they are, or None
+        when the plan went through DCP's own code: lets a writer skip one call per tensor."""
+        return self.state_dict if self._fast else None
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if self._fast and write_item.type == WriteItemType.TENSOR:

@@ -7,6 +7,7 @@ must leave optimizers exactly as ``set_optimizer_state_dict`` would, or decline.
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.storage import WriteResult
 
 from checkpoint_manager import (
     CheckpointConfig,
@@ -26,12 +31,14 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.codec import merge_tensors, split_tensors
+from checkpoint_manager.codec import dtype_name as codec_dtype_name
+from checkpoint_manager.codec import encode, merge_tensors, split_tensors
 from checkpoint_manager.dcp_io import read_dcp_metadata
 from checkpoint_manager.dcp_writer import CheckpointWriter
 from checkpoint_manager.planner import (
     FastLoadPlanner,
     FastSavePlanner,
+    frozen,
     load_tensors,
     nest,
     save_tensors,
@@ -106,6 +113,25 @@ def test_fast_save_plan_equals_dcps() -> None:
     # one metadata object per distinct shape: the pickle shrinks, and still reads back equal
     assert len(pickle.dumps(md1)) < len(pickle.dumps(md0))
     assert pickle.loads(pickle.dumps(md1)) == md0
+
+
+def test_frozen_builds_what_the_dataclass_init_builds() -> None:
+    """Same attributes in the same order: equal, same hash, and the same pickle bytes."""
+    zeros = torch.Size([0, 0])
+    built = frozen(MetadataIndex, {"fqn": "a.b", "index": 0, "offset": zeros})
+    ref = MetadataIndex("a.b", zeros, 0)
+    assert built == ref and hash(built) == hash(ref)
+    assert pickle.dumps(built) == pickle.dumps(ref)
+    item = frozen(
+        WriteItem, {"index": ref, "type": WriteItemType.TENSOR, "bytes_io_data": None, "tensor_data": None}
+    )
+    assert item == WriteItem(index=ref, type=WriteItemType.TENSOR, tensor_data=None)
+    assert pickle.dumps(item) == pickle.dumps(
+        WriteItem(index=ref, type=WriteItemType.TENSOR, tensor_data=None)
+    )
+    info = _StorageInfo("f", 1, 2)
+    result = frozen(WriteResult, {"index": ref, "size_in_bytes": 2, "storage_data": info})
+    assert pickle.dumps(result) == pickle.dumps(WriteResult(index=ref, size_in_bytes=2, storage_data=info))
 
 
 def test_fast_save_planner_falls_back_outside_plain_tensors() -> None:
@@ -362,6 +388,29 @@ def test_codec_fast_paths_round_trip_exactly() -> None:
     assert torch.equal(back[6][0], torch.tensor([1.5]))
     assert decode(encode(state)) == state
     assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name(torch.float8_e4m3fnuz) == "float8_e4m3fnuz"
+
+
+def test_split_tensors_skeleton_equals_encode_with_the_same_hook() -> None:
+    """split_tensors' own walk of string-keyed dicts gives what encode gives (keys, order, placeholders)."""
+    t = torch.arange(3.0)
+    tree = {
+        "a": {"w": t, "n": 1, "f": float("inf"), "l": [t, 2, (t, "x")]},
+        "b": {3: t, "k": {"deep": t}},
+        "__cm__": "tag clash",
+        "e": {},
+        "s": torch.tensor(5),
+    }
+
+    def hook(path: str, x: torch.Tensor) -> dict[str, Any]:
+        key = f"p.{path}"
+        return {"__cm__": "dcp", "key": key, "dtype": codec_dtype_name(x.dtype), "shape": list(x.shape)}
+
+    tensors, skeleton = split_tensors(tree, "p")
+    assert json.dumps(skeleton) == json.dumps(encode(tree, tensor_hook=hook))
+    nested = {"a": tree["a"], "b": tree["b"], "e": {}, "s": tree["s"]}
+    tensors, skeleton = split_tensors(nested, "p")
+    assert json.dumps(skeleton) == json.dumps(encode(nested, tensor_hook=hook))
+    assert list(tensors) == ["p.a.w", "p.a.l.0", "p.a.l.2.0", "p.b.3", "p.b.k.deep", "p.s"]
 
 
 def test_collect_tensors_matches_split_tensors() -> None:
