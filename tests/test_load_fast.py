@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 from conftest import missing_capability
 
@@ -56,34 +57,19 @@ def test_buffered_reader_yields_the_file_bytes(tmp_path: Path) -> None:
 
 def test_warm_load_of_many_small_records_streams_every_tensor_back(tmp_path: Path) -> None:
     import torch
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    from checkpoint_manager.dcp_reader import CheckpointReader
-    from checkpoint_manager.dcp_writer import CheckpointWriter
 
     gen = torch.Generator().manual_seed(3)
     state = {f"t{i}": torch.randn(1024 + i % 7, generator=gen) for i in range(500)}
     state["big"] = torch.randn(600_000, generator=gen)  # above the direct-record size: preadv path
-    dcp_save(state, storage_writer=CheckpointWriter(tmp_path / "ck"), no_dist=True)
-    for f in (tmp_path / "ck").iterdir():
-        f.read_bytes()  # warm
-    targets = {k: torch.zeros_like(v) for k, v in state.items()}
-    dcp_load(targets, storage_reader=CheckpointReader(tmp_path / "ck", fast=True), no_dist=True)
-    for k, v in state.items():
-        assert torch.equal(targets[k], v), k
+    _assert_warm_round_trip(tmp_path, state)
 
 
 def test_warm_large_records_split_over_threads_land_whole(tmp_path: Path, monkeypatch: object) -> None:
     """Warm records above ``_SPLIT`` are copied in pieces by two threads: every byte lands once."""
     import pytest
     import torch
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     from checkpoint_manager import dcp_reader
-    from checkpoint_manager.dcp_reader import CheckpointReader
-    from checkpoint_manager.dcp_writer import CheckpointWriter
 
     assert isinstance(monkeypatch, pytest.MonkeyPatch)
     monkeypatch.setattr(dcp_reader, "_SPLIT", 64 << 10)
@@ -95,13 +81,7 @@ def test_warm_large_records_split_over_threads_land_whole(tmp_path: Path, monkey
         "int": torch.randint(0, 1 << 30, (700_000,), generator=gen),
         "small": torch.randn(10, generator=gen),
     }
-    dcp_save(state, storage_writer=CheckpointWriter(tmp_path / "ck"), no_dist=True)
-    for f in (tmp_path / "ck").iterdir():
-        f.read_bytes()  # warm
-    targets = {k: torch.zeros_like(v) for k, v in state.items()}
-    dcp_load(targets, storage_reader=CheckpointReader(tmp_path / "ck", fast=True), no_dist=True)
-    for k, v in state.items():
-        assert torch.equal(targets[k], v), k
+    _assert_warm_round_trip(tmp_path, state)
 
 
 def test_split_pieces_cover_the_record_once() -> None:
@@ -115,3 +95,21 @@ def test_split_pieces_cover_the_record_once() -> None:
         assert pieces[0][1] == 0 and pieces[-1][2] == nbytes
         assert all(a[2] == b[1] for a, b in itertools.pairwise(pieces))
         assert all(hi - lo <= _SPLIT for _, lo, hi, _ in pieces) and all(p[3] == 100 for p in pieces)
+
+
+def _assert_warm_round_trip(tmp_path: Path, state: dict[str, Any]) -> None:
+    """Save ``state`` with our writer, read the files once (warm), load with our reader: all equal."""
+    import torch
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from checkpoint_manager.dcp_reader import CheckpointReader
+    from checkpoint_manager.dcp_writer import CheckpointWriter
+
+    dcp_save(state, storage_writer=CheckpointWriter(tmp_path / "ck"), no_dist=True)
+    for f in (tmp_path / "ck").iterdir():
+        f.read_bytes()  # warm
+    targets = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp_load(targets, storage_reader=CheckpointReader(tmp_path / "ck", fast=True), no_dist=True)
+    for k, v in state.items():
+        assert torch.equal(targets[k], v), k
