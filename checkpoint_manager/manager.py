@@ -424,7 +424,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
             if not self._prepared:
                 self._prepare_ahead(_save_context(ctx))  # the first save after a resume is warm too
         self._release_copies()
-        nbytes = sum(int(t.numel() * t.element_size()) for t in targets.values())
+        nbytes = sum(_nbytes(t) for t in targets.values())
         seconds = t_end - t0
         log.info(
             "loaded %s (step %d): %.3f GB in %.2fs (%.2f GB/s)%s",
@@ -534,9 +534,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
             )
         self._collect_background(wait=True, for_save=True)
         job = self._prepare(ctx, step, async_save=True)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        executor = self._executor
+        executor = self._background()
         t0 = time.perf_counter()
         if self.config.async_overlap and self._storage.is_local:
 
@@ -570,6 +568,12 @@ class DefaultCheckpointManager(FinalizeOnExit):
         )
         self._observers.save_staged(staged)
         return staged
+
+    def _background(self) -> ThreadPoolExecutor:
+        """The one writer thread: background saves and preparations run there, one at a time."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        return self._executor
 
     def _write_gated(self, job: _SaveJob, gate: StagingGate) -> SaveResult:
         with staging_gate(gate):  # writers wait for each staging buffer to be complete
@@ -618,9 +622,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
             else 0  # streamed uploads write no local file
         )
         staging = self._staging if self.config.async_save else None
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._inflight = self._executor.submit(_warm_save_path, chunk, staging, tensors)
+        self._inflight = self._background().submit(_warm_save_path, chunk, staging, tensors)
         self._inflight_step = None
 
     def _collect_background(self, *, wait: bool, for_save: bool = False) -> None:
