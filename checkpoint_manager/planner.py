@@ -183,7 +183,7 @@ class FastSavePlanner(DefaultSavePlanner):
                 assert twd.chunk is not None
                 # index hint 0: the one chunk of a whole tensor (DCP's global plan sets the same)
                 # sharing the offsets object (the constructor copies it): pickled once in .metadata
-                index = frozen(MetadataIndex, {"fqn": fqn, "offset": twd.chunk.offsets, "index": 0})
+                index = frozen(MetadataIndex, {"fqn": fqn, "index": 0, "offset": twd.chunk.offsets})
                 items.append(
                     frozen(
                         WriteItem,

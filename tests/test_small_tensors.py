@@ -118,7 +118,7 @@ def test_fast_save_plan_equals_dcps() -> None:
 def test_frozen_builds_what_the_dataclass_init_builds() -> None:
     """Same attributes in the same order: equal, same hash, and the same pickle bytes."""
     zeros = torch.Size([0, 0])
-    built = frozen(MetadataIndex, {"fqn": "a.b", "offset": zeros, "index": 0})
+    built = frozen(MetadataIndex, {"fqn": "a.b", "index": 0, "offset": zeros})
     ref = MetadataIndex("a.b", zeros, 0)
     assert built == ref and hash(built) == hash(ref)
     assert pickle.dumps(built) == pickle.dumps(ref)
