@@ -365,6 +365,10 @@ class AlignedFileWriter:
         self._inflight[buf] = self._io.submit(self._pwrite, buf, length, offset)
         if offset == 0:
             self._wait()  # the first write may reopen the file without O_DIRECT: nothing beside it
+        self._next_buffer()
+
+    def _next_buffer(self) -> None:
+        """Count the filled bytes as handed over and move to the next buffer, once it is on disk."""
         self._flushed += self._fill
         self._cur = (self._cur + 1) % len(self._maps)
         self._fill = 0
@@ -379,15 +383,10 @@ class AlignedFileWriter:
         same request as its first piece (``pwritev``): a separate 4 KiB request per large record
         cost ~10 ms per 64 MiB state on the reference VM's virtio disk.
         """
-        length, buf = self._fill, self._cur
-        head = memoryview(self._maps[buf])[:length]
+        buf = self._cur
+        head = memoryview(self._maps[buf])[: self._fill]
         self.crc = _crc32(head, self.crc)
-        self._flushed += length
-        self._cur = (buf + 1) % len(self._maps)
-        self._fill = 0
-        pending = self._inflight.pop(self._cur, None)  # the next buffer must be on disk before reuse
-        if pending is not None:
-            pending.result()
+        self._next_buffer()
         return buf, head
 
     def _pwritev(self, views: list[memoryview], offset: int) -> None:
