@@ -14,7 +14,7 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,7 +243,10 @@ class Pruner:
         self.background = background
         self.pointer_symlinks = pointer_symlinks
         self._executor: ThreadPoolExecutor | None = None
-        self._futures: list[Future[None]] = []
+        # background removals queued by this pass and by the one before it: a pass first waits for
+        # older ones, so deletion that falls behind slows saves rather than filling the disk
+        self._this_pass: list[Future[None]] = []
+        self._last_pass: list[Future[None]] = []
         self._deleting: set[str] = set()  # hidden directories whose removal is under way
         self._mutex = threading.Lock()
 
@@ -300,6 +303,7 @@ class Pruner:
         plan = plan_retention(infos, self.policy, protected=shielded, monitor=self.monitor, mode=self.mode)
         if dry_run:
             return plan
+        self._bound_backlog()
         self._retry_leftovers()
         for info in plan.delete:
             if isinstance(self.storage, FsspecStorage):
@@ -338,11 +342,7 @@ class Pruner:
         if not self.background:
             self._purge(storage, info.name)
             return
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-prune")
-        future = self._executor.submit(self._purge, storage, info.name)
-        with self._mutex:
-            self._futures = [f for f in self._futures if not f.done()] + [future]
+        self._submit(self._purge, storage, info.name)
 
     @staticmethod
     def _purge(storage: FsspecStorage, name: str) -> None:
@@ -370,11 +370,22 @@ class Pruner:
         if not self.background:
             self._rmtree(hidden)
             return
+        self._submit(self._rmtree, hidden)
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-prune")
-        future = self._executor.submit(self._rmtree, hidden)
+        future = self._executor.submit(fn, *args)
         with self._mutex:
-            self._futures = [f for f in self._futures if not f.done()] + [future]
+            self._this_pass.append(future)
+
+    def _bound_backlog(self) -> None:
+        """Wait for the removals queued before the previous pass: at most two passes' worth of pruned
+        checkpoints hold disk space at once, however slow deletion is next to saving."""
+        with self._mutex:
+            older, self._last_pass, self._this_pass = self._last_pass, self._this_pass, []
+        for future in older:
+            future.result()
 
     def _rmtree(self, hidden: Path) -> None:
         try:
@@ -404,7 +415,7 @@ class Pruner:
     def wait(self) -> None:
         """Block until background deletions are done (errors were already logged)."""
         with self._mutex:
-            futures = list(self._futures)
+            futures = self._last_pass + self._this_pass
         for future in futures:
             future.result()
 

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,43 @@ def test_background_deletion_hides_at_once_and_frees_the_disk_later(tmp_path: Pa
     assert listed(storage.root) == ["step_00000050", "step_00000060"]  # before any removal finished
     pruner.close()
     assert list(storage.pending_root.iterdir()) == []
+
+
+def test_slow_background_deletion_slows_the_next_prunes_rather_than_filling_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass waits for the removals queued before the previous one: at most two passes' worth of
+    pruned checkpoints hold disk space, however slowly the disk deletes (CI saw three, then more)."""
+    storage = make_dir(tmp_path, [0.1])
+    release = threading.Event()
+    real_rmtree = shutil.rmtree
+
+    def stuck_rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        assert release.wait(30), "the test never released the deletion"
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr("checkpoint_manager.retention.shutil.rmtree", stuck_rmtree)
+    pruner = Pruner(storage, KeepLast(1), background=True)
+
+    def hidden() -> list[str]:
+        return sorted(p.name.split(".")[0] for p in storage.pending_root.iterdir())
+
+    for step in (20, 30):  # two passes queue their removal without waiting: neither can finish
+        commit(storage, step)
+        pruner.after_commit()
+    assert hidden() == ["step_00000010", "step_00000020"]
+    commit(storage, 40)
+    third = threading.Thread(target=pruner.after_commit)
+    third.start()
+    third.join(0.5)
+    assert third.is_alive(), "the third pass went on while the first pass's removal was stuck"
+    assert listed(storage.root) == ["step_00000030", "step_00000040"]  # it has not hidden step 30 yet
+    release.set()
+    third.join(30)
+    assert not third.is_alive()
+    assert listed(storage.root) == ["step_00000040"]
+    pruner.close()
+    assert hidden() == []
 
 
 def test_a_failed_deletion_is_logged_not_fatal_and_retried(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
