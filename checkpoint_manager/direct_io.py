@@ -434,8 +434,14 @@ class AlignedFileWriter:
             raise error
 
 
+# Pages ``cached_fraction`` looks at in a large file: asking for every page cost 16 ms per GiB (the
+# kernel walks the cache page by page), a quarter of a warm 1 GiB load; 256 spread samples cost <1 ms.
+_SAMPLED_PAGES = 256
+
+
 def cached_fraction(fd: int, size: int) -> float:
-    """Fraction of the file's pages in the page cache (``mincore``); 0.0 where that cannot be told.
+    """Fraction of the file's pages in the page cache (``mincore``, sampled in large files); 0.0
+    where that cannot be told.
 
     A file in the cache is read fastest through it; one that is not, with O_DIRECT.
     """
@@ -447,11 +453,20 @@ def cached_fraction(fd: int, size: int) -> float:
         return 0.0
     try:
         pages = -(-size // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * pages)()
         addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        if _LIBC.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
-            return 0.0
-        return (pages - bytes(vec).count(0)) / pages
+        if pages <= 4 * _SAMPLED_PAGES:
+            vec = (ctypes.c_ubyte * pages)()
+            if _LIBC.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+                return 0.0
+            return (pages - bytes(vec).count(0)) / pages
+        one = (ctypes.c_ubyte * 1)()
+        resident = 0
+        for i in range(_SAMPLED_PAGES):  # evenly spread, first and last page included
+            page = i * (pages - 1) // (_SAMPLED_PAGES - 1)
+            if _LIBC.mincore(ctypes.c_void_p(addr + page * mmap.PAGESIZE), ctypes.c_size_t(1), one) != 0:
+                return 0.0
+            resident += one[0] & 1
+        return resident / _SAMPLED_PAGES
     finally:
         with contextlib.suppress(BufferError):  # an export still alive: the GC closes the map
             mm.close()

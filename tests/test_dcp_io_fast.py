@@ -88,6 +88,28 @@ def test_warm_load_copies_from_the_cache_and_matches(tmp_path: Path) -> None:
         assert torch.equal(loaded[k], v), k
 
 
+@pytest.mark.parametrize("mib", [2, 64], ids=["every-page", "sampled"])
+def test_cached_fraction_tells_cold_half_and_warm_files_apart(tmp_path: Path, mib: int) -> None:
+    """Small files are asked page by page, large ones by spread samples: both see each state."""
+    file = tmp_path / "data"
+    size = mib << 20
+    with open(file, "wb") as f:
+        f.write(os.urandom(1 << 20) * mib)
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past the half we read
+        assert cached_fraction(fd, size) < 0.05
+        os.pread(fd, size // 2, 0)  # the first half only
+        assert 0.4 < cached_fraction(fd, size) < 0.6
+        os.pread(fd, size - size // 2, size // 2)
+        assert cached_fraction(fd, size) > 0.95
+    finally:
+        os.close(fd)
+
+
 def test_tmpfs_round_trip(tmp_path: Path) -> None:
     """tmpfs refused O_DIRECT before Linux 6.6 (the fallback); later kernels accept it: loads either way."""
     shm = Path("/dev/shm")
