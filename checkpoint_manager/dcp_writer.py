@@ -26,7 +26,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from checkpoint_manager.dcp_io import paused_gc
-from checkpoint_manager.direct_io import _WRITE_DEPTH, BLOCK, DEFAULT_CHUNK, DIRECT_MIN, AlignedFileWriter
+from checkpoint_manager.direct_io import (
+    _WRITE_DEPTH,
+    BLOCK,
+    DEFAULT_CHUNK,
+    DIRECT_MIN,
+    AlignedFileWriter,
+    _Gate,
+)
 from checkpoint_manager.envelope import Envelope, envelope_for
 from checkpoint_manager.planner import FastSavePlanner, frozen
 
@@ -68,50 +75,14 @@ class CheckpointWriter(FileSystemWriter):
         path = Path(os.fspath(self.path)) / file_name
         chunk = _chunk_for(plan, self.chunk_bytes)
         out = AlignedFileWriter(path, direct=self.direct, fsync=self.sync_files, chunk_bytes=chunk)
-        results: list[WriteResult] = []
-        small = _SmallRecords(out)
-        # plain tensors straight from the planner's state (what its resolve_data returns for them)
-        flat = planner.plain_tensors() if isinstance(planner, FastSavePlanner) else None
-        tensor_type = WriteItemType.TENSOR
-        plain = torch.Tensor
         try:
-            for item in plan.items:
-                data = flat.get(item.index.fqn) if flat is not None and item.type is tensor_type else None
-                if type(data) is not plain or data.requires_grad:
-                    data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    assert isinstance(data, io.BytesIO)
-                    small.flush()
-                    offset = out.position
-                    out.write_bytes(data.getbuffer())
-                    length = out.position - offset
-                else:
-                    assert isinstance(data, torch.Tensor)
-                    tensor = data if type(data) is torch.Tensor and not data.requires_grad else data.detach()
-                    if not (tensor.is_cpu and tensor.is_contiguous()):
-                        tensor = tensor.cpu().contiguous()
-                    nbytes = tensor.nbytes
-                    if nbytes <= _SMALL_RECORD:
-                        offset, length = small.add(tensor, nbytes)
-                    else:
-                        small.flush()
-                        env = envelope_for(tuple(tensor.shape), tensor.dtype)
-                        offset = _align_record(out, tensor, len(env.prefix))
-                        out.write_bytes(env.prefix)
-                        data_crc = out.write_tensor(tensor)
-                        out.write_bytes(env.render_suffix(data_crc))
-                        length = out.position - offset
-                results.append(
-                    frozen(
-                        WriteResult,
-                        {
-                            "index": item.index,
-                            "size_in_bytes": length,
-                            "storage_data": _StorageInfo(file_name, offset, length),
-                        },
-                    )
-                )
-            small.flush()
+            gate = out.gate
+            if gate is not None and out.direct:  # async_overlap: staging is still copying
+                layout = _Layout(gate)
+                _write_items(plan, planner, layout, _SmallRecords(layout, dry=True), file_name)
+                out.write_ahead(layout.ahead())
+                gate.wait_all()  # the CRCs below would slow the staging copy down: they wait for it
+            results = _write_items(plan, planner, out, _SmallRecords(out), file_name)
             size = out.close()
             self.fsync_seconds += out.fsync_seconds
             self.in_place_bytes += out.in_place_bytes
@@ -122,6 +93,81 @@ class CheckpointWriter(FileSystemWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+
+class _Layout:
+    """Stands in for :class:`AlignedFileWriter` in a pass that only places records (no bytes, no CRCs):
+    where each gated staging buffer will be written in place, so it can be sent to disk ahead."""
+
+    def __init__(self, gate: _Gate) -> None:
+        self.direct = True
+        self.position = 0
+        self._gate = gate
+        self._seen: dict[int, tuple[int, int, int] | None] = {}
+
+    def write_bytes(self, data: bytes | bytearray | memoryview | int) -> None:
+        self.position += data if isinstance(data, int) else memoryview(data).nbytes
+
+    def write_tensor(self, tensor: torch.Tensor) -> int:
+        total = tensor.numel() * tensor.element_size()
+        src = tensor.data_ptr()
+        if total >= DIRECT_MIN and src % BLOCK == 0 and self.position % BLOCK == 0 and self._gate.covers(src):
+            # the same buffer twice (never in practice): written the ordinary way both times
+            self._seen[src] = None if src in self._seen else (src, total, self.position)
+        self.position += total
+        return 0
+
+    def ahead(self) -> list[tuple[int, int, int]]:
+        return [record for record in self._seen.values() if record is not None]
+
+
+def _write_items(
+    plan: SavePlan, planner: SavePlanner, out: AlignedFileWriter | _Layout, small: _SmallRecords, file_name: str
+) -> list[WriteResult]:
+    """Every item of ``plan`` as a torch.save record in ``out``, in order; their DCP write results."""
+    results: list[WriteResult] = []
+    # plain tensors straight from the planner's state (what its resolve_data returns for them)
+    flat = planner.plain_tensors() if isinstance(planner, FastSavePlanner) else None
+    tensor_type = WriteItemType.TENSOR
+    plain = torch.Tensor
+    for item in plan.items:
+        data = flat.get(item.index.fqn) if flat is not None and item.type is tensor_type else None
+        if type(data) is not plain or data.requires_grad:
+            data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            assert isinstance(data, io.BytesIO)
+            small.flush()
+            offset = out.position
+            out.write_bytes(data.getbuffer())
+            length = out.position - offset
+        else:
+            assert isinstance(data, torch.Tensor)
+            tensor = data if type(data) is torch.Tensor and not data.requires_grad else data.detach()
+            if not (tensor.is_cpu and tensor.is_contiguous()):
+                tensor = tensor.cpu().contiguous()
+            nbytes = tensor.nbytes
+            if nbytes <= _SMALL_RECORD:
+                offset, length = small.add(tensor, nbytes)
+            else:
+                small.flush()
+                env = envelope_for(tuple(tensor.shape), tensor.dtype)
+                offset = _align_record(out, tensor, len(env.prefix))
+                out.write_bytes(env.prefix)
+                data_crc = out.write_tensor(tensor)
+                out.write_bytes(env.render_suffix(data_crc))
+                length = out.position - offset
+        results.append(
+            frozen(
+                WriteResult,
+                {
+                    "index": item.index,
+                    "size_in_bytes": length,
+                    "storage_data": _StorageInfo(file_name, offset, length),
+                },
+            )
+        )
+    small.flush()
+    return results
 
 
 # Records of tensors up to this size are assembled in memory and written in batches: per record,
@@ -137,8 +183,9 @@ class _SmallRecords:
     suffix with the data CRC32); only the number of calls per record changes.
     """
 
-    def __init__(self, out: AlignedFileWriter) -> None:
+    def __init__(self, out: AlignedFileWriter | _Layout, *, dry: bool = False) -> None:
         self._out = out
+        self._dry = dry  # only place the records (a layout pass): no bytes, no CRCs
         self._parts: list[bytes] = []
         self._pending = 0
         self._base = 0  # where the queued records start: the writer's position when the queue began
@@ -152,6 +199,12 @@ class _SmallRecords:
         if env is None:
             env = self._envelopes[key] = _split_envelope(envelope_for(tuple(tensor.shape), tensor.dtype))
         prefix, pieces, overhead = env
+        if self._dry:
+            if not self._pending:
+                self._base = self._out.position
+            offset = self._base + self._pending
+            self._pending += overhead + nbytes
+            return offset, overhead + nbytes
         raw = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
         crc = zlib.crc32(raw).to_bytes(4, "little")
         if not self._parts:  # others write only after a flush: the position is current until then
@@ -171,7 +224,11 @@ class _SmallRecords:
 
     def flush(self) -> None:
         """Hand the queued records to the writer; call before anything else writes to it."""
-        if self._parts:
+        if self._dry:
+            assert isinstance(self._out, _Layout)
+            self._out.write_bytes(self._pending)
+            self._pending = 0
+        elif self._parts:
             self._out.write_bytes(b"".join(self._parts))
             self._parts.clear()
             self._pending = 0
@@ -189,7 +246,7 @@ def _split_envelope(env: Envelope) -> tuple[bytes, list[bytes], int]:
     return env.prefix, pieces, len(env.prefix) + len(env.suffix)
 
 
-def _align_record(out: AlignedFileWriter, tensor: torch.Tensor, prefix_len: int) -> int:
+def _align_record(out: AlignedFileWriter | _Layout, tensor: torch.Tensor, prefix_len: int) -> int:
     """Pad the file so a page-aligned tensor's bytes land page-aligned: then they need no bounce copy.
 
     The gap lies between two records, outside both (each record's offset and length are in the DCP

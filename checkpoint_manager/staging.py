@@ -160,7 +160,12 @@ class StagingGate:
     def __init__(self, addresses: Iterable[int]) -> None:
         self._cond = threading.Condition()
         self._pending = set(addresses)
+        self._all = frozenset(self._pending)
         self._error: BaseException | None = None
+
+    def covers(self, address: int) -> bool:
+        """Whether ``address`` is one of the gated buffers (stable memory the writer may send ahead)."""
+        return address in self._all
 
     def open(self, addresses: Iterable[int]) -> None:
         with self._cond:
@@ -178,6 +183,14 @@ class StagingGate:
             while address in self._pending:
                 if self._error is not None:
                     raise RuntimeError("staging failed before this buffer was copied") from self._error
+                self._cond.wait()
+
+    def wait_all(self) -> None:
+        """Block until every gated buffer is staged (or raise as :meth:`wait` does)."""
+        with self._cond:
+            while self._pending:
+                if self._error is not None:
+                    raise RuntimeError("staging failed before every buffer was copied") from self._error
                 self._cond.wait()
 
 

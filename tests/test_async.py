@@ -12,6 +12,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -682,6 +683,75 @@ def test_a_failed_overlapped_staging_raises_it_and_leaves_no_trace(tmp_path: Pat
     assert mgr.save(s.ctx(20)) is not None  # the manager keeps working
     mgr.finalize_async_saves(blocking=True, terminate=True)
     assert _committed_steps(tmp_path) == [10, 20]
+    _assert_loads_as(tmp_path, 10, expected, width=512)
+
+
+def _prepared(save_dir: Path, s: Setup, **overrides: Any) -> DefaultCheckpointManager:
+    mgr = DefaultCheckpointManager(_config(save_dir, save_every_n_steps=10, **overrides))
+    assert mgr.save(s.ctx(1)) is None  # a skipped step prepares the (in-place) staging buffers
+    mgr.finalize_async_saves(blocking=True)
+    return mgr
+
+
+def test_overlap_sends_buffers_ahead_and_writes_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The large buffers go to disk while staging copies, without their CRCs (those follow, after
+    staging); the files are byte for byte those of a save without overlap."""
+    from checkpoint_manager.direct_io import AlignedFileWriter
+
+    sent: list[int] = []
+    real_drive = AlignedFileWriter._drive_ahead
+
+    def spy(self: Any, records: list[tuple[int, int, int]], gate: Any) -> None:
+        sent.append(len(records))
+        real_drive(self, records, gate)
+
+    monkeypatch.setattr(AlignedFileWriter, "_drive_ahead", spy)
+    s = Setup(width=512)
+    plain = _prepared(tmp_path / "plain", s)
+    overlap = _prepared(tmp_path / "overlap", s, async_overlap=True)
+    expected = s.snapshot()
+    for mgr in (plain, overlap):
+        assert mgr.save(s.ctx(10)) is not None
+        mgr.finalize_async_saves(blocking=True, terminate=True)
+    assert sent == [3]  # weight, exp_avg, exp_avg_sq of the 512 x 512 layer: 1 MiB each
+    names = sorted(p.name for p in (tmp_path / "plain" / "step_00000010").iterdir() if p.suffix == ".distcp")
+    assert names
+    for name in names:
+        a = (tmp_path / "plain" / "step_00000010" / name).read_bytes()
+        b = (tmp_path / "overlap" / "step_00000010" / name).read_bytes()
+        assert a == b, name
+    _assert_loads_as(tmp_path / "overlap", 10, expected, width=512)
+
+
+def test_a_layout_that_disagrees_with_the_write_fails_the_save_and_keeps_the_last_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes sent ahead to the wrong place would corrupt the file: the writer refuses to guess."""
+    from checkpoint_manager import dcp_writer
+
+    s = Setup(width=512)
+    mgr = _prepared(tmp_path, s, async_overlap=True)
+    assert mgr.save(s.ctx(10)) is not None
+    mgr.finalize_async_saves(blocking=True)
+    expected = s.snapshot()
+    real_ahead = dcp_writer._Layout.ahead
+
+    def shifted(self: Any) -> list[tuple[int, int, int]]:
+        return [(address, nbytes, offset + 4096) for address, nbytes, offset in real_ahead(self)]
+
+    monkeypatch.setattr(dcp_writer._Layout, "ahead", shifted)
+    s.steps(1)
+    assert mgr.save(s.ctx(20)) is not None
+    with pytest.raises(AsyncSaveError) as info:
+        mgr.finalize_async_saves(blocking=True)
+    chain = []
+    exc: BaseException | None = info.value
+    while exc is not None:
+        chain.append(str(exc))
+        exc = exc.__cause__
+    assert any(re.search(r"buffer written ahead at \d+ \(1048576 bytes\) belongs at \d+", m) for m in chain), chain
+    assert _committed_steps(tmp_path) == [10] and _pending(tmp_path) == []
+    mgr.finalize_async_saves(blocking=True, terminate=True)
     _assert_loads_as(tmp_path, 10, expected, width=512)
 
 
