@@ -28,9 +28,9 @@ from torch.futures import Future
 from checkpoint_manager.dcp_io import paused_gc
 from checkpoint_manager.direct_io import _WRITE_DEPTH, BLOCK, DEFAULT_CHUNK, DIRECT_MIN, AlignedFileWriter
 from checkpoint_manager.envelope import Envelope, envelope_for
-from checkpoint_manager.planner import FastSavePlanner, frozen
+from checkpoint_manager.planner import FastSavePlanner, SavePlanCache, frozen
 
-__all__ = ["WRITER_ID", "CheckpointWriter", "chunk_for_bytes"]
+__all__ = ["WRITER_ID", "CheckpointWriter", "chunk_for_bytes", "prime_layout"]
 
 
 WRITER_ID = "checkpoint-manager-direct/1"
@@ -72,6 +72,13 @@ class CheckpointWriter(FileSystemWriter):
         small = _SmallRecords(out)
         # plain tensors straight from the planner's state (what its resolve_data returns for them)
         flat = planner.plain_tensors() if isinstance(planner, FastSavePlanner) else None
+        # A cached plan's structure (shapes, dtypes, order) fixes every small record's offset and
+        # length, so the last save's write results (all small records) describe this file too.
+        entry = planner.cached_plan() if isinstance(planner, FastSavePlanner) else None
+        layout = entry.layout if entry is not None and plan.items is entry.items else None
+        if layout is not None and layout[0] != file_name:
+            layout = None
+        all_small = True
         tensor_type = WriteItemType.TENSOR
         plain = torch.Tensor
         try:
@@ -81,6 +88,7 @@ class CheckpointWriter(FileSystemWriter):
                     data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     assert isinstance(data, io.BytesIO)
+                    all_small = False
                     small.flush()
                     offset = out.position
                     out.write_bytes(data.getbuffer())
@@ -93,7 +101,10 @@ class CheckpointWriter(FileSystemWriter):
                     nbytes = tensor.nbytes
                     if nbytes <= _SMALL_RECORD:
                         offset, length = small.add(tensor, nbytes)
+                        if layout is not None:
+                            continue
                     else:
+                        all_small = False
                         small.flush()
                         env = envelope_for(tuple(tensor.shape), tensor.dtype)
                         offset = _align_record(out, tensor, len(env.prefix))
@@ -112,6 +123,13 @@ class CheckpointWriter(FileSystemWriter):
                     )
                 )
             small.flush()
+            end = out.position
+            if layout is not None:
+                if end != layout[1]:  # cannot happen for the same structure: fail, never misdescribe
+                    raise RuntimeError(f"{path}: the cached layout ends at {layout[1]}, this file at {end}")
+                results = layout[2]
+            elif entry is not None and all_small and plan.items is entry.items:
+                entry.layout = (file_name, end, results)
             size = out.close()
             self.fsync_seconds += out.fsync_seconds
             self.in_place_bytes += out.in_place_bytes
@@ -175,6 +193,41 @@ class _SmallRecords:
             self._out.write_bytes(b"".join(self._parts))
             self._parts.clear()
             self._pending = 0
+
+
+def prime_layout(cache: SavePlanCache, tensors: dict[str, torch.Tensor]) -> None:
+    """Plan a single-rank save of ``tensors`` and, when every record is small, the layout of its
+    file, ahead of the save (so even the first save reuses both). The offsets follow
+    :class:`_SmallRecords`: records back to back from the file's start, each its envelope plus its bytes.
+    """
+    entry = cache.prime(tensors)
+    if entry is None or entry.layout is not None:
+        return
+    file_name = f"__0_0{DEFAULT_SUFFIX}"
+    overheads: dict[tuple[torch.Size, torch.dtype], int] = {}
+    results: list[WriteResult] = []
+    offset = 0
+    for item in entry.items:
+        td = item.tensor_data
+        if td is None:
+            return
+        dtype = td.properties.dtype
+        nbytes = math.prod(td.size) * dtype.itemsize
+        if nbytes > _SMALL_RECORD:
+            return  # where a large record lands depends on its memory's alignment
+        key = (td.size, dtype)
+        overhead = overheads.get(key)
+        if overhead is None:
+            overhead = overheads[key] = _split_envelope(envelope_for(tuple(td.size), dtype))[2]
+        length = overhead + nbytes
+        results.append(
+            frozen(
+                WriteResult,
+                {"index": item.index, "size_in_bytes": length, "storage_data": _StorageInfo(file_name, offset, length)},
+            )
+        )
+        offset += length
+    entry.layout = (file_name, offset, results)
 
 
 def _split_envelope(env: Envelope) -> tuple[bytes, list[bytes], int]:
