@@ -157,7 +157,7 @@ def structure(flat: dict[str, Any]) -> tuple[Any, ...] | None:
 class _PlanEntry:
     """A single-rank plan of whole plain tensors, its metadata and (once known) its file layout."""
 
-    __slots__ = ("items", "layout", "mappings", "signature", "tensors_md")
+    __slots__ = ("items", "layout", "mappings", "metadata_prefix", "signature", "storage_md", "tensors_md")
 
     def __init__(
         self,
@@ -171,6 +171,9 @@ class _PlanEntry:
         self.mappings = mappings
         self.tensors_md = tensors_md
         self.layout: tuple[str, int, list[Any]] | None = None  # (file name, end, write results)
+        # with a layout: .metadata's storage_data, and its pickle up to storage_meta (see dcp_writer)
+        self.storage_md: dict[Any, Any] | None = None
+        self.metadata_prefix: bytes | None = None
 
 
 class SavePlanCache:
@@ -179,7 +182,7 @@ class SavePlanCache:
 
     Only a plan for exactly the same keys, shapes, dtypes and flags is reused; any change plans
     afresh (and replaces the entry). One manager owns one cache; an entry is replaced whole, and
-    its only later change is setting its ``layout`` once, so a reader sees the old entry or the new.
+    its only later changes are setting its ``layout`` (and the ``.metadata`` bytes that follow) once, so a reader sees the old entry or the new.
     """
 
     def __init__(self) -> None:

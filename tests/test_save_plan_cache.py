@@ -6,11 +6,17 @@ what plain ``dcp.load`` reads back, and the metadata, against the live tensors o
 
 from __future__ import annotations
 
+import io
+import pickle
+import pickletools
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from checkpoint_manager import (
     CheckpointConfig,
@@ -20,7 +26,7 @@ from checkpoint_manager import (
     TrainState,
 )
 from checkpoint_manager.dcp_io import read_dcp_metadata
-from checkpoint_manager.dcp_writer import CheckpointWriter, prime_layout
+from checkpoint_manager.dcp_writer import CheckpointWriter, _metadata_tail, prime_layout
 from checkpoint_manager.planner import FastSavePlanner, SavePlanCache, save_tensors
 from checkpoint_manager.state import gather_state
 
@@ -55,23 +61,32 @@ def _state(n: int = 6) -> dict[str, torch.Tensor]:
 
 
 def test_cached_plan_writes_the_same_files_as_a_fresh_plan(tmp_path: Path) -> None:
+    """Saves 1-3 reuse the plan and layout (save 1 pickles .metadata and keeps its prefix, 2 and 3
+    append to that prefix): their files read back as a freshly planned save's, values changed in
+    place between saves."""
     cache = SavePlanCache()
     flat = _state()
-    _save(flat, tmp_path / "first", cache)
+    _save(flat, tmp_path / "s0", cache)
     entry = cache.entry
     assert entry is not None and entry.layout is not None
-    for t in flat.values():
-        t.add_(1) if t.dtype != torch.bool else t.logical_not_()
-    _save(flat, tmp_path / "cached", cache)
-    assert cache.entry is entry  # reused, not replanned
-    _save(flat, tmp_path / "fresh", None)
-    for name in ("__0_0.distcp",):
-        assert (tmp_path / "cached" / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes()
-    md_c, md_f = read_dcp_metadata(tmp_path / "cached"), read_dcp_metadata(tmp_path / "fresh")
-    assert md_c.state_dict_metadata == md_f.state_dict_metadata
-    assert md_c.planner_data == md_f.planner_data
-    assert md_c.storage_data == md_f.storage_data
-    _check_files(tmp_path / "cached", flat)
+    for i in (1, 2, 3):
+        for t in flat.values():
+            t.add_(1) if t.dtype != torch.bool else t.logical_not_()
+        _save(flat, tmp_path / f"s{i}", cache)
+        assert cache.entry is entry  # reused, not replanned
+        assert entry.metadata_prefix is not None
+        _save(flat, tmp_path / f"fresh{i}", None)
+        name = "__0_0.distcp"
+        assert (tmp_path / f"s{i}" / name).read_bytes() == (tmp_path / f"fresh{i}" / name).read_bytes()
+        md_c, md_f = read_dcp_metadata(tmp_path / f"s{i}"), read_dcp_metadata(tmp_path / f"fresh{i}")
+        assert md_c.state_dict_metadata == md_f.state_dict_metadata
+        assert md_c.planner_data == md_f.planner_data
+        assert md_c.storage_data == md_f.storage_data
+        assert md_c.version == md_f.version
+        assert md_c.storage_meta is not None and md_f.storage_meta is not None
+        assert md_c.storage_meta.checkpoint_id == tmp_path / f"s{i}"  # this save's own
+        assert md_c.storage_meta.save_id != md_f.storage_meta.save_id
+        _check_files(tmp_path / f"s{i}", flat)
 
 
 def test_primed_layout_equals_the_written_one(tmp_path: Path) -> None:
@@ -176,3 +191,36 @@ def test_manager_repeated_saves_and_structure_changes_round_trip(tmp_path: Path)
             step += 1
             _manager_round_trip(manager, model, opt, step)
     manager.finalize_async_saves(blocking=True, terminate=True)
+
+
+@pytest.mark.parametrize("n", [5, 3000])
+def test_metadata_prefix_and_tail_unpickle_to_the_fresh_metadata(n: int) -> None:
+    """The cached .metadata bytes: the prefix is the fresh pickle's, byte for byte (its last frame
+    shortened), and prefix + tail unpickles to what the fresh pickle does, for any storage_meta."""
+    flat = {f"model.p{i}": torch.randn(4) for i in range(n)} | {"optim.step": torch.tensor(1.0)}
+    cache = SavePlanCache()
+    prime_layout(cache, flat)
+    entry = cache.entry
+    assert entry is not None and entry.layout is not None and entry.storage_md is not None
+    prefix = entry.metadata_prefix
+    assert prefix is not None
+    for meta in (
+        StorageMeta(),
+        StorageMeta(Path("/x/y"), "id-1"),
+        StorageMeta("/some/where", "id-2", modules=["a"]),
+    ):
+        md = Metadata(entry.tensors_md, planner_data=dict(entry.mappings), storage_data=entry.storage_md)
+        md.storage_meta, md.version = meta, CURRENT_DCP_VERSION
+        fresh = pickle.dumps(md)
+        cached = prefix + _metadata_tail(md)
+        assert pickle.loads(cached) == pickle.loads(fresh) == md
+        cut = len(prefix)
+        frame = 2  # walk the fresh pickle's frames (FRAME opcode, 8-byte length) to the one holding the cut
+        while frame + 9 + int.from_bytes(fresh[frame + 1 : frame + 9], "little") <= cut:
+            assert fresh[frame] == 0x95
+            frame += 9 + int.from_bytes(fresh[frame + 1 : frame + 9], "little")
+        assert fresh[frame] == 0x95 and (n < 1000 or frame > 2)  # many entries: several frames
+        assert int.from_bytes(prefix[frame + 1 : frame + 9], "little") == cut - frame - 9
+        assert prefix[: frame + 1] == fresh[: frame + 1] and prefix[frame + 9 :] == fresh[frame + 9 : cut]
+        if n == 5:
+            pickletools.dis(cached, out=io.StringIO())  # a well-formed pickle, memo references included
