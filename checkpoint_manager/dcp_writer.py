@@ -12,6 +12,7 @@ import math
 import os
 import pickle
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -123,7 +124,13 @@ class CheckpointWriter(FileSystemWriter):
         tensor_type = WriteItemType.TENSOR
         plain = torch.Tensor
         try:
-            for item in plan.items:
+            records = (
+                _records(entry) if entry is not None and layout is not None and flat is not None else None
+            )
+            if records is not None:
+                assert flat is not None
+                _write_small_records(out, flat.values(), records)
+            for item in plan.items if records is None else ():
                 data = flat.get(item.index.fqn) if flat is not None and item.type is tensor_type else None
                 if type(data) is not plain or data.requires_grad:
                     data = planner.resolve_data(item)
@@ -237,6 +244,56 @@ class _SmallRecords:
             self._pending = 0
 
 
+def _records(entry: _PlanEntry) -> list[tuple[bytes, bytes, bytes, bytes, int]] | None:
+    """Each record's envelope (prefix, then the suffix cut around its two CRC fields) for a cached
+    all-small layout, made once per entry; None when a record is not laid out so (an empty tensor)."""
+    if entry.records is None:
+        envelopes: dict[tuple[torch.Size, torch.dtype], tuple[bytes, list[bytes], int]] = {}
+        records: list[tuple[bytes, bytes, bytes, bytes, int]] = []
+        for item in entry.items:
+            td = item.tensor_data
+            if td is None:
+                return None
+            key = (td.size, td.properties.dtype)
+            env = envelopes.get(key)
+            if env is None:
+                env = envelopes[key] = _split_envelope(envelope_for(tuple(td.size), td.properties.dtype))
+            prefix, pieces, overhead = env
+            if len(pieces) != 3:
+                return None
+            records.append((prefix, pieces[0], pieces[1], pieces[2], overhead))
+        entry.records = records
+    return entry.records
+
+
+def _write_small_records(
+    out: AlignedFileWriter,
+    tensors: Iterable[torch.Tensor],
+    records: list[tuple[bytes, bytes, bytes, bytes, int]],
+) -> None:
+    """The records of a cached all-small layout, in plan order: what :class:`_SmallRecords` writes
+    (same bytes, same batches), with each record's envelope looked up once per plan instead of
+    per tensor, and no per-item bookkeeping (the offsets are the cached layout's)."""
+    string_at, crc32 = ctypes.string_at, zlib.crc32
+    parts: list[bytes] = []
+    extend = parts.extend
+    pending = 0
+    for tensor, (prefix, p0, p1, p2, overhead) in zip(tensors, records, strict=True):
+        if not (tensor.is_cpu and tensor.is_contiguous()):
+            tensor = tensor.detach().cpu().contiguous()
+        nbytes = tensor.nbytes
+        raw = string_at(tensor.data_ptr(), nbytes)
+        crc = crc32(raw).to_bytes(4, "little")
+        extend((prefix, raw, p0, crc, p1, crc, p2))
+        pending += overhead + nbytes
+        if pending >= _BATCH:
+            out.write_bytes(b"".join(parts))
+            parts.clear()
+            pending = 0
+    if parts:
+        out.write_bytes(b"".join(parts))
+
+
 def prime_layout(cache: SavePlanCache, tensors: dict[str, torch.Tensor]) -> None:
     """Plan a single-rank save of ``tensors`` and, when every record is small, the layout of its
     file, ahead of the save (so even the first save reuses both). The offsets follow
@@ -265,7 +322,11 @@ def prime_layout(cache: SavePlanCache, tensors: dict[str, torch.Tensor]) -> None
         results.append(
             frozen(
                 WriteResult,
-                {"index": item.index, "size_in_bytes": length, "storage_data": _StorageInfo(file_name, offset, length)},
+                {
+                    "index": item.index,
+                    "size_in_bytes": length,
+                    "storage_data": _StorageInfo(file_name, offset, length),
+                },
             )
         )
         offset += length
@@ -278,6 +339,7 @@ def prime_layout(cache: SavePlanCache, tensors: dict[str, torch.Tensor]) -> None
         data = pickle.dumps(metadata)
     entry.storage_md = storage_md
     entry.metadata_prefix = _metadata_prefix(data, metadata)
+    _records(entry)
     entry.layout = (file_name, offset, results)
 
 

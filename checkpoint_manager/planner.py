@@ -43,7 +43,16 @@ from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.tensor import DTensor
 
-__all__ = ["FastLoadPlanner", "FastSavePlanner", "SavePlanCache", "frozen", "load_tensors", "nest", "save_tensors", "unnest"]
+__all__ = [
+    "FastLoadPlanner",
+    "FastSavePlanner",
+    "SavePlanCache",
+    "frozen",
+    "load_tensors",
+    "nest",
+    "save_tensors",
+    "unnest",
+]
 
 
 def nest(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -157,7 +166,16 @@ def structure(flat: dict[str, Any]) -> tuple[Any, ...] | None:
 class _PlanEntry:
     """A single-rank plan of whole plain tensors, its metadata and (once known) its file layout."""
 
-    __slots__ = ("items", "layout", "mappings", "metadata_prefix", "signature", "storage_md", "tensors_md")
+    __slots__ = (
+        "items",
+        "layout",
+        "mappings",
+        "metadata_prefix",
+        "records",
+        "signature",
+        "storage_md",
+        "tensors_md",
+    )
 
     def __init__(
         self,
@@ -174,6 +192,8 @@ class _PlanEntry:
         # with a layout: .metadata's storage_data, and its pickle up to storage_meta (see dcp_writer)
         self.storage_md: dict[Any, Any] | None = None
         self.metadata_prefix: bytes | None = None
+        # with a layout: each record's envelope pieces around its bytes and CRCs (see dcp_writer)
+        self.records: list[tuple[bytes, bytes, bytes, bytes, int]] | None = None
 
 
 class SavePlanCache:

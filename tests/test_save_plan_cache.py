@@ -57,6 +57,7 @@ def _state(n: int = 6) -> dict[str, torch.Tensor]:
     flat["model.m"] = torch.randn(4, 4)
     flat["optim.state.p0.step"] = torch.tensor(3.0)
     flat["optim.state.p0.flag"] = torch.tensor([True, False, True])
+    flat["model.t"] = torch.randn(3, 5).t()  # not contiguous
     return flat
 
 
@@ -74,7 +75,7 @@ def test_cached_plan_writes_the_same_files_as_a_fresh_plan(tmp_path: Path) -> No
             t.add_(1) if t.dtype != torch.bool else t.logical_not_()
         _save(flat, tmp_path / f"s{i}", cache)
         assert cache.entry is entry  # reused, not replanned
-        assert entry.metadata_prefix is not None
+        assert entry.metadata_prefix is not None and entry.records is not None  # the bulk record path
         _save(flat, tmp_path / f"fresh{i}", None)
         name = "__0_0.distcp"
         assert (tmp_path / f"s{i}" / name).read_bytes() == (tmp_path / f"fresh{i}" / name).read_bytes()
