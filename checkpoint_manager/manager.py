@@ -25,7 +25,7 @@ from checkpoint_manager.codec import decode, encode
 from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.dcp_io import paused_gc, read_dcp_metadata
 from checkpoint_manager.dcp_reader import CheckpointReader
-from checkpoint_manager.dcp_writer import WRITER_ID, CheckpointWriter, chunk_for_bytes
+from checkpoint_manager.dcp_writer import WRITER_ID, CheckpointWriter, chunk_for_bytes, prime_layout
 from checkpoint_manager.direct_io import reserve_write_buffers, staging_gate
 from checkpoint_manager.dist import DistContext
 from checkpoint_manager.errors import (
@@ -54,6 +54,7 @@ from checkpoint_manager.layout import (
 )
 from checkpoint_manager.lock import AnyWriterLock, writer_lock_for
 from checkpoint_manager.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
+from checkpoint_manager.planner import FastSavePlanner, SavePlanCache
 from checkpoint_manager.planner import load_tensors as dcp_load
 from checkpoint_manager.planner import save_tensors as dcp_save
 from checkpoint_manager.policy import build_save_policy
@@ -161,8 +162,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return int(t.numel() * t.element_size())
 
 
-def _warm_save_path(chunk: int, staging: StagingBuffers | None, tensors: dict[str, torch.Tensor]) -> None:
+def _warm_save_path(
+    chunk: int, staging: StagingBuffers | None, tensors: dict[str, torch.Tensor], plans: SavePlanCache | None
+) -> None:
     """The background part of :meth:`DefaultCheckpointManager._prepare_ahead`."""
+    if plans is not None:
+        try:
+            prime_layout(plans, tensors)
+        except Exception as exc:  # best effort: the save plans for itself
+            log.debug("not planning the save ahead: %r", exc)
     if chunk:
         try:
             reserve_write_buffers(chunk)
@@ -202,6 +210,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._last_saved_known = False
         self._staging = StagingBuffers()
         self._prepared = False  # the save path warmed up ahead of the first save (see _prepare_ahead)
+        self._plans = SavePlanCache()  # the last save's plan and layout, reused while the structure holds
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[Any] | None = None
         self._inflight_step: int | None = None
@@ -622,7 +631,10 @@ class DefaultCheckpointManager(FinalizeOnExit):
             else 0  # streamed uploads write no local file
         )
         staging = self._staging if self.config.async_save else None
-        self._inflight = self._background().submit(_warm_save_path, chunk, staging, tensors)
+        # a single-rank save's plan and file layout (what FastSavePlanner would reuse) made ahead too;
+        # async saves write the staged copies, of the same structure
+        plans = self._plans if complete and self._io_dist.world_size == 1 else None
+        self._inflight = self._background().submit(_warm_save_path, chunk, staging, tensors, plans)
         self._inflight_step = None
 
     def _collect_background(self, *, wait: bool, for_save: bool = False) -> None:
@@ -731,6 +743,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
                 dcp_save(
                     job.state.tensors,
                     storage_writer=writer,
+                    planner=FastSavePlanner(cache=self._plans),
                     process_group=io.group,
                     no_dist=io.world_size == 1,
                 )

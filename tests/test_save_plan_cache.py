@@ -1,0 +1,227 @@
+"""The save plan cache: a plan (and file layout) reused only while the state's structure is unchanged.
+
+A stale plan would describe tensors by the wrong shape, dtype or offset, so every test here checks
+what plain ``dcp.load`` reads back, and the metadata, against the live tensors of each save.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from checkpoint_manager import (
+    CheckpointConfig,
+    DefaultCheckpointManager,
+    LoadContext,
+    SaveContext,
+    TrainState,
+)
+from checkpoint_manager.dcp_io import read_dcp_metadata
+from checkpoint_manager.dcp_writer import CheckpointWriter, _metadata_tail, prime_layout
+from checkpoint_manager.planner import FastSavePlanner, SavePlanCache, save_tensors
+from checkpoint_manager.state import gather_state
+
+
+def _check_files(path: Path, flat: dict[str, torch.Tensor]) -> None:
+    """``path`` holds exactly ``flat``: same keys, shapes and dtypes in .metadata, same values read back."""
+    md = read_dcp_metadata(path).state_dict_metadata
+    assert set(md) == set(flat)
+    for key, t in flat.items():
+        entry = md[key]
+        assert entry.size == t.shape and entry.properties.dtype == t.dtype, key  # type: ignore[union-attr]
+    back = {
+        k: torch.full_like(v, 7) if v.dtype != torch.bool else torch.zeros_like(v) for k, v in flat.items()
+    }
+    dcp.load(back, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    for key, t in flat.items():
+        assert back[key].dtype == t.dtype and torch.equal(back[key], t), key
+
+
+def _save(flat: dict[str, torch.Tensor], path: Path, cache: SavePlanCache | None) -> None:
+    planner = FastSavePlanner(cache=cache) if cache is not None else None
+    save_tensors(flat, storage_writer=CheckpointWriter(path, fsync=False), planner=planner, no_dist=True)
+
+
+def _state(n: int = 6) -> dict[str, torch.Tensor]:
+    torch.manual_seed(n)
+    flat = {f"model.p{i}": torch.randn(16) for i in range(n)}
+    flat["model.m"] = torch.randn(4, 4)
+    flat["optim.state.p0.step"] = torch.tensor(3.0)
+    flat["optim.state.p0.flag"] = torch.tensor([True, False, True])
+    flat["model.t"] = torch.randn(3, 5).t()  # not contiguous
+    return flat
+
+
+def test_cached_plan_writes_the_same_files_as_a_fresh_plan(tmp_path: Path) -> None:
+    """Saves 1-3 reuse the plan and layout (save 1 pickles .metadata and keeps its prefix, 2 and 3
+    append to that prefix): their files read back as a freshly planned save's, values changed in
+    place between saves."""
+    cache = SavePlanCache()
+    flat = _state()
+    _save(flat, tmp_path / "s0", cache)
+    entry = cache.entry
+    assert entry is not None and entry.layout is not None
+    for i in (1, 2, 3):
+        for t in flat.values():
+            t.add_(1) if t.dtype != torch.bool else t.logical_not_()
+        _save(flat, tmp_path / f"s{i}", cache)
+        assert cache.entry is entry  # reused, not replanned
+        assert entry.metadata_prefix is not None and entry.records is not None  # the bulk record path
+        _save(flat, tmp_path / f"fresh{i}", None)
+        name = "__0_0.distcp"
+        assert (tmp_path / f"s{i}" / name).read_bytes() == (tmp_path / f"fresh{i}" / name).read_bytes()
+        md_c, md_f = read_dcp_metadata(tmp_path / f"s{i}"), read_dcp_metadata(tmp_path / f"fresh{i}")
+        assert md_c.state_dict_metadata == md_f.state_dict_metadata
+        assert md_c.planner_data == md_f.planner_data
+        assert md_c.storage_data == md_f.storage_data
+        assert md_c.version == md_f.version
+        assert md_c.storage_meta is not None and md_f.storage_meta is not None
+        assert md_c.storage_meta.checkpoint_id == tmp_path / f"s{i}"  # this save's own
+        assert md_c.storage_meta.save_id != md_f.storage_meta.save_id
+        _check_files(tmp_path / f"s{i}", flat)
+
+
+def test_primed_layout_equals_the_written_one(tmp_path: Path) -> None:
+    """prime_layout computes each record's offset without writing: it must match a real write."""
+    flat = _state() | {
+        "empty": torch.zeros(0),
+        "ints": torch.arange(5),
+        "strided": torch.arange(6.0).reshape(2, 3).t(),
+    }
+    cache = SavePlanCache()
+    prime_layout(cache, flat)
+    entry = cache.entry
+    assert entry is not None and entry.layout is not None
+    _save(flat, tmp_path / "primed", cache)
+    assert cache.entry is entry
+    _save(flat, tmp_path / "fresh", None)
+    md_p, md_f = read_dcp_metadata(tmp_path / "primed"), read_dcp_metadata(tmp_path / "fresh")
+    assert md_p.storage_data == md_f.storage_data
+    _check_files(tmp_path / "primed", flat)
+
+
+def test_no_layout_is_cached_with_a_large_record(tmp_path: Path) -> None:
+    """A large record's offset depends on its memory's alignment: that layout is never reused."""
+    flat = _state() | {"big": torch.randn(40000)}
+    cache = SavePlanCache()
+    prime_layout(cache, flat)
+    assert cache.entry is not None and cache.entry.layout is None
+    for _ in range(2):
+        _save(flat, tmp_path / f"s{_}", cache)
+        assert cache.entry.layout is None
+        _check_files(tmp_path / f"s{_}", flat)
+
+
+def test_structure_changes_replan_and_round_trip(tmp_path: Path) -> None:
+    """Each change of structure between saves through one cache: same byte count where it can be
+    (a dtype or shape change of equal size), so only the structure check catches them."""
+    cache = SavePlanCache()
+    base = _state()
+    # each save differs from the one before it in exactly one way
+    changes: list[dict[str, torch.Tensor]] = [base, base | {"model.p6": torch.randn(16)}]  # a parameter added
+    changes.append(changes[-1] | {"model.m": torch.randn(16)})  # a shape changed, same bytes
+    changes.append(
+        changes[-1] | {"model.p1": torch.randint(0, 100, (16,), dtype=torch.int32)}
+    )  # a dtype, same bytes
+    changes.append(changes[-1] | {"optim.state.p1.exp_avg": torch.randn(16)})  # an optimizer gained state
+    changes.append({k.replace("p2", "q2"): v for k, v in changes[-1].items()})  # a key renamed, same order
+    changes.append(changes[-1] | {"model.p3": torch.randn(16).requires_grad_()})  # a flag in the metadata
+    changes.append(base)
+    for i, flat in enumerate(changes):
+        _save(flat, tmp_path / f"s{i}", cache)
+        _check_files(tmp_path / f"s{i}", {k: v.detach() for k, v in flat.items()})
+        md = read_dcp_metadata(tmp_path / f"s{i}").state_dict_metadata
+        for key, t in flat.items():
+            assert md[key].properties.requires_grad == t.requires_grad  # type: ignore[union-attr]
+
+
+def _model(sizes: list[int], dtype: torch.dtype = torch.float32) -> nn.ParameterList:
+    return nn.ParameterList([nn.Parameter(torch.randn(n, dtype=dtype)) for n in sizes])
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, only: int | None = None) -> None:
+    opt.zero_grad()
+    params = list(model.parameters())
+    loss = sum(p.sum() for i, p in enumerate(params) if only is None or i == only)
+    assert isinstance(loss, torch.Tensor)
+    loss.backward()
+    opt.step()
+
+
+def _manager_round_trip(
+    manager: DefaultCheckpointManager, model: nn.Module, opt: torch.optim.Optimizer, step: int
+) -> None:
+    result = manager.save(
+        SaveContext(model=model, optimizer=opt, train_state=TrainState(step=step), force=True)
+    )
+    assert result is not None and result.committed
+    live = gather_state(SaveContext(model=model, optimizer=opt)).tensors
+    _check_files(Path(result.path), {k: v.detach() for k, v in live.items()})
+
+
+def test_manager_repeated_saves_and_structure_changes_round_trip(tmp_path: Path) -> None:
+    manager = DefaultCheckpointManager(CheckpointConfig(save_dir=str(tmp_path / "ckpt")))
+    torch.manual_seed(0)
+    model = _model([8] * 5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt, only=0)  # only p0 has optimizer state
+    manager.should_load(LoadContext(model=model, optimizer=opt))  # plans ahead (fresh directory)
+    manager.finalize_async_saves(blocking=True)
+    step = 0
+    for _ in range(3):  # repeated saves of one structure, values changing
+        step += 1
+        _step(model, opt, only=0)
+        _manager_round_trip(manager, model, opt, step)
+    _step(model, opt)  # every parameter gains optimizer state
+    step += 1
+    _manager_round_trip(manager, model, opt, step)
+    for new_model in (_model([8] * 6), _model([8] * 4 + [4]), _model([8] * 5, torch.float64)):
+        model = new_model  # a parameter added; a shape changed; every dtype changed
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            _step(model, opt)
+            step += 1
+            _manager_round_trip(manager, model, opt, step)
+    manager.finalize_async_saves(blocking=True, terminate=True)
+
+
+@pytest.mark.parametrize("n", [5, 3000])
+def test_metadata_prefix_and_tail_unpickle_to_the_fresh_metadata(n: int) -> None:
+    """The cached .metadata bytes: the prefix is the fresh pickle's, byte for byte (its last frame
+    shortened), and prefix + tail unpickles to what the fresh pickle does, for any storage_meta."""
+    flat = {f"model.p{i}": torch.randn(4) for i in range(n)} | {"optim.step": torch.tensor(1.0)}
+    cache = SavePlanCache()
+    prime_layout(cache, flat)
+    entry = cache.entry
+    assert entry is not None and entry.layout is not None and entry.storage_md is not None
+    prefix = entry.metadata_prefix
+    assert prefix is not None
+    for meta in (
+        StorageMeta(),
+        StorageMeta(Path("/x/y"), "id-1"),
+        StorageMeta("/some/where", "id-2", modules=["a"]),
+    ):
+        md = Metadata(entry.tensors_md, planner_data=dict(entry.mappings), storage_data=entry.storage_md)
+        md.storage_meta, md.version = meta, CURRENT_DCP_VERSION
+        fresh = pickle.dumps(md)
+        cached = prefix + _metadata_tail(md)
+        assert pickle.loads(cached) == pickle.loads(fresh) == md
+        cut = len(prefix)
+        frame = 2  # walk the fresh pickle's frames (FRAME opcode, 8-byte length) to the one holding the cut
+        while frame + 9 + int.from_bytes(fresh[frame + 1 : frame + 9], "little") <= cut:
+            assert fresh[frame] == 0x95
+            frame += 9 + int.from_bytes(fresh[frame + 1 : frame + 9], "little")
+        assert fresh[frame] == 0x95 and (n < 1000 or frame > 2)  # many entries: several frames
+        assert int.from_bytes(prefix[frame + 1 : frame + 9], "little") == cut - frame - 9
+        assert prefix[: frame + 1] == fresh[: frame + 1] and prefix[frame + 9 :] == fresh[frame + 9 : cut]
+        if n == 5:
+            pickletools.dis(cached, out=io.StringIO())  # a well-formed pickle, memo references included
