@@ -350,7 +350,11 @@ class DefaultCheckpointManager(FinalizeOnExit):
 
     def load(self, ctx: LoadContext) -> LoadResult:
         try:
-            result = self._load(ctx)
+            # One pause for the whole load, not one per phase: each phase's end re-enabled the collector,
+            # whose next pass scanned every metadata object still alive (0.4 of 0.9 s warm at 26,664
+            # small tensors). Here the load's objects are freed by reference counting before it resumes.
+            with paused_gc():
+                result = self._load(ctx)
         except BaseException as exc:
             self._observers.error("load", ctx.step, exc)
             raise
