@@ -405,16 +405,17 @@ class DefaultCheckpointManager(FinalizeOnExit):
         targets = loader.targets(metadata)
         t_plan = time.perf_counter()
         if targets:
+            reader = CheckpointReader(path, fast=meta.get("writer") == WRITER_ID, metadata=metadata)
             try:
                 with _quiet_single_process(), self._dist.phase(f"load {path.name}: read"), paused_gc():
-                    dcp_load(
-                        targets,
-                        storage_reader=CheckpointReader(
-                            path, fast=meta.get("writer") == WRITER_ID, metadata=metadata
-                        ),
-                        process_group=self._dist.group,
-                        no_dist=self._dist.world_size == 1,
-                    )
+                    # one process, whole plain tensors: no plan to exchange or reshard, DCP's pipeline skipped
+                    if not (self._dist.world_size == 1 and reader.load_direct(targets)):
+                        dcp_load(
+                            targets,
+                            storage_reader=reader,
+                            process_group=self._dist.group,
+                            no_dist=self._dist.world_size == 1,
+                        )
             except CheckpointException as exc:  # a BaseException: surface the reader's typed error
                 raise _own_failure(exc, self._dist.rank) from exc
         t_read = time.perf_counter()
