@@ -162,3 +162,23 @@ def test_one_damaged_small_record_among_thousands_is_a_typed_error(
         mgr.load(LoadContext(model=fresh, optimizer=fresh_opt, load_rng=False))
     assert calls == []  # found by the direct path itself
 
+
+def test_resume_prepares_the_save_path_from_the_loaded_tensors(saved: Any, tmp_path: Path) -> None:
+    """After a load of every part, staging is prepared from the load's targets (not gathered again):
+    the same keys, shapes and dtypes a save gathers, so the first save reuses every buffer."""
+    from checkpoint_manager.state import gather_state
+
+    root, _, _ = saved
+    model, opt = _state(seed=1)
+    mgr = DefaultCheckpointManager(CheckpointConfig(save_dir=str(tmp_path), load_dir=str(root), async_save=True))
+    try:
+        mgr.load(LoadContext(model=model, optimizer=opt, train_state=TrainState(), load_rng=False))
+        mgr.finalize_async_saves(blocking=True)  # the background preparation
+        expected = gather_state(SaveContext(model=model, optimizer=opt)).tensors
+        buffers = dict(mgr._staging._buffers)
+        assert buffers.keys() == expected.keys()
+        assert all(b.shape == expected[k].shape and b.dtype == expected[k].dtype for k, b in buffers.items())
+        assert mgr.save(SaveContext(model=model, optimizer=opt, train_state=TrainState(step=2), force=True))
+        assert all(mgr._staging._buffers[k] is b for k, b in buffers.items())  # reused, not reallocated
+    finally:
+        mgr.finalize_async_saves(blocking=True, terminate=True)
