@@ -182,3 +182,38 @@ def test_resume_prepares_the_save_path_from_the_loaded_tensors(saved: Any, tmp_p
         assert all(mgr._staging._buffers[k] is b for k, b in buffers.items())  # reused, not reallocated
     finally:
         mgr.finalize_async_saves(blocking=True, terminate=True)
+
+
+def test_model_in_place_is_taken_only_when_the_copy_would_be_all(saved: Any) -> None:
+    """``load_model_in_place`` accepts exactly ``state_dict()``'s own tensors, else declines."""
+    from checkpoint_manager.state import load_model_in_place
+
+    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    sd = net.state_dict()
+    assert not load_model_in_place(net, dict(sd))  # BatchNorm overrides _load_from_state_dict
+    net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    net.register_buffer("scale", torch.ones(2))
+    net.register_buffer("scratch", torch.ones(2), persistent=False)
+    sd = net.state_dict()
+    assert load_model_in_place(net, dict(sd))  # views of the very parameters and buffers
+    assert not load_model_in_place(net, {k: v.clone() for k, v in sd.items()})  # other memory
+    assert not load_model_in_place(net, {k: v for k, v in sd.items() if k != "scale"})  # a key missing
+    assert not load_model_in_place(net, {**sd, "scratch": net.scratch})  # a non-persistent buffer
+    assert not load_model_in_place(net, {**sd, "0.weight": sd["0.weight"].view(-1)})  # same memory, other shape
+    net.register_load_state_dict_post_hook(lambda *a: None)
+    assert not load_model_in_place(net, dict(sd))  # the hook runs only through load_state_dict
+
+
+def test_module_hook_still_runs_and_values_land(saved: Any) -> None:
+    """A load_state_dict hook sends the model through set_model_state_dict; without one, the
+    in-place path leaves the model equal to the checkpoint too."""
+    root, ref, ref_opt = saved
+    for hooked in (False, True):
+        model, opt = _state(seed=1)
+        calls: list[int] = []
+        if hooked:
+            model.register_load_state_dict_post_hook(lambda *a, calls=calls: calls.append(1))
+        with DefaultCheckpointManager(_config(root)) as mgr:
+            mgr.load(LoadContext(model=model, optimizer=opt, load_rng=False))
+        assert calls == ([1] if hooked else [])
+        _assert_equal_state(model, opt, ref, ref_opt)
