@@ -217,3 +217,20 @@ def test_module_hook_still_runs_and_values_land(saved: Any) -> None:
             mgr.load(LoadContext(model=model, optimizer=opt, load_rng=False))
         assert calls == ([1] if hooked else [])
         _assert_equal_state(model, opt, ref, ref_opt)
+
+
+@pytest.mark.parametrize("piece", [8192, 12288])
+def test_records_straddling_read_pieces_land_whole(saved: Any, monkeypatch: pytest.MonkeyPatch, piece: int) -> None:
+    """Pieces of a few KiB split envelopes and tensor bytes of most records across two pieces."""
+    import functools
+
+    from checkpoint_manager import dcp_reader
+
+    monkeypatch.setattr(
+        dcp_reader, "AlignedFileReader", functools.partial(dcp_reader.AlignedFileReader, chunk_bytes=piece)
+    )
+    root, ref, ref_opt = saved
+    model, opt = _state(seed=1)
+    with DefaultCheckpointManager(_config(root)) as mgr:
+        mgr.load(LoadContext(model=model, optimizer=opt, load_rng=False))
+    _assert_equal_state(model, opt, ref, ref_opt)
