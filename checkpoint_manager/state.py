@@ -345,28 +345,31 @@ class StateLoader:
     def _check(
         self, key: str, live: dict[str, torch.Tensor], available: dict[str, Any], *, strict: bool
     ) -> dict[str, torch.Tensor]:
-        saved = {k for k in available if k == key or k.startswith(key + ".")}
-        missing = sorted(set(live) - saved)
-        unexpected = sorted(saved - set(live))
-        if strict and (missing or unexpected):
+        dotted = key + "."
+        saved = {k for k in available if k.startswith(dotted) or k == key}
+        if strict and saved != live.keys():  # the lists are built only for the error
+            missing = sorted(set(live) - saved)
+            unexpected = sorted(saved - set(live))
             raise CheckpointMismatchError(
                 f"{self.source}: {key} keys differ from the checkpoint: missing in checkpoint "
                 f"{_short(missing)}, unexpected in checkpoint {_short(unexpected)} (load with strict=False "
                 "to take the common keys)"
             )
         out: dict[str, torch.Tensor] = {}
+        tensor_meta = TensorStorageMetadata  # one lookup, not one per tensor
         for name, tensor in live.items():
             meta = available.get(name)
             if meta is None:
                 continue
-            if not isinstance(meta, TensorStorageMetadata):
+            if not isinstance(meta, tensor_meta):
                 raise CheckpointCorruptError(
                     f"{self.source}: entry {name!r} is not a tensor in the checkpoint"
                 )
-            if tuple(meta.size) != tuple(tensor.shape):
+            shape = tensor.shape
+            if meta.size != shape and tuple(meta.size) != tuple(shape):  # torch.Size against torch.Size: no copies
                 raise CheckpointMismatchError(
                     f"{self.source}: {name}: shape {tuple(meta.size)} in checkpoint, "
-                    f"{tuple(tensor.shape)} in the live object"
+                    f"{tuple(shape)} in the live object"
                 )
             if strict and meta.properties.dtype != tensor.dtype:
                 raise CheckpointMismatchError(
