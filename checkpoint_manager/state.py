@@ -345,28 +345,31 @@ class StateLoader:
     def _check(
         self, key: str, live: dict[str, torch.Tensor], available: dict[str, Any], *, strict: bool
     ) -> dict[str, torch.Tensor]:
-        saved = {k for k in available if k == key or k.startswith(key + ".")}
-        missing = sorted(set(live) - saved)
-        unexpected = sorted(saved - set(live))
-        if strict and (missing or unexpected):
+        dotted = key + "."
+        saved = {k for k in available if k.startswith(dotted) or k == key}
+        if strict and saved != live.keys():  # the lists are built only for the error
+            missing = sorted(set(live) - saved)
+            unexpected = sorted(saved - set(live))
             raise CheckpointMismatchError(
                 f"{self.source}: {key} keys differ from the checkpoint: missing in checkpoint "
                 f"{_short(missing)}, unexpected in checkpoint {_short(unexpected)} (load with strict=False "
                 "to take the common keys)"
             )
         out: dict[str, torch.Tensor] = {}
+        tensor_meta = TensorStorageMetadata  # one lookup, not one per tensor
         for name, tensor in live.items():
             meta = available.get(name)
             if meta is None:
                 continue
-            if not isinstance(meta, TensorStorageMetadata):
+            if not isinstance(meta, tensor_meta):
                 raise CheckpointCorruptError(
                     f"{self.source}: entry {name!r} is not a tensor in the checkpoint"
                 )
-            if tuple(meta.size) != tuple(tensor.shape):
+            shape = tensor.shape
+            if meta.size != shape and tuple(meta.size) != tuple(shape):  # torch.Size against torch.Size: no copies
                 raise CheckpointMismatchError(
                     f"{self.source}: {name}: shape {tuple(meta.size)} in checkpoint, "
-                    f"{tuple(tensor.shape)} in the live object"
+                    f"{tuple(shape)} in the live object"
                 )
             if strict and meta.properties.dtype != tensor.dtype:
                 raise CheckpointMismatchError(
@@ -388,7 +391,8 @@ class StateLoader:
             if kind == "model":
                 key, model = args
                 sd = merge_tensors(self.global_json[key], loaded, drop_missing=not ctx.strict)
-                set_model_state_dict(model, sd, options=opts)
+                if not (ctx.strict and load_model_in_place(model, sd)):
+                    set_model_state_dict(model, sd, options=opts)
             elif kind == "optim":
                 key, model, optims, live_osd = args
                 osd = merge_tensors(self.global_json[key], loaded, drop_missing=not ctx.strict)
@@ -428,6 +432,62 @@ class StateLoader:
 
 
 _SCALARS = (int, float, bool, type(None))
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def load_model_in_place(model: nn.Module, loaded: dict[str, Any]) -> bool:
+    """Finish a model load whose tensors were already read into the parameters' own memory; False:
+    not possible (then ``set_model_state_dict`` runs).
+
+    The load's targets are ``model.state_dict()``'s tensors, which share their memory with the
+    parameters and buffers: ``load_state_dict`` would copy each one onto itself, through per-module
+    Python and DCP's option checks (0.04 s at 6,666 parameters). Taken only when that copy is all it
+    would do: exactly the keys ``state_dict`` has, each loaded tensor on the very memory (same dtype,
+    shape and strides) of its plain parameter or buffer, and no module that overrides
+    ``load_state_dict`` / ``_load_from_state_dict`` or has extra state or state-dict hooks.
+    """
+    cls = type(model)
+    if cls.load_state_dict is not nn.Module.load_state_dict or "load_state_dict" in vars(model):
+        return False
+    expected: dict[str, torch.Tensor] = {}
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        prefix, module = stack.pop()
+        kind = type(module)
+        if (
+            kind._load_from_state_dict is not nn.Module._load_from_state_dict
+            or kind.get_extra_state is not nn.Module.get_extra_state
+            or kind.state_dict is not nn.Module.state_dict
+            or module._load_state_dict_pre_hooks
+            or module._load_state_dict_post_hooks
+            or module._state_dict_hooks
+            or module._state_dict_pre_hooks
+        ):
+            return False
+        for name, param in module._parameters.items():
+            if param is not None:
+                expected[prefix + name] = param
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                expected[prefix + name] = buf
+        stack.extend((f"{prefix}{name}.", child) for name, child in module._modules.items() if child is not None)
+    if loaded.keys() != expected.keys():
+        return False
+    for key, live in expected.items():
+        value = loaded[key]
+        if value is live:
+            continue
+        if (
+            type(live) not in _PLAIN
+            or type(value) not in _PLAIN
+            or value.data_ptr() != live.data_ptr()
+            or value.dtype != live.dtype
+            or value.shape != live.shape
+            or value.stride() != live.stride()
+            or value.device != live.device
+        ):
+            return False
+    return True
 
 
 def load_optimizers_in_place(optims: list[Optimizer], live: dict[str, Any], loaded: dict[str, Any]) -> bool:
