@@ -300,22 +300,23 @@ class _SmallRecords:
 
 def _records(entry: _PlanEntry) -> list[tuple[bytes, bytes, bytes, bytes, int]] | None:
     """Each record's envelope (prefix, then the suffix cut around its two CRC fields) for a cached
-    all-small layout, made once per entry; None when a record is not laid out so (an empty tensor)."""
+    all-small layout, made once per entry; None when a record is not laid out so (an empty tensor).
+    Records of one (shape, dtype) share one tuple: the list costs a pointer per record, not ~100 bytes."""
     if entry.records is None:
-        envelopes: dict[tuple[torch.Size, torch.dtype], tuple[bytes, list[bytes], int]] = {}
+        envelopes: dict[tuple[torch.Size, torch.dtype], tuple[bytes, bytes, bytes, bytes, int]] = {}
         records: list[tuple[bytes, bytes, bytes, bytes, int]] = []
         for item in entry.items:
             td = item.tensor_data
             if td is None:
                 return None
             key = (td.size, td.properties.dtype)
-            env = envelopes.get(key)
-            if env is None:
-                env = envelopes[key] = _split_envelope(envelope_for(tuple(td.size), td.properties.dtype))
-            prefix, pieces, overhead = env
-            if len(pieces) != 3:
-                return None
-            records.append((prefix, pieces[0], pieces[1], pieces[2], overhead))
+            record = envelopes.get(key)
+            if record is None:
+                prefix, pieces, overhead = _split_envelope(envelope_for(tuple(td.size), td.properties.dtype))
+                if len(pieces) != 3:
+                    return None
+                record = envelopes[key] = (prefix, pieces[0], pieces[1], pieces[2], overhead)
+            records.append(record)
         entry.records = records
     return entry.records
 

@@ -309,14 +309,21 @@ class FastSavePlanner(DefaultSavePlanner):
             return all_plans, self.metadata
         # One rank, whole tensors only: nothing to deduplicate, each entry is one chunk covering
         # its tensor (what DCP's validation would check), index hints already 0.
+        # One TensorStorageMetadata per distinct write data (per shape, dtype and flags: see _Shapes),
+        # shared by its entries: read-only to loaders, pickled once in .metadata (a memo reference
+        # for the others) and ~400 bytes per tensor less in a cached plan.
         plan = all_plans[0]
         md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        shared: dict[int, TensorStorageMetadata] = {}
         for item in plan.items:
             td = item.tensor_data
             assert td is not None and td.chunk is not None
-            md[item.index.fqn] = TensorStorageMetadata(
-                properties=td.properties, size=td.size, chunks=[td.chunk]
-            )
+            tsm = shared.get(id(td))
+            if tsm is None:
+                tsm = shared[id(td)] = TensorStorageMetadata(
+                    properties=td.properties, size=td.size, chunks=[td.chunk]
+                )
+            md[item.index.fqn] = tsm
         if len(md) != len(plan.items):  # the same key twice: let DCP report it
             return super().create_global_plan(all_plans)
         metadata = Metadata(md, planner_data=dict(plan.planner_data))

@@ -225,3 +225,21 @@ def test_metadata_prefix_and_tail_unpickle_to_the_fresh_metadata(n: int) -> None
         assert prefix[: frame + 1] == fresh[: frame + 1] and prefix[frame + 9 :] == fresh[frame + 9 : cut]
         if n == 5:
             pickletools.dis(cached, out=io.StringIO())  # a well-formed pickle, memo references included
+
+
+def test_cached_plan_shares_metadata_and_records_per_shape(tmp_path: Path) -> None:
+    """Entries of one shape and dtype share one TensorStorageMetadata and one record tuple (the cache
+    holds a pointer per tensor for them), and the files still read back as saved."""
+    cache = SavePlanCache()
+    flat = {f"model.p{i}": torch.randn(16) for i in range(40)}
+    flat.update({f"model.q{i}": torch.randn(2, 3) for i in range(5)})
+    _save(flat, tmp_path / "s0", cache)
+    _save(flat, tmp_path / "s1", cache)
+    entry = cache.entry
+    assert entry is not None and entry.records is not None
+    assert len({id(v) for v in entry.tensors_md.values()}) == 2
+    assert len({id(r) for r in entry.records}) == 2
+    assert entry.tensors_md["model.p0"].size == torch.Size([16])  # type: ignore[union-attr]
+    assert entry.tensors_md["model.q0"].size == torch.Size([2, 3])  # type: ignore[union-attr]
+    for name in ("s0", "s1"):
+        _check_files(tmp_path / name, flat)
