@@ -243,3 +243,34 @@ def test_cached_plan_shares_metadata_and_records_per_shape(tmp_path: Path) -> No
     assert entry.tensors_md["model.q0"].size == torch.Size([2, 3])  # type: ignore[union-attr]
     for name in ("s0", "s1"):
         _check_files(tmp_path / name, flat)
+
+
+@pytest.mark.parametrize("kinds", [3, 300])  # one byte per entry, and four past 255 kinds
+def test_structure_key_is_exact(kinds: int) -> None:
+    """The packed structure key tells apart every change a plan depends on, including two entries
+    of different kinds swapping places (the same set of kinds, another order)."""
+    from checkpoint_manager.planner import structure
+
+    flat = {f"p{i}": torch.zeros(i % kinds + 1) for i in range(2 * kinds)}
+    key = structure(flat)
+    assert key is not None and key == structure(dict(flat))
+    swapped = dict(flat) | {"p0": flat["p1"], "p1": flat["p0"]}
+    other_dtype = dict(flat) | {f"p{kinds - 1}": torch.zeros(kinds, dtype=torch.int32)}
+    renamed = {("q0" if k == "p0" else k): v for k, v in flat.items()}
+    grad = dict(flat) | {"p2": torch.zeros(3).requires_grad_()}
+    reordered = dict(reversed(list(flat.items())))
+    for changed in (swapped, other_dtype, renamed, grad, reordered):
+        assert structure(changed) != key
+    assert structure(flat | {"x": [1]}) is None
+
+
+def test_swapped_shapes_replan(tmp_path: Path) -> None:
+    """Two tensors trading shapes keep the keys and the set of shapes: the cached plan is not reused."""
+    cache = SavePlanCache()
+    flat = {"model.a": torch.randn(4), "model.b": torch.randn(2, 3), "model.c": torch.randn(4)}
+    _save(flat, tmp_path / "s0", cache)
+    first = cache.entry
+    swapped = {"model.a": torch.randn(2, 3), "model.b": torch.randn(4), "model.c": torch.randn(4)}
+    _save(swapped, tmp_path / "s1", cache)
+    assert cache.entry is not first
+    _check_files(tmp_path / "s1", swapped)
