@@ -203,7 +203,7 @@ class _PlanEntry:
         self.items = items
         self.mappings = mappings
         self.tensors_md = tensors_md
-        self.layout: tuple[str, int, list[Any]] | None = None  # (file name, end, write results)
+        self.layout: tuple[str, int, Any] | None = None  # (file name, end, write results: dcp_writer._Results)
         # with a layout: .metadata's storage_data, and its pickle up to storage_meta (see dcp_writer)
         self.storage_md: dict[Any, Any] | None = None
         self.metadata_prefix: bytes | None = None

@@ -17,6 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from checkpoint_manager import (
     CheckpointConfig,
@@ -274,3 +276,43 @@ def test_swapped_shapes_replan(tmp_path: Path) -> None:
     _save(swapped, tmp_path / "s1", cache)
     assert cache.entry is not first
     _check_files(tmp_path / "s1", swapped)
+
+
+class _CopyingWriter(CheckpointWriter):
+    """Hands ``finish`` a pickled copy of the write results, as a gather across ranks would."""
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        fut = super().write_data(plan, planner)
+        copy = pickle.loads(pickle.dumps(fut.value()))
+        assert type(copy) is list and len(copy) == len(plan.items)
+        out: Future[list[WriteResult]] = Future()
+        out.set_result(copy)
+        return out
+
+
+@pytest.mark.parametrize("primed", [False, True])
+def test_cached_results_are_real_write_results_when_read(tmp_path: Path, primed: bool) -> None:
+    """A cached layout keeps its storage table, not a WriteResult per record: its results read (or
+    pickled) as the real ones, and a ``finish`` that gets a copy (not the cached object) writes the
+    same .metadata storage table through DCP's own code."""
+    cache = SavePlanCache()
+    flat = _state()
+    if primed:
+        prime_layout(cache, flat)
+    _save(flat, tmp_path / "s0", cache)
+    entry = cache.entry
+    assert entry is not None and entry.layout is not None and entry.storage_md is not None
+    results = list(entry.layout[2])
+    assert [(r.index, r.storage_data, r.size_in_bytes) for r in results] == [
+        (i, s, s.length) for i, s in entry.storage_md.items()
+    ]
+    assert pickle.loads(pickle.dumps(entry.layout[2])) == results
+    save_tensors(
+        flat,
+        storage_writer=_CopyingWriter(tmp_path / "copy", fsync=False),
+        planner=FastSavePlanner(cache=cache),
+        no_dist=True,
+    )
+    assert cache.entry is entry
+    assert read_dcp_metadata(tmp_path / "copy").storage_data == read_dcp_metadata(tmp_path / "s0").storage_data
+    _check_files(tmp_path / "copy", flat)
