@@ -64,14 +64,15 @@ def _state(n: int = 6) -> dict[str, torch.Tensor]:
 
 
 def test_cached_plan_writes_the_same_files_as_a_fresh_plan(tmp_path: Path) -> None:
-    """Saves 1-3 reuse the plan and layout (save 1 pickles .metadata and keeps its prefix, 2 and 3
-    append to that prefix): their files read back as a freshly planned save's, values changed in
-    place between saves."""
+    """Save 0 plans, records the layout, pickles .metadata and keeps its prefix; saves 1-3 reuse
+    the plan and layout and append to that prefix: their files read back as a freshly planned
+    save's, values changed in place between saves."""
     cache = SavePlanCache()
     flat = _state()
     _save(flat, tmp_path / "s0", cache)
     entry = cache.entry
-    assert entry is not None and entry.layout is not None
+    assert entry is not None and entry.layout is not None and entry.metadata_prefix is not None
+    _check_files(tmp_path / "s0", flat)
     for i in (1, 2, 3):
         for t in flat.values():
             t.add_(1) if t.dtype != torch.bool else t.logical_not_()
