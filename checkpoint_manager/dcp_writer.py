@@ -12,7 +12,7 @@ import math
 import os
 import pickle
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import (
     _StorageInfo,
     _StoragePrefix,
 )
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -142,7 +142,10 @@ class CheckpointWriter(FileSystemWriter):
                     gate.wait_all()  # the CRCs below would slow the staging copy down: they wait for it
                 results, all_small = _write_items(plan, planner, out, _SmallRecords(out), file_name)
                 if entry is not None and all_small and plan.items is entry.items:
+                    entry.storage_md = {wr.index: wr.storage_data for wr in results}
+                    results = _Results(entry.storage_md)  # what later saves return: see _Results
                     entry.layout = (file_name, out.position, results)
+                    self._entry = entry
             size = out.close()
             self.fsync_seconds += out.fsync_seconds
             self.in_place_bytes += out.in_place_bytes
@@ -151,8 +154,40 @@ class CheckpointWriter(FileSystemWriter):
             raise
         self.checksums[file_name] = {"size": size, "crc32": out.crc}
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
+        fut.set_result(cast(list[WriteResult], results))  # a list, or a _Results that acts as one
         return fut
+
+
+class _Results(Sequence[WriteResult]):
+    """The write results of a cached all-small layout, made from its storage table when read.
+
+    DCP hands ``write_data``'s results to ``finish`` only, which recognizes these by identity and
+    writes the cached ``.metadata``: keeping a WriteResult per record as well cost ~180 bytes each.
+    Anything else that reads them (DCP's own ``finish``, a pickle for a gather) gets real ones.
+    """
+
+    __slots__ = ("storage",)
+
+    def __init__(self, storage: dict[MetadataIndex, _StorageInfo]) -> None:
+        self.storage = storage
+
+    def _materialize(self) -> list[WriteResult]:
+        return [
+            frozen(WriteResult, {"index": index, "size_in_bytes": info.length, "storage_data": info})
+            for index, info in self.storage.items()
+        ]
+
+    def __len__(self) -> int:
+        return len(self.storage)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._materialize()[i]
+
+    def __iter__(self) -> Iterator[WriteResult]:
+        return iter(self._materialize())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (self._materialize(),))
 
 
 class _Layout:
@@ -300,22 +335,23 @@ class _SmallRecords:
 
 def _records(entry: _PlanEntry) -> list[tuple[bytes, bytes, bytes, bytes, int]] | None:
     """Each record's envelope (prefix, then the suffix cut around its two CRC fields) for a cached
-    all-small layout, made once per entry; None when a record is not laid out so (an empty tensor)."""
+    all-small layout, made once per entry; None when a record is not laid out so (an empty tensor).
+    Records of one (shape, dtype) share one tuple: the list costs a pointer per record, not ~100 bytes."""
     if entry.records is None:
-        envelopes: dict[tuple[torch.Size, torch.dtype], tuple[bytes, list[bytes], int]] = {}
+        envelopes: dict[tuple[torch.Size, torch.dtype], tuple[bytes, bytes, bytes, bytes, int]] = {}
         records: list[tuple[bytes, bytes, bytes, bytes, int]] = []
         for item in entry.items:
             td = item.tensor_data
             if td is None:
                 return None
             key = (td.size, td.properties.dtype)
-            env = envelopes.get(key)
-            if env is None:
-                env = envelopes[key] = _split_envelope(envelope_for(tuple(td.size), td.properties.dtype))
-            prefix, pieces, overhead = env
-            if len(pieces) != 3:
-                return None
-            records.append((prefix, pieces[0], pieces[1], pieces[2], overhead))
+            record = envelopes.get(key)
+            if record is None:
+                prefix, pieces, overhead = _split_envelope(envelope_for(tuple(td.size), td.properties.dtype))
+                if len(pieces) != 3:
+                    return None
+                record = envelopes[key] = (prefix, pieces[0], pieces[1], pieces[2], overhead)
+            records.append(record)
         entry.records = records
     return entry.records
 
@@ -357,8 +393,8 @@ def prime_layout(cache: SavePlanCache, tensors: dict[str, torch.Tensor]) -> None
     if entry is None or entry.layout is not None:
         return
     file_name = f"__0_0{DEFAULT_SUFFIX}"
-    overheads: dict[tuple[torch.Size, torch.dtype], int] = {}
-    results: list[WriteResult] = []
+    lengths: dict[tuple[torch.Size, torch.dtype], int] = {}  # one int object per (shape, dtype)
+    storage_md: dict[MetadataIndex, _StorageInfo] = {}
     offset = 0
     for item in entry.items:
         td = item.tensor_data
@@ -369,22 +405,11 @@ def prime_layout(cache: SavePlanCache, tensors: dict[str, torch.Tensor]) -> None
         if nbytes > _SMALL_RECORD:
             return  # where a large record lands depends on its memory's alignment
         key = (td.size, dtype)
-        overhead = overheads.get(key)
-        if overhead is None:
-            overhead = overheads[key] = _split_envelope(envelope_for(tuple(td.size), dtype))[2]
-        length = overhead + nbytes
-        results.append(
-            frozen(
-                WriteResult,
-                {
-                    "index": item.index,
-                    "size_in_bytes": length,
-                    "storage_data": _StorageInfo(file_name, offset, length),
-                },
-            )
-        )
+        length = lengths.get(key)
+        if length is None:
+            length = lengths[key] = _split_envelope(envelope_for(tuple(td.size), dtype))[2] + nbytes
+        storage_md[item.index] = _StorageInfo(file_name, offset, length)
         offset += length
-    storage_md = {wr.index: wr.storage_data for wr in results}
     metadata = Metadata(entry.tensors_md, planner_data=dict(entry.mappings))
     metadata.version = CURRENT_DCP_VERSION
     metadata.storage_data = storage_md
@@ -394,7 +419,7 @@ def prime_layout(cache: SavePlanCache, tensors: dict[str, torch.Tensor]) -> None
     entry.storage_md = storage_md
     entry.metadata_prefix = _metadata_prefix(data, metadata)
     _records(entry)
-    entry.layout = (file_name, offset, results)
+    entry.layout = (file_name, offset, _Results(storage_md))
 
 
 # The pickle of Metadata's state dict, at its fourth key: SHORT_BINUNICODE "storage_meta", MEMOIZE.

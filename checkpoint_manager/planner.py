@@ -12,6 +12,7 @@ are standard DCP with the same keys; plain ``torch.distributed.checkpoint.load``
 from __future__ import annotations
 
 import io
+from array import array
 from typing import Any
 
 import torch
@@ -153,14 +154,28 @@ class _Shapes:
 
 def structure(flat: dict[str, Any]) -> tuple[Any, ...] | None:
     """What a single-rank plan and ``.metadata`` of ``flat`` depend on (keys, shapes, dtypes, flags),
-    or None when an entry is not a plain tensor. ~0.5 us per tensor: far less than planning it."""
-    sig: list[Any] = []
-    add = sig.append
-    for key, t in flat.items():
+    or None when an entry is not a plain tensor. ~0.5 us per tensor: far less than planning it.
+
+    Exact, and compact for the cache that keeps it: the keys, each distinct (shape, dtype, layout,
+    requires_grad, pinned) once in order of first use, and per entry the number of its kind (one
+    byte while there are fewer than 256 kinds, else four). A tuple per entry cost ~240 bytes each.
+    """
+    kinds: dict[tuple[Any, ...], int] = {}
+    seq: list[int] = []
+    add = seq.append
+    last: tuple[Any, ...] = ()
+    n = 0
+    for t in flat.values():
         if not _plain(t):
             return None
-        add((key, t.shape, t.dtype, t.layout, t.requires_grad, t.is_pinned()))
-    return tuple(sig)
+        kind = (t.shape, t.dtype, t.layout, t.requires_grad, t.is_pinned())
+        if kind != last:  # runs of one kind are common: compare before hashing
+            n = kinds.setdefault(kind, len(kinds))
+            last = kind
+        add(n)
+    # the number of kinds fixes the encoding, so equal keys always mean equal sequences
+    packed = bytes(seq) if len(kinds) < 256 else array("I", seq).tobytes()
+    return (tuple(kinds), packed, tuple(flat))  # the keys last: cheap mismatches compare first
 
 
 class _PlanEntry:
@@ -188,7 +203,7 @@ class _PlanEntry:
         self.items = items
         self.mappings = mappings
         self.tensors_md = tensors_md
-        self.layout: tuple[str, int, list[Any]] | None = None  # (file name, end, write results)
+        self.layout: tuple[str, int, Any] | None = None  # (file name, end, write results: dcp_writer._Results)
         # with a layout: .metadata's storage_data, and its pickle up to storage_meta (see dcp_writer)
         self.storage_md: dict[Any, Any] | None = None
         self.metadata_prefix: bytes | None = None
@@ -309,18 +324,25 @@ class FastSavePlanner(DefaultSavePlanner):
             return all_plans, self.metadata
         # One rank, whole tensors only: nothing to deduplicate, each entry is one chunk covering
         # its tensor (what DCP's validation would check), index hints already 0.
+        # One TensorStorageMetadata per distinct write data (per shape, dtype and flags: see _Shapes),
+        # shared by its entries: read-only to loaders, pickled once in .metadata (a memo reference
+        # for the others) and ~400 bytes per tensor less in a cached plan.
         plan = all_plans[0]
         md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        shared: dict[int, TensorStorageMetadata] = {}
         for item in plan.items:
             td = item.tensor_data
             assert td is not None and td.chunk is not None
-            md[item.index.fqn] = TensorStorageMetadata(
-                properties=td.properties, size=td.size, chunks=[td.chunk]
-            )
+            tsm = shared.get(id(td))
+            if tsm is None:
+                tsm = shared[id(td)] = TensorStorageMetadata(
+                    properties=td.properties, size=td.size, chunks=[td.chunk]
+                )
+            md[item.index.fqn] = tsm
         if len(md) != len(plan.items):  # the same key twice: let DCP report it
             return super().create_global_plan(all_plans)
         metadata = Metadata(md, planner_data=dict(plan.planner_data))
-        if self._cache is not None and self._signature is not None and len(self._signature) == len(md):
+        if self._cache is not None and self._signature is not None and len(self._signature[2]) == len(md):
             self._cache.entry = self._entry = _PlanEntry(self._signature, plan.items, self.mappings, md)
         self.global_plan = [plan]
         self.metadata = metadata

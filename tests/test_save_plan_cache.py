@@ -17,6 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from checkpoint_manager import (
     CheckpointConfig,
@@ -62,14 +64,15 @@ def _state(n: int = 6) -> dict[str, torch.Tensor]:
 
 
 def test_cached_plan_writes_the_same_files_as_a_fresh_plan(tmp_path: Path) -> None:
-    """Saves 1-3 reuse the plan and layout (save 1 pickles .metadata and keeps its prefix, 2 and 3
-    append to that prefix): their files read back as a freshly planned save's, values changed in
-    place between saves."""
+    """Save 0 plans, records the layout, pickles .metadata and keeps its prefix; saves 1-3 reuse
+    the plan and layout and append to that prefix: their files read back as a freshly planned
+    save's, values changed in place between saves."""
     cache = SavePlanCache()
     flat = _state()
     _save(flat, tmp_path / "s0", cache)
     entry = cache.entry
-    assert entry is not None and entry.layout is not None
+    assert entry is not None and entry.layout is not None and entry.metadata_prefix is not None
+    _check_files(tmp_path / "s0", flat)
     for i in (1, 2, 3):
         for t in flat.values():
             t.add_(1) if t.dtype != torch.bool else t.logical_not_()
@@ -225,3 +228,92 @@ def test_metadata_prefix_and_tail_unpickle_to_the_fresh_metadata(n: int) -> None
         assert prefix[: frame + 1] == fresh[: frame + 1] and prefix[frame + 9 :] == fresh[frame + 9 : cut]
         if n == 5:
             pickletools.dis(cached, out=io.StringIO())  # a well-formed pickle, memo references included
+
+
+def test_cached_plan_shares_metadata_and_records_per_shape(tmp_path: Path) -> None:
+    """Entries of one shape and dtype share one TensorStorageMetadata and one record tuple (the cache
+    holds a pointer per tensor for them), and the files still read back as saved."""
+    cache = SavePlanCache()
+    flat = {f"model.p{i}": torch.randn(16) for i in range(40)}
+    flat.update({f"model.q{i}": torch.randn(2, 3) for i in range(5)})
+    _save(flat, tmp_path / "s0", cache)
+    _save(flat, tmp_path / "s1", cache)
+    entry = cache.entry
+    assert entry is not None and entry.records is not None
+    assert len({id(v) for v in entry.tensors_md.values()}) == 2
+    assert len({id(r) for r in entry.records}) == 2
+    assert entry.tensors_md["model.p0"].size == torch.Size([16])  # type: ignore[union-attr]
+    assert entry.tensors_md["model.q0"].size == torch.Size([2, 3])  # type: ignore[union-attr]
+    for name in ("s0", "s1"):
+        _check_files(tmp_path / name, flat)
+
+
+@pytest.mark.parametrize("kinds", [3, 300])  # one byte per entry, and four past 255 kinds
+def test_structure_key_is_exact(kinds: int) -> None:
+    """The packed structure key tells apart every change a plan depends on, including two entries
+    of different kinds swapping places (the same set of kinds, another order)."""
+    from checkpoint_manager.planner import structure
+
+    flat = {f"p{i}": torch.zeros(i % kinds + 1) for i in range(2 * kinds)}
+    key = structure(flat)
+    assert key is not None and key == structure(dict(flat))
+    swapped = dict(flat) | {"p0": flat["p1"], "p1": flat["p0"]}
+    other_dtype = dict(flat) | {f"p{kinds - 1}": torch.zeros(kinds, dtype=torch.int32)}
+    renamed = {("q0" if k == "p0" else k): v for k, v in flat.items()}
+    grad = dict(flat) | {"p2": torch.zeros(3).requires_grad_()}
+    reordered = dict(reversed(list(flat.items())))
+    for changed in (swapped, other_dtype, renamed, grad, reordered):
+        assert structure(changed) != key
+    assert structure(flat | {"x": [1]}) is None
+
+
+def test_swapped_shapes_replan(tmp_path: Path) -> None:
+    """Two tensors trading shapes keep the keys and the set of shapes: the cached plan is not reused."""
+    cache = SavePlanCache()
+    flat = {"model.a": torch.randn(4), "model.b": torch.randn(2, 3), "model.c": torch.randn(4)}
+    _save(flat, tmp_path / "s0", cache)
+    first = cache.entry
+    swapped = {"model.a": torch.randn(2, 3), "model.b": torch.randn(4), "model.c": torch.randn(4)}
+    _save(swapped, tmp_path / "s1", cache)
+    assert cache.entry is not first
+    _check_files(tmp_path / "s1", swapped)
+
+
+class _CopyingWriter(CheckpointWriter):
+    """Hands ``finish`` a pickled copy of the write results, as a gather across ranks would."""
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        fut = super().write_data(plan, planner)
+        copy = pickle.loads(pickle.dumps(fut.value()))
+        assert type(copy) is list and len(copy) == len(plan.items)
+        out: Future[list[WriteResult]] = Future()
+        out.set_result(copy)
+        return out
+
+
+@pytest.mark.parametrize("primed", [False, True])
+def test_cached_results_are_real_write_results_when_read(tmp_path: Path, primed: bool) -> None:
+    """A cached layout keeps its storage table, not a WriteResult per record: its results read (or
+    pickled) as the real ones, and a ``finish`` that gets a copy (not the cached object) writes the
+    same .metadata storage table through DCP's own code."""
+    cache = SavePlanCache()
+    flat = _state()
+    if primed:
+        prime_layout(cache, flat)
+    _save(flat, tmp_path / "s0", cache)
+    entry = cache.entry
+    assert entry is not None and entry.layout is not None and entry.storage_md is not None
+    results = list(entry.layout[2])
+    assert [(r.index, r.storage_data, r.size_in_bytes) for r in results] == [
+        (i, s, s.length) for i, s in entry.storage_md.items()
+    ]
+    assert pickle.loads(pickle.dumps(entry.layout[2])) == results
+    save_tensors(
+        flat,
+        storage_writer=_CopyingWriter(tmp_path / "copy", fsync=False),
+        planner=FastSavePlanner(cache=cache),
+        no_dist=True,
+    )
+    assert cache.entry is entry
+    assert read_dcp_metadata(tmp_path / "copy").storage_data == read_dcp_metadata(tmp_path / "s0").storage_data
+    _check_files(tmp_path / "copy", flat)
