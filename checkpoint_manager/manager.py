@@ -7,6 +7,7 @@ Save: policy → gather → DCP write into a pending directory → per-rank JSON
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -162,13 +163,22 @@ def _nbytes(t: torch.Tensor) -> int:
     return int(t.numel() * t.element_size())
 
 
+_COLLECT_AFTER_PLANNING = 10_000
+
+
 def _warm_save_path(
     chunk: int, staging: StagingBuffers | None, tensors: dict[str, torch.Tensor], plans: SavePlanCache | None
 ) -> None:
     """The background part of :meth:`DefaultCheckpointManager._prepare_ahead`."""
     if plans is not None:
         try:
+            before = plans.entry
             prime_layout(plans, tensors)
+            if plans.entry is not before and len(tensors) >= _COLLECT_AFTER_PLANNING:
+                # The plan of many tensors is ~10 objects each, kept for the run. The full GC pass
+                # that their number sets off comes once either way: here, at the start, rather than
+                # inside the first save (26,000 tensors: 0.2 s of a 0.4 s save).
+                gc.collect()
         except Exception as exc:  # best effort: the save plans for itself
             log.debug("not planning the save ahead: %r", exc)
     if chunk:
@@ -738,7 +748,16 @@ class DefaultCheckpointManager(FinalizeOnExit):
         )
 
     def _write_and_commit(self, job: _SaveJob) -> SaveResult:
-        """Write this rank's part, vote, and (rank 0) commit; on any failure nothing is published."""
+        """Write this rank's part, vote, and (rank 0) commit; on any failure nothing is published.
+
+        The cyclic GC stays paused throughout, the commit's JSON too: with a state of 26,000 small
+        tensors (and the plan kept for the next save) each collection the JSON encoder's allocations
+        set off re-scanned every object, and the commit took 0.23 s instead of 0.03 s.
+        """
+        with paused_gc():
+            return self._write_and_commit_paused(job)
+
+    def _write_and_commit_paused(self, job: _SaveJob) -> SaveResult:
         io = self._io_dist
         failure: BaseException | None = None
         t0 = time.perf_counter()
@@ -751,7 +770,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
                 if self._storage.is_local
                 else self._storage.dcp_writer(job.pending, fsync=self.config.fsync, direct=self.config.direct_io)
             )
-            with _quiet_single_process(), io.phase(f"step {job.step}: write"), paused_gc():
+            with _quiet_single_process(), io.phase(f"step {job.step}: write"):
                 dcp_save(
                     job.state.tensors,
                     storage_writer=writer,
