@@ -135,7 +135,7 @@ class CheckpointWriter(FileSystemWriter):
                 self._entry = entry
             else:
                 gate = out.gate
-                if gate is not None and out.direct:  # async_overlap: staging is still copying
+                if gate is not None and out.direct and gate.gates_any():  # async_overlap: staging still copies
                     placed = _Layout(gate)
                     _write_items(plan, planner, placed, _SmallRecords(placed, dry=True), file_name)
                     out.write_ahead(placed.ahead())

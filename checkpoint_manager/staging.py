@@ -167,6 +167,10 @@ class StagingGate:
         """Whether ``address`` is one of the gated buffers (stable memory the writer may send ahead)."""
         return address in self._all
 
+    def gates_any(self) -> bool:
+        """Whether any buffer is gated (none: nothing to send ahead, no layout pass to make)."""
+        return bool(self._all)
+
     def open(self, addresses: Iterable[int]) -> None:
         with self._cond:
             self._pending.difference_update(addresses)

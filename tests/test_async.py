@@ -723,6 +723,30 @@ def test_overlap_sends_buffers_ahead_and_writes_the_same_bytes(tmp_path: Path, m
     _assert_loads_as(tmp_path / "overlap", 10, expected, width=512)
 
 
+def test_overlap_without_large_buffers_makes_no_layout_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is written in place (every buffer under 1 MiB; 256 KiB records are not all small, so
+    the saved plan's layout does not apply either): no pass over the items to place them."""
+    from checkpoint_manager import dcp_writer
+
+    made: list[int] = []
+    real_init = dcp_writer._Layout.__init__
+
+    def counting_init(self: Any, gate: Any) -> None:
+        made.append(1)
+        real_init(self, gate)
+
+    monkeypatch.setattr(dcp_writer._Layout, "__init__", counting_init)
+    for width, passes in ((256, 0), (512, 1)):
+        s = Setup(width=width)
+        mgr = _prepared(tmp_path / str(width), s, async_overlap=True)
+        expected = s.snapshot()
+        assert mgr.save(s.ctx(10)) is not None
+        mgr.finalize_async_saves(blocking=True, terminate=True)
+        assert len(made) == passes, (width, made)
+        made.clear()
+        _assert_loads_as(tmp_path / str(width), 10, expected, width=width)
+
+
 def test_a_layout_that_disagrees_with_the_write_fails_the_save_and_keeps_the_last_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
