@@ -81,8 +81,7 @@ class CheckpointWriter(FileSystemWriter):
             return
         # The reused plan's .metadata: all of it but storage_meta (this save's path and id) is the
         # same as the last one's, so its pickle is too (see _metadata_prefix).
-        if entry.storage_md is None:
-            entry.storage_md = {wr.index: wr.storage_data for wr in results[0]}
+        assert entry.storage_md is not None  # set with every layout (prime_layout, _write_plan)
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = entry.storage_md
         metadata.storage_meta = self.storage_meta()

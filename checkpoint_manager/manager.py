@@ -426,7 +426,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         if targets:
             reader = CheckpointReader(path, fast=meta.get("writer") == WRITER_ID, metadata=metadata)
             try:
-                with _quiet_single_process(), self._dist.phase(f"load {path.name}: read"), paused_gc():
+                with _quiet_single_process(), self._dist.phase(f"load {path.name}: read"):  # GC: paused by load()
                     # one process, whole plain tensors: no plan to exchange or reshard, DCP's pipeline skipped
                     if not (self._dist.world_size == 1 and reader.load_direct(targets)):
                         dcp_load(
