@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 from array import array
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -117,6 +118,20 @@ def _plain(value: Any) -> bool:
     return type(value) is torch.Tensor or type(value) is torch.nn.Parameter
 
 
+@lru_cache(maxsize=1)
+def _pinnable() -> bool:
+    """Whether a tensor of this process can be pinned at all. Without an accelerator none can, and
+    asking each tensor costs ~0.37 us: 10 ms of every save of 26,000 tensors."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return bool(torch.cuda.is_available())
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    return _pinnable() and t.is_pinned()
+
+
 class _Shapes:
     """One metadata object per distinct (shape, dtype, flags): pickled once, shared by every entry."""
 
@@ -131,7 +146,7 @@ class _Shapes:
         return z
 
     def write_data(self, t: torch.Tensor) -> TensorWriteData:
-        pinned = t.is_pinned()
+        pinned = _is_pinned(t)
         key = (t.shape, t.dtype, t.layout, t.requires_grad, pinned)
         twd = self._write.get(key)
         if twd is None:
@@ -165,10 +180,11 @@ def structure(flat: dict[str, Any]) -> tuple[Any, ...] | None:
     add = seq.append
     last: tuple[Any, ...] = ()
     n = 0
+    pinnable = _pinnable()
     for t in flat.values():
         if not _plain(t):
             return None
-        kind = (t.shape, t.dtype, t.layout, t.requires_grad, t.is_pinned())
+        kind = (t.shape, t.dtype, t.layout, t.requires_grad, pinnable and t.is_pinned())
         if kind != last:  # runs of one kind are common: compare before hashing
             n = kinds.setdefault(kind, len(kinds))
             last = kind
