@@ -16,6 +16,7 @@ import mmap
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -511,26 +512,32 @@ def format_floor_save(bench: Bench, path: Path) -> Timed:
     with open(data_file, "rb") as f:
         f.readinto(memoryview(buf)[:size])  # type: ignore[arg-type]
     out = path / "floor.distcp"
-    views = [(byte_view(t), start) for t, start, _ in records]
+    views = [byte_view(t) for t, _, _ in records]
 
-    def run() -> dict[str, float]:
-        t0 = time.perf_counter()
-        crc32 = zlib.crc32
-        for view, _ in views:
-            crc32(view)
-        t1 = time.perf_counter()
+    def write() -> None:
         fd = _open_direct(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
             mv = memoryview(buf)
             off = 0
             while off < len(buf):
-                off += os.pwrite(fd, mv[off : off + _DIRECT_CHUNK], off)
+                off += os.pwrite(fd, mv[off : off + _DIRECT_CHUNK], off)  # drops the GIL
             mv.release()
             os.ftruncate(fd, size)
             os.fsync(fd)
         finally:
             os.close(fd)
-        return {"floor.crc": t1 - t0, "floor.write": time.perf_counter() - t1}
+
+    def run() -> dict[str, float]:
+        # the two overlap (as in our writer): the floor is the slower of them, not their sum
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            writing = pool.submit(write)
+            crc32 = zlib.crc32
+            for view in views:
+                crc32(view)
+            t1 = time.perf_counter()
+            writing.result()
+        return {"floor.crc": t1 - t0}
 
     return run
 
@@ -542,8 +549,9 @@ def format_floor_load(bench: Bench, path: Path) -> Timed:
     data_file, records = _our_records(bench, path)
     size = data_file.stat().st_size
     buf = torch.zeros(size, dtype=torch.uint8)  # faulted in: only the file's bytes are timed
-    sources = [buf[start : start + n].view(t.dtype).view(t.shape) if n else t.clone() for t, start, n in records]
-    targets = [t for t, _, _ in records]
+    # bytes to bytes: a record's offset in the file need not suit its dtype's alignment
+    sources = [buf[start : start + n] for _, start, n in records]
+    targets = [t.detach().reshape(-1).view(torch.uint8) for t, _, _ in records]
 
     def run() -> dict[str, float]:
         t0 = time.perf_counter()
@@ -611,8 +619,8 @@ CONTENDERS: tuple[Contender, ...] = (
     Contender("ours+tc plugin", "save", "plugin", "peer", plugin_save,
               "our manager API with manager='torch-checkpointing' (plugin), save + finalize", _plugin_missing),
     Contender("format floor", "save", "floor", "ref", format_floor_save,
-              "per record zlib.crc32 of the live tensor, then pwrite(O_DIRECT) + fsync of our save's file "
-              "(envelopes included, copied into aligned memory untimed): what no writer of DCP's format can skip",
+              "per record zlib.crc32 of the live tensor, beside pwrite(O_DIRECT) + fsync of our save's file "
+              "(envelopes included, in aligned memory untimed): what no writer of DCP's format can skip",
               _ours_missing),
     Contender("ours", "save", "ours", "ours", ours_save,
               "DefaultCheckpointManager.save(force=True) after should_load() (untimed): write, fsync, commit, pointer",
