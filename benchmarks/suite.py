@@ -55,7 +55,7 @@ BIG_PEERS = ("torch.load(mmap)", "dcp.save", "dcp.load", "torch_checkpointing")
 # and torch.load(mmap) + set_state_dict: ~30 s for 80 MB on the reference machine), unless --contenders.
 SMALL_DEFAULT = ("O_DIRECT write+fsync", "O_DIRECT read", "buffered write+fsync", "buffered read", "memcpy",
                  "torch.save", "safetensors", "dcp.save", "torch_checkpointing", "ours+tc plugin",
-                 "ours")
+                 "format floor", "ours")
 
 
 def _contenders(args: argparse.Namespace, ops: list[str], size: float, shape: str) -> list[Contender]:
@@ -64,7 +64,8 @@ def _contenders(args: argparse.Namespace, ops: list[str], size: float, shape: st
         names = list(SMALL_DEFAULT)
     picked = _pick(ops, names)
     if size > args.all_peers_up_to:
-        picked = [c for c in picked if c.role in ("limit", "ours") or c.name in BIG_PEERS]
+        # the format's floor too: the small case's per-byte cost is read against the largest dense one
+        picked = [c for c in picked if c.role in ("limit", "ours") or c.name in BIG_PEERS or c.fmt == "floor"]
     return picked
 
 

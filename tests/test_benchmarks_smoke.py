@@ -83,7 +83,7 @@ def test_suite_quick_run_writes_results_table_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "suite"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.suite", "--quick", "--sizes", "0.0625", "--parts", "core,small",
-         "--ops", "save,load", "--contenders", "ours,O_DIRECT write+fsync",
+         "--ops", "save,load", "--contenders", "ours,O_DIRECT write+fsync,format floor",
          "--out", str(out), "--workdir", str(tmp_path / "work")],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -92,9 +92,12 @@ def test_suite_quick_run_writes_results_table_and_plot(tmp_path: Path) -> None:
     cases = {(r["case"], r["op"], r["name"]) for r in data["summary"]}
     assert ("dense 0.0625 GiB", "save", "ours") in cases
     assert ("2,000 x 4 KiB", "load", "ours") in cases
+    # the format's floor ran on both sides, and its load was verified tensor by tensor like every load
+    assert {("2,000 x 4 KiB", "save", "format floor"), ("2,000 x 4 KiB", "load", "format floor")} <= cases
+    assert not [r for r in data["records"] if "error" in r]
     assert {c["peer"] for c in data["floors"]} >= {"O_DIRECT write+fsync", "peak RSS / state"}
     assert data["fits"] == []  # one dense size: nothing to fit (the fit is checked above)
-    assert any(s["name"] == "ours" for s in data["small_cost"])
+    assert {s["name"] for s in data["small_cost"]} >= {"ours", "format floor"}
     assert all("load_avg_1min" in r for r in data["records"])
     text = (out / "suite.md").read_text()
     assert "Floors (issue #10)" in text and "many small tensors" in text
