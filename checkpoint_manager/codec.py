@@ -204,9 +204,9 @@ def split_tensors(tree: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]
 
     def walk(obj: Any, path: str) -> Any:
         # what encode(obj, tensor_hook=hook) returns; string-keyed dicts (nearly all of a state
-        # dict's nodes) are walked here and their tensors placed without a call each (an optimizer's
-        # 6,666 per-parameter dicts of three tensors: 21 -> 13 ms)
-        if type(obj) is dict and _TAG not in obj and all(map(_is_str, obj)):
+        # dict's nodes, OrderedDicts included) are walked here and their tensors placed without a
+        # call each (an optimizer's 6,666 per-parameter dicts of three tensors: 21 -> 18 ms)
+        if isinstance(obj, dict) and _TAG not in obj and all(map(_is_str, obj)):
             out: dict[str, Any] = {}
             base = f"{prefix}.{path}." if prefix and path else (f"{prefix or path}." if prefix or path else "")
             for k, v in obj.items():

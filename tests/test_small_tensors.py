@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -411,6 +412,12 @@ def test_split_tensors_skeleton_equals_encode_with_the_same_hook() -> None:
     tensors, skeleton = split_tensors(nested, "p")
     assert json.dumps(skeleton) == json.dumps(encode(nested, tensor_hook=hook))
     assert list(tensors) == ["p.a.w", "p.a.l.0", "p.a.l.2.0", "p.b.3", "p.b.k.deep", "p.s"]
+    # a model's state dict is an OrderedDict; and a tree may be split without a prefix
+    ordered = OrderedDict(w=t, sub=OrderedDict(x=t, n=2))
+    tensors, skeleton = split_tensors({"m": ordered}, "")
+    expected = encode({"m": ordered}, tensor_hook=lambda path, x: {**hook(path, x), "key": path})
+    assert json.dumps(skeleton) == json.dumps(expected)
+    assert list(tensors) == ["m.w", "m.sub.x"]
 
 
 def test_collect_tensors_matches_split_tensors() -> None:
