@@ -1,0 +1,122 @@
+"""Opening files a checkpoint directory names, without trusting the directory.
+
+A checkpoint directory is data written by someone else: any of its names can be a FIFO (an ``open``
+that never returns), a device (``/dev/zero``: a read that never ends), a symlink out of the
+directory, or a file far larger than its kind ever is. Every read of such a file goes through here:
+the open never blocks and never follows a final symlink unless asked, the opened object must be a
+regular file, and a small file's read is bounded.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
+
+__all__ = [
+    "SMALL_FILE_LIMIT",
+    "UnsafeFileError",
+    "inside",
+    "open_regular",
+    "read_small",
+]
+
+# Pointers, locks, checkpoint.json, rank JSON: none is near this size in a real checkpoint.
+SMALL_FILE_LIMIT = 64 * 1024 * 1024
+
+
+class UnsafeFileError(UnsafeCheckpointError):
+    """A file a checkpoint names is not a regular file inside its directory (FIFO, device, escape)."""
+
+
+def inside(root: str | Path, relative: str) -> Path:
+    """``root / relative`` after checking that ``relative`` cannot leave ``root``.
+
+    Refuses absolute paths, ``..`` parts, empty names and NUL bytes; a symlink that leaves ``root`` is
+    caught when the file is opened (``open_regular(..., root=root)``).
+    """
+    if not isinstance(relative, str) or not relative or "\x00" in relative:
+        raise UnsafeFileError(f"{root}: invalid file name {relative!r}")
+    parts = relative.replace("\\", "/").split("/")
+    if relative.startswith(("/", "\\")) or os.path.isabs(relative) or ".." in parts:
+        raise UnsafeFileError(f"{root}: file name {relative!r} leaves the checkpoint directory")
+    return Path(root) / relative
+
+
+def _check_within(path: Path, root: Path) -> None:
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise UnsafeFileError(f"{path}: resolves to {real}, outside {root}")
+
+
+def open_regular(path: str | Path, *, root: str | Path | None = None, follow: bool = False) -> int:
+    """Open ``path`` read-only and return its descriptor, or raise before any byte is read.
+
+    ``O_NONBLOCK`` keeps a FIFO from blocking the open; ``O_NOFOLLOW`` (unless ``follow``) refuses a
+    final symlink; ``fstat`` after the open refuses anything but a regular file. With ``root``, the
+    file's real path must lie inside ``root`` (symlinks included). Missing files raise
+    ``FileNotFoundError`` unchanged, so callers keep telling "absent" from "damaged".
+    """
+    path = Path(path)
+    if root is not None:
+        _check_within(path, Path(root))
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFileError(f"{path}: is a symlink, where a regular file was expected") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(f"{path}: is not a regular file ({_kind(st.st_mode)})")
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small(
+    path: str | Path, *, limit: int = SMALL_FILE_LIMIT, root: str | Path | None = None, follow: bool = False
+) -> bytes:
+    """The whole of a small regular file, refusing one larger than ``limit`` bytes."""
+    fd = open_regular(path, root=root, follow=follow)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CheckpointCorruptError(f"{path}: {size} bytes, more than the {limit} such a file may hold")
+        chunks = []
+        remaining = limit + 1
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            raise CheckpointCorruptError(f"{path}: grew past the {limit} bytes such a file may hold")
+        return data
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
