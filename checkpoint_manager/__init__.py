@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         ManagerClosedError,
         PostCommitError,
         UnsafeCheckpointError,
+        UnsupportedConfigWarning,
     )
     from checkpoint_manager.factory import ENTRY_POINT_GROUP, create_checkpoint_manager, resolve_manager_class
     from checkpoint_manager.formats import (
@@ -126,6 +127,7 @@ _EXPORTS: dict[str, str] = {
     "Storage": "checkpoint_manager.storage",
     "TrainState": "checkpoint_manager.train_state",
     "UnsafeCheckpointError": "checkpoint_manager.errors",
+    "UnsupportedConfigWarning": "checkpoint_manager.errors",
     "UserPolicy": "checkpoint_manager.policy",
     "WriterLock": "checkpoint_manager.lock",
     "convert": "checkpoint_manager.formats",
@@ -193,6 +195,7 @@ __all__ = [
     "Storage",
     "TrainState",
     "UnsafeCheckpointError",
+    "UnsupportedConfigWarning",
     "UserPolicy",
     "WriterLock",
     "__version__",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import json
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -18,10 +20,11 @@ from pydantic import (
     model_validator,
 )
 from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from checkpoint_manager.naming import validate_template
 
-__all__ = ["CheckpointConfig", "LoadMode", "MonitorMode", "SaveCallable"]
+__all__ = ["CheckpointConfig", "LoadMode", "MonitorMode", "SaveCallable", "did_you_mean", "read_config_file"]
 
 LoadMode = Literal["auto", "required", "never"]
 MonitorMode = Literal["min", "max"]
@@ -29,6 +32,9 @@ MonitorMode = Literal["min", "max"]
 SaveCallable = Callable[[int, "int | None"], bool]
 
 _C = TypeVar("_C", bound="CheckpointConfig")
+
+# A bound that every layer below accepts (gloo keeps timeouts in milliseconds); ~116 days is "never".
+MAX_COLLECTIVE_TIMEOUT_S = 10_000_000.0
 
 
 class CheckpointConfig(BaseModel):
@@ -38,7 +44,21 @@ class CheckpointConfig(BaseModel):
     an error that names it instead of a setting silently ignored.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise explain_validation_error(type(self), exc) from None
+
+    @classmethod
+    def model_validate(cls: type[_C], obj: Any, **kwargs: Any) -> _C:
+        """As pydantic's, with "did you mean ...?" on misspelt fields."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise explain_validation_error(cls, exc) from None
 
     save_dir: str = Field(description="Directory (or fsspec URL) that receives checkpoints.")
     load_dir: str | None = Field(default=None, description="Where to resume from; defaults to save_dir.")
@@ -46,6 +66,11 @@ class CheckpointConfig(BaseModel):
         default=None,
         description="None for the default DCP manager, an entry-point name registered in group "
         "'checkpoint_manager.managers', or a dotted path 'pkg.mod.Class' / 'pkg.mod:Class'.",
+    )
+    on_unsupported_field: Literal["warn", "error"] = Field(
+        default="warn",
+        description="What setting a field that the chosen manager declares it does not implement "
+        "(its unsupported_config_fields) does: warn (UnsupportedConfigWarning) or error (ValueError).",
     )
     save_every_n_steps: int | None = Field(
         default=None, ge=1, description="Save when step is a multiple of this; None: only forced/final."
@@ -195,6 +220,8 @@ class CheckpointConfig(BaseModel):
     collective_timeout_s: float = Field(
         default=600.0,
         gt=0,
+        le=MAX_COLLECTIVE_TIMEOUT_S,
+        allow_inf_nan=False,
         description="Bound on each checkpoint collective: a dead or hung rank makes the others raise "
         "CollectiveTimeoutError (naming rank and phase) after this long instead of hanging. Must exceed "
         "the largest difference in write time between ranks.",
@@ -286,7 +313,10 @@ class CheckpointConfig(BaseModel):
     def __setattr__(self, name: str, value: Any) -> None:
         """Assignments are all-or-nothing: a value that fails any validator leaves the config as it was."""
         if name not in type(self).model_fields:
-            super().__setattr__(name, value)
+            try:
+                super().__setattr__(name, value)
+            except ValidationError as exc:
+                raise explain_validation_error(type(self), exc) from None
             return
         before = self.__dict__.get(name)
         try:
@@ -346,23 +376,70 @@ class CheckpointConfig(BaseModel):
         return cls.model_validate(data)
 
     @classmethod
-    def from_file(cls: type[_C], path: str | Path) -> _C:
-        """Load from a ``.json``, ``.yaml`` or ``.yml`` file."""
-        path = Path(path)
+    def from_file(cls: type[_C], path: str | os.PathLike[str]) -> _C:
+        """Load from a ``.json``, ``.yaml`` or ``.yml`` file.
+
+        When the file names a ``manager`` whose ``config_class`` extends this class, the file is
+        validated as that class, so a custom manager's YAML can carry the manager's own fields.
+        """
+        from checkpoint_manager.factory import validate_config_for
+
+        return validate_config_for(cls, read_config_file(path))
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The mapping in a ``.json``, ``.yaml`` or ``.yml`` config file; errors name the file."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ValueError(f"{path}: unsupported config file type {suffix!r} (use .json, .yaml or .yml)")
+    try:
         text = path.read_text(encoding="utf-8")
-        suffix = path.suffix.lower()
-        if suffix == ".json":
-            data = json.loads(text)
-        elif suffix in (".yaml", ".yml"):
-            try:
-                import yaml
-            except ImportError as exc:  # pragma: no cover - depends on the environment
-                raise ImportError(
-                    f"reading {path} needs PyYAML: pip install 'checkpoint-manager[yaml]'"
-                ) from exc
-            data = yaml.safe_load(text)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path} does not exist") from None
+    if suffix == ".json":
+        data = json.loads(text)
+    else:
+        try:
+            import yaml
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(f"reading {path} needs PyYAML: pip install 'checkpoint-manager[yaml]'") from exc
+        data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``choices``, or ``""`` when none is close."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_UNKNOWN_FIELD = ("extra_forbidden", "no_such_attribute")
+
+
+def explain_validation_error(
+    cls: type[BaseModel], exc: ValidationError, *, unknown_hint: str = ""
+) -> ValidationError:
+    """``exc`` with each unknown field's line saying which known field was probably meant.
+
+    ``unknown_hint`` is added to those lines too (e.g. that a manager lacks ``config_class``).
+    """
+    errors = exc.errors()
+    if not any(err["type"] in _UNKNOWN_FIELD for err in errors):
+        return exc
+    fields = list(cls.model_fields)
+    details: list[InitErrorDetails] = []
+    for err in errors:
+        if err["type"] in _UNKNOWN_FIELD and len(err["loc"]) == 1:
+            text = err["msg"] + did_you_mean(str(err["loc"][0]), fields) + unknown_hint
+            details.append(
+                {"type": PydanticCustomError(err["type"], text), "loc": err["loc"], "input": err["input"]}
+            )
         else:
-            raise ValueError(f"{path}: unsupported config file type {suffix!r} (use .json, .yaml or .yml)")
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-        return cls.model_validate(data)
+            detail: InitErrorDetails = {"type": err["type"], "loc": err["loc"], "input": err["input"]}
+            if "ctx" in err:
+                detail["ctx"] = err["ctx"]
+            details.append(detail)
+    return ValidationError.from_exception_data(exc.title, details)

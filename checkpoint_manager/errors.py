@@ -12,6 +12,7 @@ __all__ = [
     "ManagerClosedError",
     "PostCommitError",
     "UnsafeCheckpointError",
+    "UnsupportedConfigWarning",
 ]
 
 
@@ -61,3 +62,7 @@ class PostCommitError(CheckpointError):
             f"{path} is committed (a resume loads it), but {what} failed afterwards: "
             f"{type(cause).__name__}: {cause}"
         )
+
+
+class UnsupportedConfigWarning(UserWarning):
+    """A config field was set that the chosen manager declares it does not implement."""

@@ -11,12 +11,21 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import importlib_metadata
+from pydantic import ValidationError
 
-from checkpoint_manager.config import CheckpointConfig
+from checkpoint_manager.config import (
+    CheckpointConfig,
+    did_you_mean,
+    explain_validation_error,
+    read_config_file,
+)
+from checkpoint_manager.errors import UnsupportedConfigWarning
 from checkpoint_manager.protocol import CheckpointManager
 
 __all__ = [
@@ -25,7 +34,10 @@ __all__ = [
     "create_checkpoint_manager",
     "fields_set",
     "resolve_manager_class",
+    "validate_config_for",
 ]
+
+_C = TypeVar("_C", bound=CheckpointConfig)
 
 ENTRY_POINT_GROUP = "checkpoint_manager.managers"
 
@@ -51,17 +63,22 @@ _PROTOCOL_SPELLING = {
 
 
 def create_checkpoint_manager(
-    config: CheckpointConfig | Mapping[str, Any],
+    config: CheckpointConfig | Mapping[str, Any] | str | os.PathLike[str],
     *,
     allowed_import_prefixes: tuple[str, ...] | None = None,
     callbacks: Iterable[Any] | None = None,
 ) -> CheckpointManager:
     """Build the manager that ``config.manager`` names, with its config validated for it.
 
-    A manager class may declare ``config_class`` (a :class:`CheckpointConfig` subclass). A dict is
+    ``config`` is a :class:`CheckpointConfig`, a dict, or the path of a JSON/YAML file. A manager
+    class may declare ``config_class`` (a :class:`CheckpointConfig` subclass). A dict or file is
     then validated straight into that class, so a YAML file can carry the manager's own fields; a
     config of another class is re-validated from the fields the user set. Validation errors are
-    pydantic ``ValidationError`` naming the field.
+    pydantic ``ValidationError`` naming the field (with "did you mean ...?" for a misspelt one).
+
+    A manager may list the core fields it does not implement in ``unsupported_config_fields``;
+    setting one warns (:class:`UnsupportedConfigWarning`), or raises ``ValueError`` under
+    ``on_unsupported_field="error"``.
 
     ``allowed_import_prefixes``: when given, only managers whose import target starts with one of
     these module prefixes may be imported (``PermissionError`` otherwise); ``None`` is always allowed.
@@ -69,22 +86,25 @@ def create_checkpoint_manager(
     ``callbacks``: :class:`~checkpoint_manager.CheckpointCallback` objects, handed to a manager whose
     constructor takes ``callbacks=`` or that has ``add_callback``; any other manager is a ``TypeError``.
     """
+    if isinstance(config, (str, os.PathLike)):
+        config = read_config_file(config)
     if isinstance(config, CheckpointConfig):
         name = config.manager
     elif isinstance(config, Mapping):
         name = config.get("manager")
     else:
         raise TypeError(
-            f"create_checkpoint_manager expects a CheckpointConfig or a dict, got {type(config).__name__}"
+            "create_checkpoint_manager expects a CheckpointConfig, a dict or a config file path, "
+            f"got {type(config).__name__}"
         )
     cls = resolve_manager_class(name, allowed_import_prefixes=allowed_import_prefixes)
     config_cls: type[CheckpointConfig] = getattr(cls, "config_class", None) or CheckpointConfig
     if isinstance(config, config_cls):
         validated = config
-    elif isinstance(config, CheckpointConfig):
-        validated = config_cls.model_validate(fields_set(config))
     else:
-        validated = config_cls.model_validate(dict(config))
+        data = fields_set(config) if isinstance(config, CheckpointConfig) else dict(config)
+        validated = _validate(config_cls, data, name, cls)
+    _check_unsupported(cls, validated, name)
     callbacks = list(callbacks or ())
     takes_kwarg = callbacks and "callbacks" in inspect.signature(cls).parameters
     if callbacks and not takes_kwarg and not callable(getattr(cls, "add_callback", None)):
@@ -101,6 +121,62 @@ def create_checkpoint_manager(
             f"manager={name!r}: {_qualname(cls)}(config) returned an object that is not a CheckpointManager"
         )
     return manager
+
+
+def validate_config_for(base: type[_C], data: Mapping[str, Any]) -> _C:
+    """Validate ``data`` as ``base``, or as the ``config_class`` of the manager it names when that
+    class extends ``base``: how a file that names a custom manager gets the manager's own fields."""
+    name = data.get("manager")
+    if not isinstance(name, str):
+        return base.model_validate(dict(data))
+    try:
+        cls = resolve_manager_class(name)
+    except (ImportError, AttributeError):
+        # A manager not importable here (a config read on another machine) only matters when
+        # the file carries fields that ``base`` cannot place.
+        if all(key in base.model_fields for key in data):
+            return base.model_validate(dict(data))
+        raise
+    config_cls = getattr(cls, "config_class", None)
+    target: type[_C] = config_cls if config_cls is not None and issubclass(config_cls, base) else base
+    return _validate(target, dict(data), name, cls)
+
+
+def _validate(config_cls: type[_C], data: dict[str, Any], name: str | None, cls: type[Any]) -> _C:
+    """``config_cls.model_validate(data)``; unknown fields of a manager without ``config_class`` say
+    that the manager must declare one."""
+    try:
+        return config_cls.model_validate(data)
+    except ValidationError as exc:
+        unknown = sorted(str(k) for k in data if k not in config_cls.model_fields)
+        if not unknown or getattr(cls, "config_class", None) is not None or name is None:
+            raise
+        hint = (
+            f"; manager {name!r} takes fields {', '.join(unknown)} that {config_cls.__name__} does not "
+            f"know: declare `config_class` (a CheckpointConfig subclass with those fields) on "
+            f"{_qualname(cls)}"
+        )
+        raise explain_validation_error(config_cls, exc, unknown_hint=hint) from None
+
+
+def _check_unsupported(cls: type[Any], config: CheckpointConfig, name: str | None) -> None:
+    """Warn (or raise) when the user set a core field that the manager declares it ignores."""
+    unsupported = frozenset(getattr(cls, "unsupported_config_fields", ()) or ())
+    fields = type(config).model_fields
+    ignored = sorted(
+        field
+        for field in unsupported & config.model_fields_set
+        if getattr(config, field) != fields[field].get_default(call_default_factory=True)
+    )
+    if not ignored:
+        return
+    message = (
+        f"manager={name!r} ({_qualname(cls)}) does not implement {', '.join(ignored)}: "
+        "the setting has no effect"
+    )
+    if config.on_unsupported_field == "error":
+        raise ValueError(message + " (on_unsupported_field='error')")
+    warnings.warn(message, UnsupportedConfigWarning, stacklevel=3)
 
 
 def fields_set(config: CheckpointConfig) -> dict[str, Any]:
@@ -168,6 +244,9 @@ def check_manager_class(obj: object, *, name: str | None = None) -> None:
         inspect.isclass(config_class) and issubclass(config_class, CheckpointConfig)
     ):
         problems.append(f"config_class must be a subclass of CheckpointConfig, got {config_class!r}")
+    problem = _check_unsupported_declaration(getattr(obj, "unsupported_config_fields", None))
+    if problem:
+        problems.append(problem)
     if problems:
         raise TypeError(
             f"{label}: class {cls_name} does not implement the CheckpointManager protocol: "
@@ -206,6 +285,20 @@ def _check_method(
         except TypeError as exc:
             shown = signature.replace(return_annotation=inspect.Signature.empty)
             return f"{kind}{method}{shown} cannot be called as {spelling}: {exc}"
+    return None
+
+
+def _check_unsupported_declaration(declared: object) -> str | None:
+    if declared is None:
+        return None
+    if isinstance(declared, str) or not isinstance(declared, Iterable):
+        return f"unsupported_config_fields must be a collection of field names, got {declared!r}"
+    names = list(declared)
+    known = CheckpointConfig.model_fields
+    bad = [n for n in names if not isinstance(n, str) or n not in known]
+    if bad:
+        hints = "".join(did_you_mean(n, known) for n in bad if isinstance(n, str))
+        return f"unsupported_config_fields names fields CheckpointConfig does not have: {bad!r}{hints}"
     return None
 
 
@@ -275,7 +368,7 @@ def _parse_dotted(name: str) -> tuple[str, str]:
             raise ValueError(
                 f"manager={name!r} is neither an entry point in group {ENTRY_POINT_GROUP!r} "
                 f"(installed: {', '.join(installed) or 'none'}) nor a dotted path 'pkg.mod.Class' "
-                "(it has no module part)"
+                f"(it has no module part){did_you_mean(name, installed)}"
             )
         module, _, attr = name.rpartition(".")
     for part_name, part in (("module", module), ("class", attr)):
@@ -292,7 +385,10 @@ def _import_target(name: str, module_name: str, attr: str) -> object:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ImportError(f"manager={name!r}: cannot import module {module_name!r}: {exc}") from exc
+        installed = [ep.name for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)]
+        raise ImportError(
+            f"manager={name!r}: cannot import module {module_name!r}: {exc}{did_you_mean(name, installed)}"
+        ) from exc
     except Exception as exc:
         raise ImportError(f"manager={name!r}: importing module {module_name!r} failed: {exc!r}") from exc
     obj: object = module
@@ -300,8 +396,10 @@ def _import_target(name: str, module_name: str, attr: str) -> object:
         try:
             obj = getattr(obj, piece)
         except AttributeError as exc:
+            public = [n for n in dir(obj) if not n.startswith("_")]
             raise AttributeError(
                 f"manager={name!r}: module {module_name!r} has no attribute {attr!r}"
+                f"{did_you_mean(piece, public)}"
             ) from exc
     return obj
 

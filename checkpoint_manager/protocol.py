@@ -68,6 +68,36 @@ class _Context:
         return _as_list(self.scheduler)
 
 
+def _plain_metrics(metrics: Any) -> dict[str, float]:
+    """Metrics as plain numbers: ``metrics={"loss": loss}`` with a one-element tensor (or a numpy
+    scalar) is the common way to log them, so it is taken as its value instead of failing deep
+    inside the save; anything else that is not a number is refused here, naming the metric."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"SaveContext.metrics must be a dict of name -> number, got {type(metrics).__name__}")
+    plain: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"SaveContext.metrics: metric names must be non-empty strings, got {name!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            item = getattr(value, "item", None)
+            numel = getattr(value, "numel", None) or getattr(value, "size", None)
+            count = numel() if callable(numel) else numel
+            if not callable(item) or count != 1:
+                shape = getattr(value, "shape", None)
+                raise TypeError(
+                    f"SaveContext.metrics[{name!r}] must be a number (int or float), got "
+                    f"{type(value).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else "")
+                )
+            value = item()
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(
+                    f"SaveContext.metrics[{name!r}] must be a number, got a one-element "
+                    f"{type(value).__name__}"
+                )
+        plain[name] = value
+    return plain
+
+
 def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
@@ -87,6 +117,9 @@ class SaveContext(_Context):
     metrics: dict[str, float] = field(default_factory=dict)
     force: bool = False
     final: bool = False
+
+    def __post_init__(self) -> None:
+        self.metrics = _plain_metrics(self.metrics)
 
 
 @dataclass

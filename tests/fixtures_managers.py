@@ -222,3 +222,13 @@ def not_a_class(config: CheckpointConfig) -> Good:
 
 
 AN_INT = 42
+
+
+class NoAsync(_Base):
+    """Declares the core fields it does not implement, so setting them warns."""
+
+    unsupported_config_fields: ClassVar[frozenset[str]] = frozenset({"async_save", "keep_best"})
+
+
+class BadUnsupported(_Base):
+    unsupported_config_fields: ClassVar[tuple[str, ...]] = ("keep_lats",)

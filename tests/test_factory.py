@@ -62,8 +62,10 @@ def test_dict_config_is_accepted(tmp_path: Path) -> None:
 
 
 def test_non_config_is_rejected() -> None:
-    with pytest.raises(TypeError, match="expects a CheckpointConfig or a dict, got str"):
-        create_checkpoint_manager("save_dir=/tmp")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="expects a CheckpointConfig, a dict or a config file path, got int"):
+        create_checkpoint_manager(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"save_dir=/tmp: unsupported config file type '' \(use .json, .yaml"):
+        create_checkpoint_manager("save_dir=/tmp")
 
 
 # ---- malformed names --------------------------------------------------------------------------
