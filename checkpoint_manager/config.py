@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -125,8 +126,33 @@ class CheckpointConfig(BaseModel):
     )
 
     # -- when to save: a save happens when any of these (or save_every_n_steps) says so ------------
-    save_every_n_seconds: float | None = Field(
-        default=None, gt=0, description="Save when this many seconds of wall clock passed since the last save."
+    save_every_n_seconds: float | Literal["auto"] | None = Field(
+        default=None,
+        description="Save when this many seconds of wall clock passed since the last save; 'auto': the "
+        "Young-Daly interval sqrt(2 * cost * MTBF) from the measured cost of this run's saves and "
+        "mtbf_hours (see docs/policies.md).",
+    )
+    mtbf_hours: float | None = Field(
+        default=None,
+        gt=0,
+        description="Mean time between failures of the whole job, in hours; needed by "
+        "save_every_n_seconds='auto'.",
+    )
+    save_continuously: bool = Field(
+        default=False,
+        description="Save at the first step after the previous save became durable (an async save "
+        "committed; every step for sync saves), at most every min_save_interval_s.",
+    )
+    min_save_interval_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Lower bound of the interval chosen by save_every_n_seconds='auto' and of the gap "
+        "between two saves of save_continuously.",
+    )
+    max_save_interval_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Upper bound of the interval chosen by save_every_n_seconds='auto' (None: unbounded).",
     )
     save_at_steps: list[Annotated[int, Field(ge=0)]] | None = Field(
         default=None, description="Save at exactly these steps (e.g. before a planned learning-rate change)."
@@ -342,6 +368,39 @@ class CheckpointConfig(BaseModel):
             )
         if self.keep_unranked and self.monitor is None:
             raise ValueError("keep_unranked=True needs monitor: without a metric no checkpoint is ranked")
+        return self
+
+    @field_validator("save_every_n_seconds", mode="before")
+    @classmethod
+    def _check_seconds(cls, value: Any) -> Any:
+        """One error for a bad value (not one per member of the float | 'auto' union)."""
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PydanticCustomError(
+                "seconds_or_auto", "Input should be a number of seconds or 'auto'"
+            )
+        if not math.isfinite(value):
+            raise PydanticCustomError("finite_number", "Input should be a finite number")
+        if value <= 0:
+            raise PydanticCustomError("greater_than", "Input should be greater than 0")
+        return value
+
+    @model_validator(mode="after")
+    def _check_cadence(self) -> CheckpointConfig:
+        auto = self.save_every_n_seconds == "auto"
+        if auto and self.mtbf_hours is None:
+            raise ValueError(
+                "save_every_n_seconds='auto' needs mtbf_hours: the expected time between failures of the "
+                "whole job, e.g. mtbf_hours=4"
+            )
+        if self.mtbf_hours is not None and not auto:
+            raise ValueError("mtbf_hours is only used by save_every_n_seconds='auto'; set that too or drop it")
+        if self.max_save_interval_s is not None and self.max_save_interval_s < self.min_save_interval_s:
+            raise ValueError(
+                f"max_save_interval_s={self.max_save_interval_s:g} is below "
+                f"min_save_interval_s={self.min_save_interval_s:g}"
+            )
         return self
 
     @model_validator(mode="after")

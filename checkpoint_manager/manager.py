@@ -7,6 +7,7 @@ Save: policy → gather → DCP write into a pending directory → per-rank JSON
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import operator
@@ -220,7 +221,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
             else self._open_storage(config.resolved_load_dir)
         )
         self._local_copies: list[tuple[FsspecStorage, Path]] = []  # downloads made by load()
-        self._policy = build_save_policy(config)
+        self._policy = build_save_policy(config, busy=lambda: self.save_in_flight)
         self._closed = False
         self._last_saved_step: int | None = None
         self._last_saved_known = False
@@ -510,11 +511,18 @@ class DefaultCheckpointManager(FinalizeOnExit):
         if self.config.async_save and not (ctx.final or preempting):
             return self._save_async(ctx, step)
         self._collect_background(wait=True, for_save=True)
-        result = self._write_and_commit(self._prepare(ctx, step, async_save=False))
+        result = self._with_cadence(self._write_and_commit(self._prepare(ctx, step, async_save=False)))
         if preempting:
             self._preempted = True
         self._observers.save_committed(result)
         return result
+
+    def _with_cadence(self, result: SaveResult) -> SaveResult:
+        """Tell the save policy what this save cost training (the stall of an async save, the whole
+        of a sync one), and carry its cadence numbers into the result's records."""
+        self._policy.record_cost(result.stall_seconds if not result.committed else result.seconds)
+        report = self._policy.report()
+        return dataclasses.replace(result, cadence=report) if report else result
 
     @property
     def preempted(self) -> bool:
@@ -590,14 +598,16 @@ class DefaultCheckpointManager(FinalizeOnExit):
         job.timings["stall"] = stall
         self._prepared = True
         self._last_saved_step, self._last_saved_known = step, True
-        staged = SaveResult(
-            path=self._storage.location_of(job.name),
-            step=step,
-            bytes=job.state.nbytes,
-            seconds=stall,
-            stall_seconds=stall,
-            committed=False,
-            timings=dict(job.timings),
+        staged = self._with_cadence(
+            SaveResult(
+                path=self._storage.location_of(job.name),
+                step=step,
+                bytes=job.state.nbytes,
+                seconds=stall,
+                stall_seconds=stall,
+                committed=False,
+                timings=dict(job.timings),
+            )
         )
         self._observers.save_staged(staged)
         return staged

@@ -106,6 +106,7 @@ def save_record(result: SaveResult, *, rank: int = 0, world_size: int = 1) -> di
         "stall_seconds": round(result.stall_seconds, 6),
         "committed": result.committed,
         "timings": _seconds(result.timings),
+        **({"cadence": _seconds(result.cadence)} if result.cadence else {}),
         "rank": rank,
         "world_size": world_size,
     }

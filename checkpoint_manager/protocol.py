@@ -152,6 +152,9 @@ class SaveResult:
     stall_seconds: float = 0.0
     committed: bool = True
     timings: Mapping[str, float] = field(default_factory=dict)
+    #: With ``save_every_n_seconds="auto"``: the interval now in force, the measured save cost, the
+    #: expected work lost per failure and the overhead fraction (see ``YoungDaly.report``).
+    cadence: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:

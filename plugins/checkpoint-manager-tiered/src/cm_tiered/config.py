@@ -13,7 +13,17 @@ __all__ = ["LOCAL_POLICY_FIELDS", "SHARED_FIELDS", "TieredConfig"]
 
 #: Core fields that say *when* to save: they drive the frequent local tier (the durable tier saves on
 #: durable_every_n_steps, save_at_steps, final_step, forced and final saves).
-LOCAL_POLICY_FIELDS = frozenset({"save_every_n_steps", "save_every_n_seconds", "save_policy"})
+LOCAL_POLICY_FIELDS = frozenset(
+    {
+        "save_every_n_steps",
+        "save_every_n_seconds",
+        "save_policy",
+        "mtbf_hours",
+        "save_continuously",
+        "min_save_interval_s",
+        "max_save_interval_s",
+    }
+)
 
 #: Core fields that describe how any checkpoint is written or read: both tiers get them.
 SHARED_FIELDS = frozenset(
