@@ -95,6 +95,18 @@ class CheckpointConfig(BaseModel):
         "async total drops by about one memcpy, the stall grows (the copy and the writes share memory "
         "bandwidth and the two cores). Local save_dir only.",
     )
+    on_save_error: Literal["raise", "continue"] = Field(
+        default="raise",
+        description="raise: a failed save raises into the training loop. continue: it is cleaned up as "
+        "always, logged, reported (event log, on_error, SaveResult.error, manager.last_save_error) and "
+        "training goes on; the max_consecutive_save_failures-th failure in a row raises, and a final or "
+        "preemption save always does.",
+    )
+    max_consecutive_save_failures: int = Field(
+        default=3,
+        ge=1,
+        description="With on_save_error='continue': this many failed saves in a row raise the last one.",
+    )
     async_when_busy: Literal["wait", "skip"] = Field(
         default="wait",
         description="When a save is due while the previous async save still writes: wait for it, or skip "
@@ -326,7 +338,7 @@ class CheckpointConfig(BaseModel):
 
     @field_validator(
         "save_every_n_steps", "load_step", "final_step", "keep_last", "keep_best", "keep_every_n_steps",
-        "save_at_steps", "storage_retries", mode="before",
+        "save_at_steps", "storage_retries", "max_consecutive_save_failures", mode="before",
     )
     @classmethod
     def _no_bools(cls, value: Any, info: ValidationInfo) -> Any:

@@ -234,6 +234,9 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._lock = threading.Lock()
         self._preemption = PreemptionWatcher() if config.save_on_preemption else None
         self._preempted = False
+        self._save_failures = 0  # consecutive failed saves (on_save_error="continue")
+        self._last_save_error: BaseException | None = None
+        self._attempt: tuple[int, bool] | None = None  # (step, must raise) of the save being made
         self._storage.check_root()
         self._pruner = Pruner.from_config(config, self._storage)
         self._resumed_from: str | None = None  # protected from retention while this run lives
@@ -491,8 +494,51 @@ class DefaultCheckpointManager(FinalizeOnExit):
         try:
             return self._save(ctx)
         except BaseException as exc:
-            self._observers.error("save", ctx.train_state.step if ctx.train_state else None, exc)
+            step = ctx.train_state.step if ctx.train_state else None
+            self._observers.error("save", step, exc)
+            attempt, self._attempt = self._attempt, None
+            if attempt is not None and self._tolerate(exc, f"the save of step {attempt[0]}", must_raise=attempt[1]):
+                return SaveResult(path="", step=attempt[0], committed=False, error=exc)
             raise
+        finally:
+            self._attempt = None
+
+    @property
+    def last_save_error(self) -> BaseException | None:
+        """The error of the latest save that failed, or None once a save commits again."""
+        return self._last_save_error
+
+    @property
+    def consecutive_save_failures(self) -> int:
+        """How many saves failed in a row (``on_save_error="continue"`` lets training go on)."""
+        return self._save_failures
+
+    def _tolerate(self, exc: BaseException, what: str, *, must_raise: bool = False) -> bool:
+        """Whether ``on_save_error="continue"`` lets training go on after this failed save.
+
+        Only errors of a save that was attempted count (not a closed manager or an interrupt); a
+        final or preemption save, and the ``max_consecutive_save_failures``-th failure in a row,
+        always raise.
+        """
+        if not isinstance(exc, Exception) or isinstance(exc, ManagerClosedError):
+            return False
+        self._save_failures += 1
+        self._last_save_error = exc
+        limit = self.config.max_consecutive_save_failures
+        if self.config.on_save_error != "continue" or must_raise:
+            return False
+        if self._save_failures >= limit:
+            log.error("%s failed: %d saves in a row failed (max_consecutive_save_failures=%d): raising", what,
+                      self._save_failures, limit)
+            return False
+        log.error(
+            "%s failed, nothing was committed; training goes on (on_save_error='continue', %d of %d "
+            "failures in a row allowed): %s: %s", what, self._save_failures, limit - 1, type(exc).__name__, exc,
+        )
+        return True
+
+    def _save_succeeded(self) -> None:
+        self._save_failures, self._last_save_error = 0, None
 
     def _save(self, ctx: SaveContext) -> SaveResult | None:
         if ctx.train_state is None:
@@ -501,7 +547,10 @@ class DefaultCheckpointManager(FinalizeOnExit):
         preempting = self._preemption is not None and self._dist.any_true(
             self._preemption.requested, "preemption"
         )
-        if not self._decide(step, ctx, preempting):
+        decided = self._decide(step, ctx, preempting)
+        if decided:
+            self._attempt = (step, bool(ctx.final or preempting or step == self.config.final_step))
+        if not decided:
             if preempting:  # this step is already saved: make sure it is committed, then stop
                 self._collect_background(wait=True)
                 self._preempted = True
@@ -512,6 +561,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
             return self._save_async(ctx, step)
         self._collect_background(wait=True, for_save=True)
         result = self._with_cadence(self._write_and_commit(self._prepare(ctx, step, async_save=False)))
+        self._save_succeeded()
         if preempting:
             self._preempted = True
         self._observers.save_committed(result)
@@ -703,8 +753,11 @@ class DefaultCheckpointManager(FinalizeOnExit):
                 error = AsyncSaveError(f"{what} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
             self._observers.error("save", step, error)
+            if self._tolerate(error, f"the async save of step {step}"):
+                return
             raise error from exc
         if isinstance(result, SaveResult):
+            self._save_succeeded()
             self._observers.save_committed(result)
 
     # -- save internals ---------------------------------------------------------------------------

@@ -155,6 +155,8 @@ class SaveResult:
     #: With ``save_every_n_seconds="auto"``: the interval now in force, the measured save cost, the
     #: expected work lost per failure and the overhead fraction (see ``YoungDaly.report``).
     cadence: Mapping[str, float] = field(default_factory=dict)
+    #: With ``on_save_error="continue"``: the error of a save that failed (nothing was committed).
+    error: BaseException | None = None
 
     @property
     def gbps(self) -> float:

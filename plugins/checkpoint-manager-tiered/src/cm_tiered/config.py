@@ -43,6 +43,8 @@ SHARED_FIELDS = frozenset(
         "lock_stale_after_s",
         "collective_timeout_s",
         "on_world_size_change",
+        "on_save_error",
+        "max_consecutive_save_failures",
     }
 )
 
