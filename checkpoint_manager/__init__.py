@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from checkpoint_manager.dist import CollectiveTimeoutError
     from checkpoint_manager.errors import (
         AsyncSaveError,
+        BundleCacheError,
+        BundleTooLargeError,
         CheckpointCorruptError,
         CheckpointError,
         CheckpointMismatchError,
@@ -84,6 +86,8 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, str] = {
     "AnyOf": "checkpoint_manager.policy",
     "AsyncSaveError": "checkpoint_manager.errors",
+    "BundleCacheError": "checkpoint_manager.errors",
+    "BundleTooLargeError": "checkpoint_manager.errors",
     "AtSteps": "checkpoint_manager.policy",
     "CheckpointCallback": "checkpoint_manager.observe",
     "CheckpointConfig": "checkpoint_manager.config",
@@ -153,6 +157,8 @@ __all__ = [
     "AnyOf",
     "AsyncSaveError",
     "AtSteps",
+    "BundleCacheError",
+    "BundleTooLargeError",
     "CheckpointCallback",
     "CheckpointConfig",
     "CheckpointCorruptError",
