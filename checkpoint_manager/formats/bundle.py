@@ -707,7 +707,7 @@ def _fill(cache: Path, key: str, path: Path, st: os.stat_result, limits: BundleL
         record = {"format": _RECORD_FORMAT, "version": 1, "bundle": str(path), "identity": _identity(st),
                   "bytes": total, "tree": tree}
         tmp = cache / f".{key}.{uuid.uuid4().hex[:8]}.json.tmp"
-        with open(tmp, "x", encoding="utf-8") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "w") as f:
             json.dump(record, f)
         os.rename(tmp, record_file)
     finally:
