@@ -503,3 +503,36 @@ def test_inspect_summary_of_safetensors_and_damaged_state(
     assert summary["optimizers"]["optim"]["slots"] == ["exp_avg", "exp_avg_sq", "step"]
     (problem,) = summary["problems"]
     assert problem.startswith(f"{damaged / 'state.json'}: unreadable (JSONDecodeError: Expecting property name")
+
+
+@pytest.mark.parametrize("verify", ["sizes", "full"])
+def test_tampered_large_tensor_file_in_an_entry(tmp_path: Path, cache: Path, verify: str) -> None:
+    """Tensor files over 1 MiB are checked by size, not hashed, on every use; under ``"full"`` their
+    CRC32s, from the entry's hash-checked ``checkpoint.json`` (the bundle's own), catch a same-size
+    change with a typed error."""
+    torch.manual_seed(0)
+    model = nn.Linear(1024, 512)
+    state = TrainState()
+    state.step = 7
+    with DefaultCheckpointManager(CheckpointConfig(save_dir=str(tmp_path / "run"), fsync=False)) as mgr:
+        res = mgr.save(SaveContext(model=model, train_state=state, force=True))
+    assert res is not None
+    bundle = pack_bundle(res.path, tmp_path / "big.tar")
+    distcp = open_bundle(bundle).checkpoint / "__0_0.distcp"
+    assert distcp.stat().st_size > MiB
+    data = bytearray(distcp.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    distcp.write_bytes(bytes(data))
+    fresh = nn.Linear(1024, 512)
+    cfg = CheckpointConfig(save_dir=str(tmp_path / "other"), fsync=False, verify_on_load=verify)
+    with DefaultCheckpointManager(cfg) as mgr:
+        if verify == "full":
+            with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp: CRC32 [0-9a-f]{8}, checkpoint\.json "
+                                                             r"records [0-9a-f]{8} \(corrupted\)"):
+                mgr.load(LoadContext(model=fresh, path=bundle))
+        else:  # documented: as for a checkpoint directory under "sizes"
+            assert mgr.load(LoadContext(model=fresh, path=bundle)).step == 7
+    clear_bundle_cache()
+    with DefaultCheckpointManager(cfg) as mgr:  # a fresh copy loads the bundle's weights
+        mgr.load(LoadContext(model=fresh, path=bundle))
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)

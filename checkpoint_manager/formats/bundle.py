@@ -91,7 +91,8 @@ DEFAULT_MAX_RATIO = 100.0
 RATIO_FLOOR = 64 * 2**20  # below this many expanded bytes, any compression ratio is fine
 MAX_MEMBERS = 1_000_000
 _METADATA_NAMES = frozenset({"bundle.json", "checkpoint_config.json", CHECKPOINT_JSON, ".metadata", "state.json"})
-_HASHED_UP_TO = 16 * 2**20  # cache entries: files up to this size are hashed, larger ones sized
+_TENSOR_FILES = (".distcp", ".safetensors")  # in cache entries, hashed only up to _HASHED_TENSOR_BYTES
+_HASHED_TENSOR_BYTES = 2**20
 _RECORD_FORMAT = "checkpoint-manager-bundle-cache"
 _RECORD_SUFFIX = ".entry.json"
 Compression = Literal["gz", "bz2", "xz"]
@@ -589,8 +590,9 @@ def _sha256(file: Path) -> str:
 
 
 def _describe(entry: Path) -> tuple[dict[str, list[Any]], int]:
-    """``{path: [size, sha256 | None]}`` (None for directories; files above ``_HASHED_UP_TO`` bytes are
-    not hashed, their size is recorded) and the total bytes."""
+    """``{path: [size, sha256 | None]}`` and the total bytes. Directories and tensor files over 1 MiB
+    get no hash: hashing them on every load would cost a read of the checkpoint; their CRC32s, in the
+    hashed ``checkpoint.json``, are what ``verify_on_load="full"`` checks."""
     tree: dict[str, list[Any]] = {}
     total = 0
     for rel, st in sorted(_tree(entry).items()):
@@ -598,7 +600,8 @@ def _describe(entry: Path) -> tuple[dict[str, list[Any]], int]:
             tree[rel + "/"] = [0, None]
             continue
         total += st.st_size
-        tree[rel] = [st.st_size, _sha256(entry / rel) if st.st_size <= _HASHED_UP_TO else None]
+        hashed = st.st_size <= _HASHED_TENSOR_BYTES or not rel.endswith(_TENSOR_FILES)
+        tree[rel] = [st.st_size, _sha256(entry / rel) if hashed else None]
     return tree, total
 
 
@@ -662,9 +665,9 @@ def open_bundle(
 
     The cache directory is private to this user (``0700``, checked on every call). An entry is used
     only if its record matches the bundle's path, inode, size, mtime and ctime, and the entry holds
-    exactly the files unpacked then, each ours and not writable by others, with the recorded sizes and
-    the recorded SHA-256 of every file up to 16 MiB (the metadata and JSON files, whose CRC32s then
-    vouch for the tensors under ``verify_on_load="full"``). Anything else is discarded and unpacked
+    exactly the files unpacked then, each a plain file or directory of this user, with the recorded
+    sizes and the recorded SHA-256 of every file but tensor files over 1 MiB (whose CRC32s, in the hashed
+    ``checkpoint.json``, ``verify_on_load="full"`` checks). Anything else is discarded and unpacked
     again. One process at a time unpacks (ranks on one host wait and share the copy); an older
     entry of the same path is replaced; least recently used entries go once the cache is larger
     than :func:`cache_limit`.
@@ -679,6 +682,7 @@ def open_bundle(
     key = _key(path)
     entry, record_file = cache / key, cache / f"{key}{_RECORD_SUFFIX}"
     with _locked(cache):
+        st = path.stat()  # as it is now that no one else is unpacking
         try:
             _check_entry(entry, record_file, path, st)
             os.utime(record_file)  # last used
@@ -703,7 +707,12 @@ def _fill(cache: Path, key: str, path: Path, st: os.stat_result, limits: BundleL
             raise CheckpointCorruptError(f"{path}: changed while it was being unpacked; try again")
         _remove(record_file)
         _remove(entry)
-        os.rename(work, entry)
+        try:
+            os.rename(work, entry)
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            raise BundleCacheError(f"{entry}: an old bundle cache entry that cannot be removed; remove it") from None
         record = {"format": _RECORD_FORMAT, "version": 1, "bundle": str(path), "identity": _identity(st),
                   "bytes": total, "tree": tree}
         tmp = cache / f".{key}.{uuid.uuid4().hex[:8]}.json.tmp"
