@@ -41,7 +41,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "inspect",
         parents=[common],
-        help="show a checkpoint's train state, metadata and tensors",
+        help="show a checkpoint's summary, train state, metadata and tensors",
         description="Show a checkpoint's train state, metrics, metadata and tensors (name, shape, dtype, "
         "bytes). PATH is a checkpoint directory, a save directory (its newest checkpoint, or --step), "
         "a bundle, or safetensors weights.",
