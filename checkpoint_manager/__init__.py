@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from checkpoint_manager.dist import CollectiveTimeoutError
     from checkpoint_manager.errors import (
         AsyncSaveError,
+        BundleCacheError,
+        BundleTooLargeError,
         CheckpointCorruptError,
         CheckpointError,
         CheckpointMismatchError,
@@ -87,6 +89,8 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, str] = {
     "AnyOf": "checkpoint_manager.policy",
     "AsyncSaveError": "checkpoint_manager.errors",
+    "BundleCacheError": "checkpoint_manager.errors",
+    "BundleTooLargeError": "checkpoint_manager.errors",
     "AtSteps": "checkpoint_manager.policy",
     "CheckpointCallback": "checkpoint_manager.observe",
     "CheckpointConfig": "checkpoint_manager.config",
@@ -159,6 +163,8 @@ __all__ = [
     "AnyOf",
     "AsyncSaveError",
     "AtSteps",
+    "BundleCacheError",
+    "BundleTooLargeError",
     "CheckpointCallback",
     "CheckpointConfig",
     "CheckpointCorruptError",

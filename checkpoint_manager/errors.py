@@ -4,6 +4,8 @@ from __future__ import annotations
 
 __all__ = [
     "AsyncSaveError",
+    "BundleCacheError",
+    "BundleTooLargeError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointMismatchError",
@@ -34,6 +36,14 @@ class CheckpointVersionError(CheckpointCorruptError):
 
 class UnsafeCheckpointError(CheckpointCorruptError):
     """A file tried something that loading must never do (run code, escape a directory)."""
+
+
+class BundleTooLargeError(UnsafeCheckpointError):
+    """A bundle expands past the configured size or compression-ratio limit (a compression bomb?)."""
+
+
+class BundleCacheError(CheckpointError):
+    """The bundle cache directory cannot be trusted (someone else's, or a symlink); nothing in it is used."""
 
 
 class CheckpointMismatchError(CheckpointError):

@@ -153,12 +153,16 @@ def test_extract_and_cache_reuse(
     with pytest.raises(FileExistsError, match="is not empty"):
         extract_bundle(bundle, out)
     first = open_bundle(bundle)
+    inode = (first.checkpoint / "checkpoint.json").stat().st_ino
+    assert open_bundle(bundle).root == first.root  # unpacked once, then reused
+    assert (first.checkpoint / "checkpoint.json").stat().st_ino == inode
     marker = first.root / "marker"
-    marker.write_text("kept")
-    assert open_bundle(bundle).root == first.root and marker.exists()  # unpacked once
-    pack_bundle(ckpt, bundle, overwrite=True, compression="xz")  # a changed file is unpacked anew
-    assert open_bundle(bundle).root != first.root
-    assert sorted(p.name for p in cache.iterdir() if p.name.startswith(".")) == []
+    marker.write_text("planted")
+    assert open_bundle(bundle).root == first.root and not marker.exists()  # a changed entry is unpacked anew
+    pack_bundle(ckpt, bundle, overwrite=True, compression="xz")  # so is a changed file, in the same place
+    assert open_bundle(bundle).root == first.root
+    assert (first.checkpoint / "checkpoint.json").stat().st_ino != inode
+    assert sorted(p.name for p in cache.iterdir()) == [first.root.name, first.root.name + ".entry.json"]
 
 
 def test_bare_tar_of_a_checkpoint_directory_loads(

@@ -13,7 +13,15 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from checkpoint_manager.cli import diff_cmd, inspect_cmd, list_cmd, prune_cmd, transfer_cmd, verify_cmd
+from checkpoint_manager.cli import (
+    cache_cmd,
+    diff_cmd,
+    inspect_cmd,
+    list_cmd,
+    prune_cmd,
+    transfer_cmd,
+    verify_cmd,
+)
 from checkpoint_manager.cli.errors import ExitCode, classify, describe
 from checkpoint_manager.cli.output import Output
 
@@ -29,6 +37,7 @@ examples:
   ckpt diff runs/exp1/step_00000100 runs/exp1/step_00000200
   ckpt export runs/exp1 --to hf --out hf_model
   ckpt prune runs/exp1 --keep-last 3 --dry-run
+  ckpt cache clear                                  remove the unpacked copies of bundles
   ckpt list runs/exp1 --json                        one JSON document on stdout, for scripts
 
 exit status:
@@ -78,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff_cmd.add_parser(sub, common)
     transfer_cmd.add_parsers(sub, common)
     prune_cmd.add_parser(sub, common)
+    cache_cmd.add_parser(sub, common)
     return parser
 
 

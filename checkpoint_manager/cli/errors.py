@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import enum
 
-from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from checkpoint_manager.errors import (
+    BundleCacheError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+)
 
 __all__ = ["CliError", "ExitCode", "classify", "describe"]
 
@@ -47,6 +52,8 @@ def classify(exc: BaseException) -> ExitCode:
         return ExitCode.NOT_FOUND
     if isinstance(exc, (CheckpointLockError, FileExistsError)):
         return ExitCode.CONFLICT
+    if isinstance(exc, BundleCacheError):  # the cache directory, not the checkpoint, is the problem
+        return ExitCode.IO_ERROR
     if isinstance(exc, (CheckpointCorruptError, CheckpointError)):
         return ExitCode.CORRUPT
     if isinstance(exc, (ValueError, KeyError)):

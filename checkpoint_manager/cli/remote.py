@@ -74,8 +74,10 @@ class RemoteCheckpoint:
         return self.storage.key(self.info.name)
 
     def download_metadata(self, into: Path) -> Path:
-        """Only ``.metadata`` (all ``inspect`` needs), into ``into``."""
+        """Only ``.metadata`` and ``state.json`` (all ``inspect`` needs), into ``into``."""
         self.storage.fs.get(f"{self.key}/.metadata", str(into / ".metadata"))
+        with contextlib.suppress(FileNotFoundError):  # plain DCP checkpoints have none
+            self.storage.fs.get(f"{self.key}/state.json", str(into / "state.json"))
         return into
 
 

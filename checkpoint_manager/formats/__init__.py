@@ -3,11 +3,16 @@ single-file tar bundles, and conversions between DCP, safetensors and ``torch.sa
 
 from checkpoint_manager.formats.bundle import (
     BundleInfo,
+    BundleLimits,
+    CacheEntry,
+    clear_bundle_cache,
     extract_bundle,
     is_bundle,
     list_bundle,
+    list_bundle_cache,
     open_bundle,
     pack_bundle,
+    read_bundle_metadata,
     resolve_checkpoint_path,
 )
 from checkpoint_manager.formats.convert import (
@@ -27,9 +32,12 @@ from checkpoint_manager.formats.sizes import parse_size
 
 __all__ = [
     "BundleInfo",
+    "BundleLimits",
+    "CacheEntry",
     "HFExport",
     "HFLoad",
     "PeftExport",
+    "clear_bundle_cache",
     "convert",
     "dcp_to_safetensors",
     "dcp_to_torch",
@@ -40,10 +48,12 @@ __all__ = [
     "is_bundle",
     "is_hf_weights",
     "list_bundle",
+    "list_bundle_cache",
     "load_hf_weights",
     "open_bundle",
     "pack_bundle",
     "parse_size",
+    "read_bundle_metadata",
     "resolve_checkpoint_path",
     "safetensors_to_dcp",
     "safetensors_to_torch",
