@@ -95,6 +95,15 @@ class CheckpointConfig(BaseModel):
         "async total drops by about one memcpy, the stall grows (the copy and the writes share memory "
         "bandwidth and the two cores). Local save_dir only.",
     )
+    check_finite: bool = Field(
+        default=False,
+        description="Refuse to commit a checkpoint whose model weights or buffers hold NaN or inf "
+        "(NonFiniteStateError naming them); checked beside the write, so it costs little.",
+    )
+    check_finite_optimizer: bool = Field(
+        default=False,
+        description="With check_finite: check the optimizer state too.",
+    )
     on_save_error: Literal["raise", "continue"] = Field(
         default="raise",
         description="raise: a failed save raises into the training loop. continue: it is cleaned up as "
@@ -397,6 +406,12 @@ class CheckpointConfig(BaseModel):
         if value <= 0:
             raise PydanticCustomError("greater_than", "Input should be greater than 0")
         return value
+
+    @model_validator(mode="after")
+    def _check_finite_switches(self) -> CheckpointConfig:
+        if self.check_finite_optimizer and not self.check_finite:
+            raise ValueError("check_finite_optimizer=True needs check_finite=True")
+        return self
 
     @model_validator(mode="after")
     def _check_cadence(self) -> CheckpointConfig:

@@ -39,6 +39,7 @@ from checkpoint_manager.errors import (
     ManagerClosedError,
     PostCommitError,
 )
+from checkpoint_manager.finite import FiniteCheck, NonFiniteStateError, finite_groups
 from checkpoint_manager.formats.integration import export_consolidated, load_initial_hf, resolve_load_path
 from checkpoint_manager.integrity import check
 from checkpoint_manager.layout import (
@@ -142,6 +143,8 @@ class _SaveJob:
     started: float
     timings: dict[str, float] = field(default_factory=dict)
     final: bool = False  # the end of training (save_consolidated="final" exports only then)
+    finite_checked: tuple[str, ...] = ()  # the groups check_finite found free of NaN/inf
+    gate: StagingGate | None = None  # async_overlap: staging may still be copying while writing
 
     @property
     def pending(self) -> Path:
@@ -355,6 +358,10 @@ class DefaultCheckpointManager(FinalizeOnExit):
         """
         damaged: list[CheckpointCorruptError] = []
         for info in reversed(self.list_checkpoints(load_dir=True)):
+            finite = info.meta.get("finite")
+            if isinstance(finite, dict) and finite.get("ok") is False:
+                log.warning("skipping checkpoint %s (step %d): it records non-finite values", info.path, info.step)
+                continue
             try:
                 self._load_storage.check_info(info, self.config.verify_on_load)
             except CheckpointCorruptError as exc:
@@ -669,6 +676,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         return self._executor
 
     def _write_gated(self, job: _SaveJob, gate: StagingGate) -> SaveResult:
+        job.gate = gate
         with staging_gate(gate):  # writers wait for each staging buffer to be complete
             return self._write_and_commit(job)
 
@@ -833,6 +841,10 @@ class DefaultCheckpointManager(FinalizeOnExit):
         writer: CheckpointWriter | None = None
         if job.pending_dir is None:
             job.pending_dir = self._new_pending(io, job.name, job.step)  # every rank, or none, gets it
+        groups = finite_groups(self.config.check_finite, self.config.check_finite_optimizer)
+        finite = (  # beside the write, once the staging copies it reads are complete
+            FiniteCheck(job.state.tensors, groups, wait=job.gate.wait_all if job.gate else None) if groups else None
+        )
         try:
             writer = (  # object stores: staged locally, or streamed
                 CheckpointWriter(job.pending, fsync=self.config.fsync, direct=self.config.direct_io)
@@ -847,10 +859,18 @@ class DefaultCheckpointManager(FinalizeOnExit):
                     process_group=io.group,
                     no_dist=io.world_size == 1,
                 )
+            if finite is not None:
+                bad = finite.result()
+                if bad:
+                    raise NonFiniteStateError(job.step, bad, len(bad))
+                job.finite_checked = groups
             rank_json = {**job.state.rank_json, "files": writer.checksums}
             self._storage.write_json(job.pending / rank_file(io.rank), rank_json)
             self._storage.upload_part(job.pending, io.rank, list(writer.checksums))  # object stores
         except BaseException as exc:
+            if finite is not None:
+                with contextlib.suppress(BaseException):
+                    finite.result()  # never leave the check reading buffers the next save reuses
             failure = _own_failure(exc, io.rank)
         t1 = time.perf_counter()
         fsync_s = writer.fsync_seconds if writer is not None else 0.0
@@ -922,6 +942,8 @@ class DefaultCheckpointManager(FinalizeOnExit):
             "bytes": job.state.nbytes,
             "files": files,
         }
+        if job.finite_checked:
+            meta["finite"] = {"checked": list(job.finite_checked), "ok": True}
         self._storage.write_json(pending / CHECKPOINT_JSON, meta)
         final = self._storage.commit(pending, job.name)  # object stores: the marker is written last
         final_name = basename(final)

@@ -23,6 +23,7 @@ examples:
   ckpt verify runs/exp1 --sizes            only that every file exists with its size (fast)
   ckpt verify runs/exp1 --json && echo intact
   ckpt verify s3://bucket/exp1 --sizes     sizes from one listing, nothing downloaded
+  ckpt verify runs/exp1 --finite           also read every tensor and report NaN / inf values
 exit status: 0 intact, 1 a problem was found, 3 no such path.
 """
 
@@ -43,6 +44,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     level.add_argument(
         "--sizes", dest="level", action="store_const", const="sizes", help="only sizes (no file is read)"
+    )
+    p.add_argument(
+        "--finite",
+        action="store_true",
+        help="also read every tensor (local checkpoints) and report those holding NaN or inf",
     )
     p.set_defaults(run=run, level="full")
 
@@ -103,6 +109,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
         for name, where, problems, check in targets:
             if check is not None:
                 problems = problems + check(args.level)
+                if getattr(args, "finite", False) and not problems:
+                    problems = problems + _nonfinite_problems(where)
             results.append({"name": name, "path": where, "ok": not problems, "problems": problems})
             advance(1)
     failed = [r for r in results if not r["ok"]]
@@ -126,3 +134,30 @@ def run(args: argparse.Namespace, out: Output) -> int:
         verdict = "intact" if not failed else f"{len(failed)} failed"
         out.line(f"{what} verified ({args.level}): {verdict}")
     return ExitCode.DIFFERENT if failed else ExitCode.OK
+
+
+# Tensors read at once by --finite: bounds the memory of a check to about this many bytes.
+_FINITE_BATCH_BYTES = 256 << 20
+
+
+def _nonfinite_problems(where: str) -> list[str]:
+    """One problem per tensor of the checkpoint at ``where`` that holds NaN or inf."""
+    from pathlib import Path
+
+    from checkpoint_manager.cli.tensors import open_source
+    from checkpoint_manager.finite import nonfinite_tensors
+
+    if is_url(where):
+        return ["--finite reads tensors of local checkpoints only (download it first: ckpt unpack / convert)"]
+    source = open_source(Path(where))
+    found: list[str] = []
+    batch: list[str] = []
+    size = 0
+    for info in [*source.tensors, None]:
+        if info is not None:
+            batch.append(info.name)
+            size += info.nbytes
+        if batch and (info is None or size >= _FINITE_BATCH_BYTES):
+            found += nonfinite_tensors(source.read(batch))
+            batch, size = [], 0
+    return [f"{name}: holds NaN or inf" for name in found]
