@@ -12,6 +12,7 @@ __all__ = [
     "ManagerClosedError",
     "PostCommitError",
     "UnsafeCheckpointError",
+    "UnsupportedAdapterError",
 ]
 
 
@@ -37,6 +38,10 @@ class UnsafeCheckpointError(CheckpointCorruptError):
 
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint and the live objects disagree (keys, shapes, dtypes)."""
+
+
+class UnsupportedAdapterError(CheckpointMismatchError):
+    """A PEFT adapter whose merge into the base weights is not ``W + scale·B·A`` (DoRA, other methods)."""
 
 
 class AsyncSaveError(CheckpointError):

@@ -38,7 +38,12 @@ from checkpoint_manager.errors import (
     ManagerClosedError,
     PostCommitError,
 )
-from checkpoint_manager.formats.integration import export_consolidated, load_initial_hf, resolve_load_path
+from checkpoint_manager.formats.integration import (
+    HFConfigRecorder,
+    export_consolidated,
+    load_initial_hf,
+    resolve_load_path,
+)
 from checkpoint_manager.integrity import check
 from checkpoint_manager.layout import (
     CHECKPOINT_JSON,
@@ -141,6 +146,7 @@ class _SaveJob:
     started: float
     timings: dict[str, float] = field(default_factory=dict)
     final: bool = False  # the end of training (save_consolidated="final" exports only then)
+    hf_configs: list[Any] = field(default_factory=list)  # the models' HF/PEFT configs, recorded at commit
 
     @property
     def pending(self) -> Path:
@@ -227,6 +233,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._staging = StagingBuffers()
         self._prepared = False  # the save path warmed up ahead of the first save (see _prepare_ahead)
         self._plans = SavePlanCache()  # the last save's plan and layout, reused while the structure holds
+        self._hf_configs = HFConfigRecorder()  # config.json / adapter config into each checkpoint
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[Any] | None = None
         self._inflight_step: int | None = None
@@ -745,6 +752,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         pending = None if async_save else self._new_pending(self._dist, name, step)
         job = _SaveJob(step, name, pending, state, dict(ctx.metrics), started)
         job.final = ctx.final or step == self.config.final_step
+        job.hf_configs = self._hf_configs.capture(ctx.models())  # references only: serialized at commit
         job.timings["gather"] = time.perf_counter() - started
         return job
 
@@ -837,6 +845,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         """Rank 0: describe the pending directory in checkpoint.json, rename it into place, move pointers."""
         pending = job.pending
         self._storage.write_json(pending / STATE_JSON, job.state.global_json)
+        self._hf_configs.write(pending, job.hf_configs, self._storage.write_json)
         t_export = time.perf_counter()
         if export_consolidated(self.config, pending, final=job.final):  # inside: committed with the rest
             job.timings["export"] = time.perf_counter() - t_export

@@ -21,20 +21,29 @@ from checkpoint_manager.formats.convert import (
     torch_to_safetensors,
     write_weights_checkpoint,
 )
-from checkpoint_manager.formats.hf import HFExport, HFLoad, export_hf, is_hf_weights, load_hf_weights
-from checkpoint_manager.formats.peft import PeftExport, export_peft_adapter
+from checkpoint_manager.formats.hf import (
+    HFExport,
+    HFLoad,
+    MissingConfigWarning,
+    export_hf,
+    is_hf_weights,
+    load_hf_weights,
+)
+from checkpoint_manager.formats.peft import PeftExport, export_peft, export_peft_adapter
 from checkpoint_manager.formats.sizes import parse_size
 
 __all__ = [
     "BundleInfo",
     "HFExport",
     "HFLoad",
+    "MissingConfigWarning",
     "PeftExport",
     "convert",
     "dcp_to_safetensors",
     "dcp_to_torch",
     "detect_format",
     "export_hf",
+    "export_peft",
     "export_peft_adapter",
     "extract_bundle",
     "is_bundle",
