@@ -51,6 +51,7 @@ __all__ = [
     "hf_weight_files",
     "is_hf_weights",
     "load_hf_weights",
+    "tied_pairs",
 ]
 
 HF_WEIGHTS = "model.safetensors"
@@ -136,6 +137,10 @@ def export_hf(
     merges: dict[str, LoraMerge] = {}
     merged_adapter = None
     if merge_lora:
+        if not adapter_tensor_names(e.name for e in entries):
+            raise CheckpointMismatchError(
+                f"{src}: holds no PEFT adapter under {model_key!r} to merge (merge_lora is for a PEFT model's checkpoint)"
+            )
         adapters = _adapter_configs(recorded, adapter_config, src)
         active = recorded.active_adapter if recorded is not None else None
         merged_adapter = choose_adapter(adapters, adapter_name, active, src)
@@ -347,6 +352,13 @@ def _class_tied_pairs(config: dict[str, Any]) -> dict[str, str]:
         if isinstance(declared, dict):
             pairs.update({str(k): str(v) for k, v in declared.items()})
     return pairs
+
+
+def tied_pairs(config: Mapping[str, Any] | None) -> dict[str, str]:
+    """``{tied copy: source}`` that ``from_pretrained`` ties back for a model of ``config`` (``config.json``)."""
+    if config is None or not _ties_embeddings(dict(config)):
+        return {}
+    return _class_tied_pairs(dict(config))
 
 
 def _tied_to_drop(names: set[str], config: dict[str, Any] | None, tied: TiedWeights) -> set[str]:

@@ -73,7 +73,7 @@ def export_consolidated(config: CheckpointConfig, checkpoint_dir: Path, *, final
                 merge_lora=merge,
             )
         except UnsupportedAdapterError as exc:
-            log.warning("save_consolidated: not exporting %s of %s: %s", key, checkpoint_dir.name, exc)
+            log.warning("save_consolidated: not exporting %s of %s (pending): %s", key, checkpoint_dir.name, exc)
             continue
         written.append(result.path)
     if not written:

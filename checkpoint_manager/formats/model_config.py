@@ -88,8 +88,8 @@ def _is_peft_model(module: Any) -> bool:
 def _unwrap(module: Any) -> tuple[Any, Any | None, str]:
     """(the Hugging Face model inside, the PEFT model around it or None, its names' prefix).
 
-    DDP, DataParallel, FSDP and ``torch.compile`` add nothing to state-dict names (DCP's state-dict
-    API removes their prefixes); a ``PeftModel`` does: ``base_model.model.``.
+    DDP, FSDP and ``torch.compile`` add nothing to state-dict names (DCP's state-dict API removes
+    their prefixes); ``DataParallel`` adds ``module.`` and a ``PeftModel`` ``base_model.model.``.
     """
     peft_model = None
     prefix = ""
@@ -110,6 +110,8 @@ def _unwrap(module: Any) -> tuple[Any, Any | None, str]:
             continue
         inner = getattr(module, "module", None)  # DDP, DataParallel, FSDP1, accelerate wrappers
         if isinstance(inner, torch.nn.Module) and getattr(module, "config", None) is None:
+            if isinstance(module, torch.nn.DataParallel):  # the one whose prefix DCP keeps
+                prefix += "module."
             module = inner
             continue
         break
