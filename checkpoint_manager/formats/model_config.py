@@ -64,17 +64,14 @@ class RecordedConfig:
 
 @dataclass
 class _Captured:
-    """References taken on the training thread; serialized at commit."""
+    """References taken on the training thread; read and serialized at commit."""
 
     key: str
-    class_name: str
+    model: Any  # the Hugging Face model inside the wrappers
     config: Any
-    generation_config: Any
     adapters: dict[str, Any]
     active_adapter: str | None
     prefix: str
-    dtype: torch.dtype | None
-    name_or_path: str | None
 
 
 def _model_keys(n: int) -> list[str]:
@@ -130,11 +127,13 @@ def _model_dtype(model: Any) -> torch.dtype | None:
 def _capture_one(key: str, model: Any) -> _Captured | None:
     hf, peft_model, prefix = _unwrap(model)
     config = getattr(hf, "config", None)
+    if not _is_hf_config(config):
+        config = None
     adapters_owner = peft_model if peft_model is not None else hf  # or transformers' own PEFT integration
     adapters = getattr(adapters_owner, "peft_config", None)
     if not isinstance(adapters, dict):
         adapters = {}
-    if not _is_hf_config(config) and not adapters:
+    if config is None and not adapters:
         return None
     active = getattr(adapters_owner, "active_adapter", None) if adapters else None
     if callable(active):  # transformers' integration: a method
@@ -144,25 +143,23 @@ def _capture_one(key: str, model: Any) -> _Captured | None:
             active = None
     if isinstance(active, list | tuple):
         active = active[0] if active else None
-    generation = None
-    if _is_hf_config(config):
-        can_generate = getattr(hf, "can_generate", None)
-        try:
-            if callable(can_generate) and can_generate():
-                generation = getattr(hf, "generation_config", None)
-        except Exception:  # best effort
-            generation = None
     return _Captured(
         key=key,
-        class_name=type(hf).__name__.removeprefix("FSDP"),
-        config=config if _is_hf_config(config) else None,
-        generation_config=generation if _is_hf_config(generation) else None,
+        model=hf,
+        config=config,
         adapters=dict(adapters),
         active_adapter=active if isinstance(active, str) else None,
         prefix=prefix,
-        dtype=_model_dtype(hf),
-        name_or_path=getattr(config, "_name_or_path", None) or getattr(hf, "name_or_path", None) or None,
     )
+
+
+def _generation_config(model: Any) -> Any:
+    """The generation config ``save_pretrained`` would write: only for a model that generates."""
+    can_generate = getattr(model, "can_generate", None)
+    if not (callable(can_generate) and can_generate()):
+        return None
+    generation = getattr(model, "generation_config", None)
+    return generation if _is_hf_config(generation) else None
 
 
 def _plain(value: Any) -> Any:
@@ -239,20 +236,24 @@ class HFConfigRecorder:
 
     def _serialize(self, item: _Captured) -> dict[str, Any]:
         entry: dict[str, Any] = {"prefix": item.prefix}
+        model = item.model
         if item.config is not None:
             config = self._json_of(item.config)
-            config["architectures"] = [item.class_name]  # as save_pretrained sets them
-            if item.dtype is not None:
-                config["dtype"] = dtype_name(item.dtype)
+            config["architectures"] = [type(model).__name__.removeprefix("FSDP")]  # as save_pretrained sets them
+            dtype = _model_dtype(model)
+            if dtype is not None:
+                config["dtype"] = dtype_name(dtype)
             entry["config"] = config
-        if item.generation_config is not None:
-            entry["generation_config"] = self._json_of(item.generation_config)
+            generation = _generation_config(model)
+            if generation is not None:
+                entry["generation_config"] = self._json_of(generation)
         if item.adapters:
             adapters = {}
+            name_or_path = getattr(item.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
             for name, cfg in item.adapters.items():
                 data = adapter_config_json(cfg)
-                if data.get("base_model_name_or_path") is None and item.name_or_path:
-                    data["base_model_name_or_path"] = str(item.name_or_path)
+                if data.get("base_model_name_or_path") is None and name_or_path:
+                    data["base_model_name_or_path"] = str(name_or_path)
                 adapters[str(name)] = data
             entry["adapters"] = adapters
             entry["active_adapter"] = item.active_adapter
