@@ -226,6 +226,35 @@ def test_no_config_known_warns_in_the_api_and_says_so_in_the_cli(
     assert doc["config"] is None and any("no config.json" in n for n in doc["notes"])
 
 
+def test_a_bundle_carries_the_recorded_config(tmp_path: Path) -> None:
+    from checkpoint_manager.formats import pack_bundle
+
+    model = tiny_llama()
+    bundle = pack_bundle(save(model, tmp_path / "ckpt"), tmp_path / "model.tar")
+    export_hf(bundle, tmp_path / "hf")
+    assert torch.equal(logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")), logits(model))
+
+
+@pytest.mark.timeout(60)
+def test_a_damaged_or_hostile_recorded_config_is_a_typed_error(tmp_path: Path) -> None:
+    import os
+
+    from checkpoint_manager import CheckpointCorruptError, UnsafeCheckpointError
+
+    ckpt = save(tiny_llama(), tmp_path / "ckpt")
+    (ckpt / "hf_config.json").write_text('{"format": "checkpoint-manager-hf-config", "models": {"model": []}}')
+    with pytest.raises(CheckpointCorruptError, match=r"hf_config\.json: 'model' is not a JSON object"):
+        export_hf(ckpt, tmp_path / "hf")
+    (ckpt / "hf_config.json").write_bytes(b"\xff{")
+    with pytest.raises(CheckpointCorruptError, match=r"hf_config\.json: not valid JSON"):
+        export_hf(ckpt, tmp_path / "hf")
+    (ckpt / "hf_config.json").unlink()
+    os.mkfifo(ckpt / "hf_config.json")  # an open would block forever
+    with pytest.raises(UnsafeCheckpointError, match=r"hf_config\.json: is not a regular file \(a FIFO\)"):
+        export_hf(ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 class BrokenConfig:
     """Looks like a Hugging Face config but cannot be serialized."""
 
