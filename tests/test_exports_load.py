@@ -325,6 +325,19 @@ def test_plain_hf_export_of_a_lora_checkpoint_is_refused_naming_both_options(
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_model_of_its_own_with_lora_named_layers_is_not_taken_for_peft(tmp_path: Path) -> None:
+    class OwnLora(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lora_A = nn.Linear(4, 2, bias=False)
+            self.lora_B = nn.Linear(2, 4, bias=False)
+
+    ckpt = save(OwnLora(), tmp_path / "ckpt")
+    with pytest.warns(MissingConfigWarning):
+        result = export_hf(ckpt, tmp_path / "hf")
+    assert sorted(file_tensors(tmp_path / "hf")) == ["lora_A.weight", "lora_B.weight"] and result.merged == 0
+
+
 def test_merge_lora_gives_the_base_model_with_the_adapter_folded_in(tmp_path: Path) -> None:
     model = lora_model(tiny_llama())
     ckpt = save(model, tmp_path / "ckpt")

@@ -27,7 +27,6 @@ from checkpoint_manager.formats.dcp_stream import TensorEntry
 __all__ = ["LoraMerge", "MergePlan", "adapter_tensor_names", "choose_adapter", "plan_merge"]
 
 _LORA_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
-_WRAPPER_PARTS = ("base_layer", "modules_to_save", "original_module", "token_adapter")
 # Name prefixes of the adapter modules of PEFT's methods (PEFT_TYPE_TO_PREFIX_MAPPING, which we do
 # not import: a checkpoint is judged without PEFT installed).
 _ADAPTER_PREFIXES = (
@@ -89,13 +88,22 @@ class MergePlan:
     dropped: tuple[str, ...]  # adapter tensors not written (merged, or of other adapters)
 
 
-def _is_adapter_part(part: str) -> bool:
-    return part in _WRAPPER_PARTS or part.startswith(_ADAPTER_PREFIXES)
+def _is_adapter_name(parts: list[str]) -> bool:
+    """PEFT names an adapter's tensors ``<module>.<method part>.<adapter name>[.<param>]``
+    (``q_proj.lora_A.default.weight``, ``embed.lora_embedding_A.default``) and its trained copies
+    ``<module>.modules_to_save.<adapter name>.<param>``; a model's own ``lora_A.weight`` is not one."""
+    for i, part in enumerate(parts[:-1]):
+        rest = len(parts) - i - 1
+        if part == "modules_to_save" and rest >= 2:
+            return True
+        if part.startswith(_ADAPTER_PREFIXES) and (rest >= 2 or parts[-1] not in ("weight", "bias")):
+            return True
+    return False
 
 
 def adapter_tensor_names(names: Iterable[str]) -> list[str]:
-    """The names that belong to a PEFT adapter or its wrappers (``lora_A``, ``base_layer``, ...)."""
-    return [n for n in names if any(_is_adapter_part(p) for p in n.split("."))]
+    """The names that belong to a PEFT adapter (``...lora_A.default.weight``, ``modules_to_save`` copies)."""
+    return [n for n in names if _is_adapter_name(n.split("."))]
 
 
 def choose_adapter(adapters: Mapping[str, Any], wanted: str | None, active: str | None, src: Path) -> str:
