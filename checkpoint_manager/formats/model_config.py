@@ -191,6 +191,7 @@ class HFConfigRecorder:
 
     def __init__(self) -> None:
         self._cache: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._used: set[int] = set()
 
     @staticmethod
     def capture(models: list[Any]) -> list[_Captured]:
@@ -209,6 +210,7 @@ class HFConfigRecorder:
     def write(self, pending: Path, captured: list[_Captured], write_json: Callable[[Path, Any], int]) -> bool:
         """Serialize what :meth:`capture` took into ``pending/hf_config.json``; whether anything was."""
         models: dict[str, Any] = {}
+        self._used = set()
         for item in captured:
             try:
                 entry = self._serialize(item)
@@ -217,6 +219,7 @@ class HFConfigRecorder:
                 continue
             if entry:
                 models[item.key] = entry
+        self._cache = {k: v for k, v in self._cache.items() if k in self._used}  # only live configs kept
         if not models:
             return False
         write_json(pending / HF_CONFIG_JSON, {"format": _FORMAT, "version": _VERSION, "models": models})
@@ -225,6 +228,7 @@ class HFConfigRecorder:
     def _json_of(self, obj: Any) -> dict[str, Any]:
         """``obj.to_json_string()`` as saved by ``save_pretrained``; reused while ``to_dict()`` is unchanged."""
         snapshot = obj.to_dict()
+        self._used.add(id(obj))
         cached = self._cache.get(id(obj))
         if cached is not None and cached[0] == snapshot:
             return dict(cached[1])
