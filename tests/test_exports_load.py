@@ -359,6 +359,10 @@ def test_cli_merge_lora_and_peft_export(tmp_path: Path, capsys: pytest.CaptureFi
     assert torch.equal(logits(restored), expected)
     assert cli_main(["export", str(ckpt), "--to", "hf", "--merge-lora", "--out", str(tmp_path / "hf")]) == 0
     assert "merged LoRA adapter 'default' into 4 weight(s)" in capsys.readouterr().out
+    assert cli_main(["export", str(ckpt), "--to", "peft", "--merge-lora", "--out", str(tmp_path / "x")]) == 2
+    assert "--merge-lora and --adapter-config go with --to hf" in capsys.readouterr().err
+    assert cli_main(["export", str(ckpt), "--to", "hf", "--adapter-name", "default", "--out", str(tmp_path / "x")]) == 2
+    assert "go with --merge-lora" in capsys.readouterr().err
     assert_merged_export_matches(model, tmp_path / "hf", set(tiny_llama().state_dict()))
 
 

@@ -155,12 +155,14 @@ def _out_file(out: str, name: str, suffixes: tuple[str, ...]) -> Path:
 
 
 def run_export(args: argparse.Namespace, out: Output) -> int:
-    ckpt = resolve_checkpoint(args.path, step=args.step, args=args)
-    doc: dict[str, Any] = {"source": ckpt.url or str(ckpt.path), "to": args.to, "step": ckpt.meta.get("step")}
     if args.to != "hf" and (args.merge_lora or args.adapter_config):
         raise CliError(ExitCode.USAGE, "--merge-lora and --adapter-config go with --to hf")
-    if args.adapter_config and not args.merge_lora:
-        raise CliError(ExitCode.USAGE, "--adapter-config is for --merge-lora")
+    if (args.adapter_config or (args.adapter_name and args.to == "hf")) and not args.merge_lora:
+        raise CliError(ExitCode.USAGE, "--adapter-config and --adapter-name go with --merge-lora (or --to peft)")
+    if args.adapter_name and args.to not in ("hf", "peft"):
+        raise CliError(ExitCode.USAGE, "--adapter-name goes with --to hf --merge-lora or --to peft")
+    ckpt = resolve_checkpoint(args.path, step=args.step, args=args)
+    doc: dict[str, Any] = {"source": ckpt.url or str(ckpt.path), "to": args.to, "step": ckpt.meta.get("step")}
     notes: list[str] = []
     with _cli_errors(), out.progress(f"exporting {ckpt.path.name} ({args.to})", None):
         if args.to == "hf":
