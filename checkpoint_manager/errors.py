@@ -14,6 +14,7 @@ __all__ = [
     "ManagerClosedError",
     "PostCommitError",
     "UnsafeCheckpointError",
+    "UnsupportedAdapterError",
     "UnsupportedConfigWarning",
 ]
 
@@ -48,6 +49,10 @@ class BundleCacheError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint and the live objects disagree (keys, shapes, dtypes)."""
+
+
+class UnsupportedAdapterError(CheckpointMismatchError):
+    """A PEFT adapter whose merge into the base weights is not ``W + scale·B·A`` (DoRA, other methods)."""
 
 
 class AsyncSaveError(CheckpointError):

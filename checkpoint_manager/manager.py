@@ -40,7 +40,12 @@ from checkpoint_manager.errors import (
     PostCommitError,
 )
 from checkpoint_manager.finite import FiniteCheck, NonFiniteStateError, finite_groups
-from checkpoint_manager.formats.integration import export_consolidated, load_initial_hf, resolve_load_path
+from checkpoint_manager.formats.integration import (
+    HFConfigRecorder,
+    export_consolidated,
+    load_initial_hf,
+    resolve_load_path,
+)
 from checkpoint_manager.integrity import check
 from checkpoint_manager.layout import (
     CHECKPOINT_JSON,
@@ -145,6 +150,7 @@ class _SaveJob:
     final: bool = False  # the end of training (save_consolidated="final" exports only then)
     finite_checked: tuple[str, ...] = ()  # the groups check_finite found free of NaN/inf
     gate: StagingGate | None = None  # async_overlap: staging may still be copying while writing
+    hf_configs: list[Any] = field(default_factory=list)  # the models' HF/PEFT configs, recorded at commit
 
     @property
     def pending(self) -> Path:
@@ -231,6 +237,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._staging = StagingBuffers()
         self._prepared = False  # the save path warmed up ahead of the first save (see _prepare_ahead)
         self._plans = SavePlanCache()  # the last save's plan and layout, reused while the structure holds
+        self._hf_configs = HFConfigRecorder()  # config.json / adapter config into each checkpoint
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[Any] | None = None
         self._inflight_step: int | None = None
@@ -816,6 +823,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         pending = None if async_save else self._new_pending(self._dist, name, step)
         job = _SaveJob(step, name, pending, state, dict(ctx.metrics), started)
         job.final = ctx.final or step == self.config.final_step
+        job.hf_configs = self._hf_configs.capture(ctx.models())  # references only: serialized at commit
         job.timings["gather"] = time.perf_counter() - started
         return job
 
@@ -920,6 +928,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         """Rank 0: describe the pending directory in checkpoint.json, rename it into place, move pointers."""
         pending = job.pending
         self._storage.write_json(pending / STATE_JSON, job.state.global_json)
+        self._hf_configs.write(pending, job.hf_configs, self._storage.write_json)
         t_export = time.perf_counter()
         if export_consolidated(self.config, pending, final=job.final):  # inside: committed with the rest
             job.timings["export"] = time.perf_counter() - t_export

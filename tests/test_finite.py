@@ -13,7 +13,13 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, LoadContext, SaveContext, TrainState
+from checkpoint_manager import (
+    CheckpointConfig,
+    DefaultCheckpointManager,
+    LoadContext,
+    SaveContext,
+    TrainState,
+)
 from checkpoint_manager.finite import NonFiniteStateError, nonfinite_tensors
 
 

@@ -26,7 +26,7 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.formats import export_hf, load_hf_weights
+from checkpoint_manager.formats import MissingConfigWarning, export_hf, load_hf_weights
 from checkpoint_manager.formats.cli import main as cli_main
 from checkpoint_manager.integrity import verify
 
@@ -184,7 +184,11 @@ def test_tied_weights_choices(tmp_path: Path, artifacts: Path) -> None:
     ckpt = save_with_manager(model, tmp_path / "ckpt")
     kept = export_hf(ckpt, tmp_path / "keep", artifacts_dir=artifacts, tied_weights="keep")
     assert kept.dropped == () and "lm_head.weight" in file_tensors(tmp_path / "keep")
-    no_config = export_hf(ckpt, tmp_path / "bare")  # without config.json nothing says they are tied
+    recorded = export_hf(ckpt, tmp_path / "recorded")  # the config recorded at save time says they are tied
+    assert recorded.dropped == ("lm_head.weight",) and (tmp_path / "recorded" / "config.json").is_file()
+    (ckpt / "hf_config.json").unlink()  # as saved from a model without a .config
+    with pytest.warns(MissingConfigWarning):
+        no_config = export_hf(ckpt, tmp_path / "bare")  # without config.json nothing says they are tied
     assert no_config.dropped == () and not (tmp_path / "bare" / "config.json").exists()
     explicit = export_hf(ckpt, tmp_path / "explicit", tied_weights={"lm_head.weight": "model.embed_tokens.weight"})
     assert explicit.dropped == ("lm_head.weight",)
@@ -219,7 +223,7 @@ def test_export_refuses_to_replace_unless_asked(tmp_path: Path) -> None:
         export_hf(ckpt, out)
     (out / "model.safetensors").write_bytes(b"stale")
     export_hf(ckpt, out, overwrite=True)
-    assert len(file_tensors(out)) == 21
+    assert len(file_tensors(out)) == 20  # lm_head.weight left out: tied, as the recorded config says
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]  # nothing staged left over
 
 

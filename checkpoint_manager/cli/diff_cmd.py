@@ -28,6 +28,10 @@ examples:
   ckpt diff runs/a runs/b --filter 'model.*'       only the model's tensors
   ckpt diff run/step_00000100 export/ --section model   a checkpoint against its safetensors export
   ckpt diff a b --atol 1e-6 --json
+A tensor on one side only that the model ties to one both sides hold (lm_head.weight, left out of a
+Hugging Face export because from_pretrained ties it to the embedding) is reported as tied, not missing,
+when it equals that tensor on the other side. Which tensors are tied comes from config.json (or the
+config the checkpoint recorded at save time).
 exit status: 0 equal, 1 different (values, shapes, dtypes, or keys missing on one side).
 """
 
@@ -106,6 +110,52 @@ def _open(text: str, section: str | None, args: argparse.Namespace) -> tuple[Ten
     return open_source(ckpt.path, section=section), ckpt.meta
 
 
+def _tied_pairs(source: TensorSource) -> dict[str, str]:
+    """``{tied copy: source}`` by the model's config: ``config.json`` of weights, a checkpoint's recorded one."""
+    import json
+
+    from checkpoint_manager.errors import CheckpointError
+    from checkpoint_manager.formats.hf import tied_pairs
+    from checkpoint_manager.formats.model_config import read_recorded_config
+    from checkpoint_manager.safe_io import read_small
+
+    config: Any = None
+    try:
+        if source.kind == "dcp":
+            if source.section:
+                recorded = read_recorded_config(source.path, source.section)
+                config = recorded.config if recorded is not None else None
+        elif source.path.is_dir():
+            config = json.loads(read_small(source.path / "config.json", root=source.path).decode("utf-8"))
+    except (OSError, ValueError, CheckpointError):  # no usable config: nothing is known to be tied
+        return {}
+    return tied_pairs(config) if isinstance(config, dict) else {}
+
+
+def _resolve_tied(
+    only: list[str], here: TensorSource, there: TensorSource, there_names: set[str], pairs: dict[str, str],
+    atol: float, side: str,
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """Split tensors found on one side only into (still missing, tied): a tied copy is compared with
+    its source on the other side, which is what loading that side gives it."""
+    still: list[str] = []
+    tied: list[dict[str, Any]] = []
+    for name in only:
+        source = pairs.get(name)
+        if source is None or source not in there_names:
+            still.append(name)
+            continue
+        mine = here.read([name])[name]
+        theirs = there.read([source])[source]
+        if mine.shape != theirs.shape:
+            still.append(name)
+            continue
+        worst, count = compare_tensors(mine, theirs)
+        tied.append({"name": name, "tied_to": source, "only_in": side, "equal": worst <= atol,
+                     "max_abs_diff": worst, "differing_elements": count})
+    return still, tied
+
+
 def _state_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, list[Any]]:
     """Train state and metrics that differ (only between two of our checkpoints: weights have none)."""
     out: dict[str, list[Any]] = {}
@@ -135,6 +185,13 @@ def run(args: argparse.Namespace, out: Output) -> int:
     tb = {t.name: t for t in src_b.tensors if match(t.name)}
     missing = [n for n in ta if n not in tb]
     extra = [n for n in tb if n not in ta]
+    tied: list[dict[str, Any]] = []
+    if missing or extra:
+        pairs = {**_tied_pairs(src_a), **_tied_pairs(src_b)}
+        if pairs:
+            missing, tied_a = _resolve_tied(missing, src_a, src_b, set(tb), pairs, args.atol, "A")
+            extra, tied_b = _resolve_tied(extra, src_b, src_a, set(ta), pairs, args.atol, "B")
+            tied = tied_a + tied_b
     changed = []
     comparable: list[str] = []
     for name, t in ta.items():
@@ -174,7 +231,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
                          "dtype": ta[name].dtype, "shape": list(ta[name].shape)}
                     )
                 advance(1)
-    is_equal = not (missing or extra or changed or different)
+    is_equal = not (missing or extra or changed or different) and all(t["equal"] for t in tied)
     doc = {
         "a": args.a if is_url(args.a) else str(src_a.path),
         "b": args.b if is_url(args.b) else str(src_b.path),
@@ -188,6 +245,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         "changed": changed,
         "missing": missing,
         "extra": extra,
+        "tied": tied,
         "state": _state_diff(meta_a, meta_b),
     }
     if out.json_mode:
@@ -202,6 +260,12 @@ def _render(doc: dict[str, Any], out: Output) -> None:
         out.line(f"- {name}  (only in A)")
     for name in doc["extra"]:
         out.line(f"+ {name}  (only in B)")
+    for t in doc["tied"]:
+        where = f"only in {t['only_in']}: tied to {t['tied_to']}"
+        if t["equal"]:
+            out.line(f"= {t['name']}  ({where}, equal)")
+        else:
+            out.line(f"! {t['name']}  ({where}, which differs: max |a-b| {t['max_abs_diff']:.6g})")
     for c in doc["changed"]:
         a, b = c["a"], c["b"]
         out.line(f"~ {c['name']}  {a['dtype']}{a['shape']} -> {b['dtype']}{b['shape']}")
@@ -219,4 +283,5 @@ def _render(doc: dict[str, Any], out: Output) -> None:
         f"{verdict}{tol}: {doc['compared']} tensor(s) compared, {doc['equal_tensors']} equal, "
         f"{len(doc['different'])} differ in value, {len(doc['changed'])} changed shape/dtype, "
         f"{len(doc['missing'])} only in A, {len(doc['extra'])} only in B"
+        + (f", {len(doc['tied'])} tied" if doc["tied"] else "")
     )

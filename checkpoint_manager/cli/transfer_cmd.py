@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ EXPORT_EPILOG = """\
 examples:
   ckpt export runs/exp1/step_00001000 --to hf --out hf_model --artifacts-dir tokenizer/
   ckpt export runs/exp1 --to hf --out hf_model --dtype bfloat16 --max-shard-size 2GB   (newest checkpoint)
+  ckpt export runs/lora --to hf --out merged --merge-lora      (LoRA merged into the base weights)
+  ckpt export runs/lora --to peft --out adapter               (PeftModel.from_pretrained(base, adapter))
   ckpt export runs/exp1 --step 500 --to safetensors --out weights/   -> weights/model.safetensors
   ckpt export runs/exp1 --to torch --out weights/model.pt
 """
@@ -53,13 +56,15 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         parents=[common],
         help="write a checkpoint's model as Hugging Face, safetensors or torch.save files",
         description="Export the model weights of a checkpoint. hf: a Hugging Face directory "
-        "(model.safetensors or shards + index, tied copies dropped, artifacts copied); "
+        "(model.safetensors or shards + index, tied copies dropped, config.json from --artifacts-dir or "
+        "as recorded at save time, artifacts copied; --merge-lora for a PEFT model's checkpoint); "
+        "peft: a PEFT model's adapter (adapter_model.safetensors + adapter_config.json); "
         "safetensors: one .safetensors file; torch: one torch.save file of {name: tensor}.",
         epilog=EXPORT_EPILOG,
         formatter_class=raw,
     )
     p.add_argument("path", metavar="PATH", help="checkpoint, save directory (newest or --step) or bundle")
-    p.add_argument("--to", choices=("hf", "safetensors", "torch"), required=True)
+    p.add_argument("--to", choices=("hf", "peft", "safetensors", "torch"), required=True)
     p.add_argument(
         "--out", required=True, metavar="DIR", help="output directory (or, for safetensors/torch, a file name)"
     )
@@ -69,6 +74,14 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="hf: largest shard")
     p.add_argument("--artifacts-dir", default=None, help="hf: config/tokenizer files to copy in")
     p.add_argument("--keep-tied", action="store_true", help="hf: also write tied copies (e.g. lm_head)")
+    p.add_argument(
+        "--merge-lora", action="store_true", help="hf: merge the LoRA adapter into the base weights (base names)"
+    )
+    p.add_argument("--adapter-name", default=None, help="hf --merge-lora, peft: the adapter (default: the active one)")
+    p.add_argument(
+        "--adapter-config", default=None, metavar="FILE",
+        help="hf --merge-lora: adapter_config.json, for a checkpoint that recorded none",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.set_defaults(run=run_export)
 
@@ -126,10 +139,14 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def _cli_errors() -> Iterator[None]:
     """The library speaks of ``overwrite=True``; on the command line that is ``--overwrite``."""
+    from checkpoint_manager.errors import UnsupportedAdapterError
+
     try:
         yield
     except FileExistsError as exc:
         raise CliError(ExitCode.CONFLICT, str(exc).replace("overwrite=True", "--overwrite")) from exc
+    except UnsupportedAdapterError as exc:  # the checkpoint is fine: the option does not fit it
+        raise CliError(ExitCode.USAGE, str(exc)) from exc
 
 
 def _out_file(out: str, name: str, suffixes: tuple[str, ...]) -> Path:
@@ -138,25 +155,56 @@ def _out_file(out: str, name: str, suffixes: tuple[str, ...]) -> Path:
 
 
 def run_export(args: argparse.Namespace, out: Output) -> int:
+    if args.to != "hf" and (args.merge_lora or args.adapter_config):
+        raise CliError(ExitCode.USAGE, "--merge-lora and --adapter-config go with --to hf")
+    if (args.adapter_config or (args.adapter_name and args.to == "hf")) and not args.merge_lora:
+        raise CliError(ExitCode.USAGE, "--adapter-config and --adapter-name go with --merge-lora (or --to peft)")
+    if args.adapter_name and args.to not in ("hf", "peft"):
+        raise CliError(ExitCode.USAGE, "--adapter-name goes with --to hf --merge-lora or --to peft")
     ckpt = resolve_checkpoint(args.path, step=args.step, args=args)
     doc: dict[str, Any] = {"source": ckpt.url or str(ckpt.path), "to": args.to, "step": ckpt.meta.get("step")}
+    notes: list[str] = []
     with _cli_errors(), out.progress(f"exporting {ckpt.path.name} ({args.to})", None):
         if args.to == "hf":
-            from checkpoint_manager.formats.hf import export_hf
+            from checkpoint_manager.formats.hf import MissingConfigWarning, export_hf
 
-            result = export_hf(
-                ckpt.path,
-                args.out,
-                model_key=args.model_key,
-                max_shard_size=args.max_shard_size,
-                dtype=args.dtype,
-                artifacts_dir=args.artifacts_dir,
-                tied_weights="keep" if args.keep_tied else "auto",
-                overwrite=args.overwrite,
-            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", MissingConfigWarning)  # said below, in the command's words
+                result = export_hf(
+                    ckpt.path,
+                    args.out,
+                    model_key=args.model_key,
+                    max_shard_size=args.max_shard_size,
+                    dtype=args.dtype,
+                    artifacts_dir=args.artifacts_dir,
+                    tied_weights="keep" if args.keep_tied else "auto",
+                    overwrite=args.overwrite,
+                    merge_lora=args.merge_lora,
+                    adapter_name=args.adapter_name,
+                    adapter_config=args.adapter_config,
+                )
             doc.update(
                 path=str(result.path), files=list(result.files), tensors=result.tensors,
                 bytes=tree_size(result.path), dropped=list(result.dropped), artifacts=list(result.artifacts),
+                config=result.config, merged_adapter=result.merged_adapter, merged=result.merged,
+            )
+            if result.merged_adapter is not None:
+                notes.append(f"merged LoRA adapter {result.merged_adapter!r} into {result.merged} weight(s)")
+            if result.config is None:
+                notes.append(
+                    "no config.json written: the checkpoint recorded no Hugging Face config and no "
+                    "--artifacts-dir gave one, so from_pretrained cannot load it yet (add --artifacts-dir DIR)"
+                )
+        elif args.to == "peft":
+            from checkpoint_manager.formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_peft
+
+            peft_result = export_peft(
+                ckpt.path, args.out, adapter_name=args.adapter_name, model_key=args.model_key,
+                dtype=args.dtype, overwrite=args.overwrite,
+            )
+            doc.update(
+                path=str(peft_result.path), files=[ADAPTER_WEIGHTS, ADAPTER_CONFIG],
+                tensors=len(peft_result.tensors), bytes=tree_size(peft_result.path),
             )
         elif args.to == "safetensors":
             from checkpoint_manager.formats.convert import dcp_to_safetensors
@@ -178,12 +226,14 @@ def run_export(args: argparse.Namespace, out: Output) -> int:
             tensors = len(tensor_entries(ckpt.path, args.model_key))
             doc.update(path=str(path), files=[path.name], tensors=tensors, bytes=path.stat().st_size)
     if out.json_mode:
-        out.emit(doc)
+        out.emit({**doc, "notes": notes})
     else:
         out.line(
             f"wrote {doc['path']}: {', '.join(doc['files'])} ({doc['tensors']} tensors, "
             f"{doc['bytes']} bytes, {human_bytes(doc['bytes'])})"
         )
+        for note in notes:
+            out.line(note)
     return ExitCode.OK
 
 

@@ -26,8 +26,15 @@ from checkpoint_manager.formats.convert import (
     torch_to_safetensors,
     write_weights_checkpoint,
 )
-from checkpoint_manager.formats.hf import HFExport, HFLoad, export_hf, is_hf_weights, load_hf_weights
-from checkpoint_manager.formats.peft import PeftExport, export_peft_adapter
+from checkpoint_manager.formats.hf import (
+    HFExport,
+    HFLoad,
+    MissingConfigWarning,
+    export_hf,
+    is_hf_weights,
+    load_hf_weights,
+)
+from checkpoint_manager.formats.peft import PeftExport, export_peft, export_peft_adapter
 from checkpoint_manager.formats.sizes import parse_size
 
 __all__ = [
@@ -36,6 +43,7 @@ __all__ = [
     "CacheEntry",
     "HFExport",
     "HFLoad",
+    "MissingConfigWarning",
     "PeftExport",
     "clear_bundle_cache",
     "convert",
@@ -43,6 +51,7 @@ __all__ = [
     "dcp_to_torch",
     "detect_format",
     "export_hf",
+    "export_peft",
     "export_peft_adapter",
     "extract_bundle",
     "is_bundle",

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,22 +31,27 @@ from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatch
 from checkpoint_manager.formats.bundle import resolve_checkpoint_path
 from checkpoint_manager.formats.dcp_stream import TensorEntry, group_entries, read_entries, tensor_entries
 from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
+from checkpoint_manager.formats.lora import LoraMerge, adapter_tensor_names, choose_adapter, plan_merge
+from checkpoint_manager.formats.model_config import RecordedConfig, config_with_dtype, read_recorded_config
 from checkpoint_manager.formats.publish import publish_dir, staging_dir
 from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
 from checkpoint_manager.formats.sizes import parse_size
 from checkpoint_manager.layout import CHECKPOINT_JSON
+from checkpoint_manager.safe_io import read_small
 
 __all__ = [
     "HF_INDEX",
     "HF_WEIGHTS",
     "HFExport",
     "HFLoad",
+    "MissingConfigWarning",
     "TiedWeights",
     "copy_artifacts",
     "export_hf",
     "hf_weight_files",
     "is_hf_weights",
     "load_hf_weights",
+    "tied_pairs",
 ]
 
 HF_WEIGHTS = "model.safetensors"
@@ -67,6 +73,10 @@ class HFExport:
     bytes: int
     dropped: tuple[str, ...] = ()
     artifacts: tuple[str, ...] = ()
+    #: where config.json came from: "artifacts_dir", "checkpoint" (recorded at save time) or None (none written)
+    config: str | None = None
+    merged_adapter: str | None = None  # the LoRA adapter merged into the weights (merge_lora=True)
+    merged: int = 0  # tensors computed by the merge
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,10 @@ class HFLoad:
 
 
 # -- export -----------------------------------------------------------------------------------------
+class MissingConfigWarning(UserWarning):
+    """An export wrote weights without ``config.json``: ``from_pretrained`` cannot load it as is."""
+
+
 def export_hf(
     checkpoint: str | Path,
     out_dir: str | Path,
@@ -95,19 +109,49 @@ def export_hf(
     buffer_size: int | str = "512MiB",
     overwrite: bool = False,
     fsync: bool = True,
+    merge_lora: bool = False,
+    adapter_name: str | None = None,
+    adapter_config: str | Path | Mapping[str, Any] | None = None,
 ) -> HFExport:
     """Write ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` + index) from a checkpoint.
 
     ``checkpoint`` is a committed checkpoint directory (or a bundle); ``dtype`` casts floating-point
     tensors (e.g. ``"bfloat16"``); files of ``artifacts_dir`` (config, tokenizer, generation config)
-    are copied alongside. At most ``buffer_size`` of tensors (or one larger tensor) is held at a time.
+    are copied alongside. ``config.json`` (and ``generation_config.json``) come from ``artifacts_dir``,
+    else from the config the checkpoint recorded at save time; with neither, a
+    :class:`MissingConfigWarning` says the result does not load with ``from_pretrained`` yet.
+
+    A checkpoint of a PEFT model holds adapter tensors that ``from_pretrained`` would ignore: it is
+    refused unless ``merge_lora`` (LoRA adapter ``adapter_name``, default the active one, merged into
+    the base weights, under the base model's names); :func:`~checkpoint_manager.formats.export_peft`
+    writes the adapter alone. ``adapter_config`` (an ``adapter_config.json`` file or its dict) stands
+    in for a checkpoint that recorded none. At most ``buffer_size`` of tensors (or one larger tensor)
+    is held at a time.
     """
     src = resolve_checkpoint_path(checkpoint)
     cast = resolve_dtype(dtype)
     shard_limit = parse_size(max_shard_size)
     buffer = parse_size(buffer_size)
-    entries = _renamed(tensor_entries(src, model_key), key_map, src)
-    config = _read_config(artifacts_dir)
+    recorded = read_recorded_config(src, model_key)
+    entries = tensor_entries(src, model_key)
+    merges: dict[str, LoraMerge] = {}
+    merged_adapter = None
+    if merge_lora:
+        if not adapter_tensor_names(e.name for e in entries):
+            raise CheckpointMismatchError(
+                f"{src}: holds no PEFT adapter under {model_key!r} to merge (merge_lora is for a PEFT model's checkpoint)"
+            )
+        adapters = _adapter_configs(recorded, adapter_config, src)
+        active = recorded.active_adapter if recorded is not None else None
+        merged_adapter = choose_adapter(adapters, adapter_name, active, src)
+        plan = plan_merge(entries, adapters, merged_adapter, recorded.prefix if recorded else None, src)
+        entries, merges = plan.entries, plan.merges
+    entries = _renamed(entries, key_map, src)
+    if not merge_lora:
+        _refuse_adapters(entries, src)
+    from_artifacts = _read_config(artifacts_dir)
+    config = from_artifacts if from_artifacts is not None else (recorded.config if recorded else None)
+    config_source = "artifacts_dir" if from_artifacts is not None else ("checkpoint" if config is not None else None)
     drop = _tied_to_drop({e.name for e in entries}, config, tied_weights)
     entries = [e for e in entries if e.name not in drop]
     if not entries:
@@ -124,16 +168,25 @@ def export_hf(
         weight_map: dict[str, str] = {}
         total = 0
         for name, shard in zip(names, shards, strict=True):
-            total += _write_shard(src, staging / name, shard, cast, buffer, fsync)
+            total += _write_shard(src, staging / name, shard, cast, buffer, fsync, merges)
             weight_map.update({e.name: name for e in shard})
         if len(shards) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (staging / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         copied = copy_artifacts(artifacts_dir, staging, dtype=cast) if artifacts_dir is not None else []
+        copied += _write_recorded(recorded, staging, cast, config_source == "checkpoint", copied)
         publish_dir(staging, out, overwrite=overwrite, fsync=fsync)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if config_source is None:
+        warnings.warn(
+            f"{out}: written without config.json (the checkpoint recorded no Hugging Face config and "
+            f"artifacts_dir gave none), so from_pretrained cannot load it until one is added: "
+            f"pass artifacts_dir=, or save a model that has a .config",
+            MissingConfigWarning,
+            stacklevel=2,
+        )
     return HFExport(
         path=out,
         files=tuple(names),
@@ -141,7 +194,65 @@ def export_hf(
         bytes=total,
         dropped=tuple(sorted(drop)),
         artifacts=tuple(copied),
+        config=config_source,
+        merged_adapter=merged_adapter,
+        merged=len(merges),
     )
+
+
+def _adapter_configs(
+    recorded: RecordedConfig | None, given: str | Path | Mapping[str, Any] | None, src: Path
+) -> dict[str, dict[str, Any]]:
+    """Adapter configs by name: the one given (as ``default``), else those the checkpoint recorded."""
+    if given is None:
+        if recorded is None or not recorded.adapters:
+            raise ValueError(
+                f"{src}: recorded no PEFT adapter config (r, lora_alpha, targets), which merging needs: "
+                "pass adapter_config= (an adapter_config.json file or its dict)"
+            )
+        return dict(recorded.adapters)
+    if isinstance(given, Mapping):
+        return {"default": dict(given)}
+    file = Path(given)
+    if file.is_dir():
+        file = file / "adapter_config.json"
+    try:
+        data = json.loads(read_small(file, follow=True).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: not an adapter config (a JSON object)")
+    return {"default": data}
+
+
+def _refuse_adapters(entries: list[TensorEntry], src: Path) -> None:
+    """A PEFT model's tensors under their PEFT names load into nothing: say what to do instead."""
+    found = sorted(adapter_tensor_names(e.name for e in entries), key=lambda n: ".lora_" not in n)
+    if found:
+        raise ValueError(
+            f"{src}: holds PEFT adapter tensors ({found[0]}{', ...' if len(found) > 1 else ''}), which "
+            "from_pretrained would ignore, loading the base model with random or untrained weights: "
+            "merge a LoRA adapter into the base weights (merge_lora=True; ckpt export --to hf --merge-lora), "
+            "or export the adapter alone (export_peft; ckpt export --to peft)"
+        )
+
+
+def _write_recorded(
+    recorded: RecordedConfig | None, dest: Path, cast: torch.dtype | None, config: bool, copied: list[str]
+) -> list[str]:
+    """The recorded ``config.json`` / ``generation_config.json`` that ``artifacts_dir`` did not provide."""
+    written: list[str] = []
+    if recorded is None:
+        return written
+    if config and recorded.config is not None:
+        data = config_with_dtype(recorded.config, cast)
+        (dest / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        written.append("config.json")
+    if recorded.generation_config is not None and "generation_config.json" not in copied:
+        text = json.dumps(recorded.generation_config, indent=2, sort_keys=True) + "\n"
+        (dest / "generation_config.json").write_text(text, encoding="utf-8")
+        written.append("generation_config.json")
+    return written
 
 
 def _renamed(entries: list[TensorEntry], key_map: KeyMap | None, src: Path) -> list[TensorEntry]:
@@ -159,16 +270,38 @@ def _renamed(entries: list[TensorEntry], key_map: KeyMap | None, src: Path) -> l
 
 
 def _write_shard(
-    src: Path, path: Path, shard: list[TensorEntry], cast: torch.dtype | None, buffer: int, fsync: bool
+    src: Path,
+    path: Path,
+    shard: list[TensorEntry],
+    cast: torch.dtype | None,
+    buffer: int,
+    fsync: bool,
+    merges: Mapping[str, LoraMerge],
 ) -> int:
     specs = {e.name: (e.out_dtype(cast), e.shape) for e in shard}
     with SafetensorsWriter(path, specs, {"format": "pt"}, fsync=fsync) as writer:
         for group in group_entries(shard, buffer, cast):
-            loaded = read_entries(src, group, cast)
+            loaded = _read_group(src, group, cast, merges)
             for name in list(loaded):
                 writer.write(name, loaded.pop(name))  # freed as soon as it is written
         writer.commit()
     return writer.total_bytes
+
+
+def _read_group(
+    src: Path, group: list[TensorEntry], cast: torch.dtype | None, merges: Mapping[str, LoraMerge]
+) -> dict[str, torch.Tensor]:
+    """The group's tensors by output name; merged ones computed from their sources in the saved dtype."""
+    todo = [e for e in group if e.key in merges]
+    if not todo:
+        return read_entries(src, group, cast)
+    loaded = read_entries(src, [e for e in group if e.key not in merges], cast)
+    sources = {s.key: dataclasses.replace(s, name=s.key) for e in todo for s in merges[e.key].sources()}
+    raw = read_entries(src, sources.values())
+    for entry in todo:
+        loaded[entry.name] = merges[entry.key].compute(raw).to(entry.out_dtype(cast))
+    del raw
+    return {e.name: loaded[e.name] for e in group}
 
 
 def _read_config(artifacts_dir: str | Path | None) -> dict[str, Any] | None:
@@ -219,6 +352,13 @@ def _class_tied_pairs(config: dict[str, Any]) -> dict[str, str]:
         if isinstance(declared, dict):
             pairs.update({str(k): str(v) for k, v in declared.items()})
     return pairs
+
+
+def tied_pairs(config: Mapping[str, Any] | None) -> dict[str, str]:
+    """``{tied copy: source}`` that ``from_pretrained`` ties back for a model of ``config`` (``config.json``)."""
+    if config is None or not _ties_embeddings(dict(config)):
+        return {}
+    return _class_tied_pairs(dict(config))
 
 
 def _tied_to_drop(names: set[str], config: dict[str, Any] | None, tied: TiedWeights) -> set[str]:

@@ -11,16 +11,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from checkpoint_manager.dcp_io import read_dcp_metadata
-from checkpoint_manager.errors import CheckpointMismatchError
+from checkpoint_manager.errors import CheckpointMismatchError, UnsupportedAdapterError
 from checkpoint_manager.formats.bundle import resolve_checkpoint_path
-from checkpoint_manager.formats.dcp_stream import model_keys
+from checkpoint_manager.formats.dcp_stream import model_keys, tensor_entries
 from checkpoint_manager.formats.hf import export_hf, is_hf_weights, load_hf_weights
+from checkpoint_manager.formats.lora import adapter_tensor_names
+from checkpoint_manager.formats.model_config import HFConfigRecorder
 from checkpoint_manager.protocol import LoadContext, LoadResult
 
 if TYPE_CHECKING:
     from checkpoint_manager.config import CheckpointConfig
 
-__all__ = ["CONSOLIDATED_DIR", "export_consolidated", "load_initial_hf", "resolve_load_path", "wants_consolidated"]
+__all__ = [
+    "CONSOLIDATED_DIR",
+    "HFConfigRecorder",
+    "export_consolidated",
+    "load_initial_hf",
+    "resolve_load_path",
+    "wants_consolidated",
+]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -37,7 +46,9 @@ def export_consolidated(config: CheckpointConfig, checkpoint_dir: Path, *, final
     """Per ``save_consolidated``: write ``<checkpoint>/hf`` (``hf/model_0``, ... for lists of models).
 
     Called by the coordinator on the fully written, not yet committed directory, so the export is
-    committed (or discarded) with the checkpoint in the same rename.
+    committed (or discarded) with the checkpoint in the same rename. A PEFT model's LoRA adapter is
+    merged into the base weights (a loadable model); an adapter that cannot be merged is not exported
+    (a warning says so) rather than failing the save.
     """
     if not wants_consolidated(config, final=final):
         return []
@@ -49,16 +60,24 @@ def export_consolidated(config: CheckpointConfig, checkpoint_dir: Path, *, final
     written: list[Path] = []
     for key in keys:
         out = checkpoint_dir / CONSOLIDATED_DIR if len(keys) == 1 else checkpoint_dir / CONSOLIDATED_DIR / key
-        result = export_hf(
-            checkpoint_dir,
-            out,
-            model_key=key,
-            max_shard_size=config.max_shard_size,
-            dtype=config.consolidated_dtype,
-            artifacts_dir=config.artifacts_dir,
-            fsync=config.fsync,
-        )
+        merge = bool(adapter_tensor_names(e.name for e in tensor_entries(checkpoint_dir, key)))
+        try:
+            result = export_hf(
+                checkpoint_dir,
+                out,
+                model_key=key,
+                max_shard_size=config.max_shard_size,
+                dtype=config.consolidated_dtype,
+                artifacts_dir=config.artifacts_dir,
+                fsync=config.fsync,
+                merge_lora=merge,
+            )
+        except UnsupportedAdapterError as exc:
+            log.warning("save_consolidated: not exporting %s of %s (pending): %s", key, checkpoint_dir.name, exc)
+            continue
         written.append(result.path)
+    if not written:
+        return written
     log.info(
         "consolidated export of %s: %s in %.2fs",
         checkpoint_dir.name,

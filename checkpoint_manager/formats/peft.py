@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -21,10 +23,12 @@ from checkpoint_manager.errors import CheckpointMismatchError
 from checkpoint_manager.formats.bundle import resolve_checkpoint_path
 from checkpoint_manager.formats.dcp_stream import TensorEntry, read_entries, tensor_entries
 from checkpoint_manager.formats.keys import resolve_dtype
+from checkpoint_manager.formats.lora import choose_adapter
+from checkpoint_manager.formats.model_config import read_recorded_config
 from checkpoint_manager.formats.publish import publish_dir, staging_dir
 from checkpoint_manager.formats.safetensors_io import save_safetensors
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PeftExport", "export_peft_adapter"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PeftExport", "export_peft", "export_peft_adapter"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -88,6 +92,51 @@ def export_peft_adapter(
     return PeftExport(path=out, tensors=tuple(tensors), bytes=int(nbytes))
 
 
+def export_peft(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    adapter_name: str | None = None,
+    model_key: str = "model",
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
+) -> PeftExport:
+    """Write a PEFT adapter from the checkpoint alone, with the adapter config it recorded at save time.
+
+    ``adapter_name`` defaults to the model's active adapter. Tensors are picked by name (the method's
+    prefix, e.g. ``lora_``, and ``modules_to_save`` copies), named as ``PeftModel.save_pretrained``
+    names them; the result loads with ``PeftModel.from_pretrained(base_model, out_dir)``. For what
+    only the live model knows (prompt-learning methods), use :func:`export_peft_adapter`.
+    """
+    src = resolve_checkpoint_path(checkpoint)
+    recorded = read_recorded_config(src, model_key)
+    if recorded is None or not recorded.adapters:
+        raise CheckpointMismatchError(
+            f"{src}: recorded no PEFT adapter under {model_key!r} (saved from a model that is not a PeftModel, "
+            "or by an older version): use export_peft_adapter(checkpoint, out_dir, peft_model)"
+        )
+    name = choose_adapter(recorded.adapters, adapter_name, recorded.active_adapter, src)
+    data = dict(recorded.adapters[name])
+    entries = {e.name: e for e in tensor_entries(src, model_key)}
+    wanted = _select_by_name(entries, SimpleNamespace(peft_type=data.get("peft_type")), name)
+    if not wanted:
+        raise CheckpointMismatchError(f"{src}: holds no tensors of adapter {name!r}")
+    tensors = read_entries(src, wanted, resolve_dtype(dtype))
+    data["inference_mode"] = True
+    out = Path(out_dir)
+    staging = staging_dir(out)
+    try:
+        save_safetensors(tensors, staging / ADAPTER_WEIGHTS, {"format": "pt"})
+        text = json.dumps(data, indent=2, sort_keys=True)
+        (staging / ADAPTER_CONFIG).write_text(text, encoding="utf-8")
+        publish_dir(staging, out, overwrite=overwrite)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return PeftExport(path=out, tensors=tuple(tensors), bytes=int(nbytes))
+
+
 def _select_with_peft(
     entries: dict[str, TensorEntry],
     model: Any,
@@ -119,7 +168,8 @@ def _select_with_peft(
 
 def _select_by_name(entries: dict[str, TensorEntry], config: Any, adapter_name: str) -> list[TensorEntry]:
     """Without the model: the tensors of ``adapter_name`` whose module name carries the method's prefix
-    (``lora_A``, ``lora_B``, ... for LoRA), named as PEFT names them (adapter name removed)."""
+    (``lora_A``, ``lora_B``, ... for LoRA), and its ``modules_to_save`` copies, named as PEFT names
+    them (adapter name and wrapper removed)."""
     try:
         from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -130,6 +180,11 @@ def _select_by_name(entries: dict[str, TensorEntry], config: Any, adapter_name: 
     wanted: list[TensorEntry] = []
     for name, entry in entries.items():
         parts = name.split(".")
+        if "modules_to_save" in parts:  # PEFT saves the trained copy under the module's own name
+            at = parts.index("modules_to_save")
+            if parts[at + 1 : at + 2] == [adapter_name]:
+                wanted.append(dataclasses.replace(entry, name=".".join(parts[:at] + parts[at + 2 :])))
+            continue
         if not any(p.startswith(prefix) for p in parts[:-1]) or adapter_name not in parts:
             continue
         stem, _, last = name.rpartition(".")

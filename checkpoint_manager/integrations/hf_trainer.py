@@ -45,6 +45,23 @@ __all__ = [
 #: ``SaveContext.extra`` name of the Trainer's own ``TrainerState`` (counters, log history, callbacks).
 TRAINER_STATE_KEY = "hf_trainer_state"
 _TRAINER_STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
+# The run summary the Trainer logs once, at the end of train() (with train_loss, total_flos, ...).
+_RUN_SUMMARY_KEY = "train_runtime"
+# Speed and cost figures of a run or an evaluation: about the machine, not the model.
+_NOT_METRICS = ("total_flos",)
+_SPEED_SUFFIXES = ("_runtime", "_samples_per_second", "_steps_per_second", "_tokens_per_second")
+
+
+def step_metrics(log_history: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """The metrics logged at ``step`` (loss, learning rate, ``eval_*``), without the run summary and
+    the speed figures, which would make every checkpoint's metrics a wide table of timings."""
+    metrics: dict[str, float] = {}
+    for entry in log_history:
+        if entry.get("step") == step and _RUN_SUMMARY_KEY not in entry:
+            metrics.update(scalar_metrics(entry))
+    return {
+        k: v for k, v in metrics.items() if k != "step" and k not in _NOT_METRICS and not k.endswith(_SPEED_SUFFIXES)
+    }
 
 
 class _TrainerStateHolder:
@@ -255,11 +272,7 @@ class HFCheckpointCallback(TrainerCallback):
     def _save(
         self, state: TrainerState, kwargs: dict[str, Any], *, final: bool, log_len: int | None = None
     ) -> None:
-        metrics: dict[str, float] = {}
-        for entry in state.log_history:
-            if entry.get("step") == state.global_step:
-                metrics.update(scalar_metrics(entry))
-        metrics.pop("step", None)
+        metrics = step_metrics(state.log_history, state.global_step)
         ctx = SaveContext(**self._objects(state, kwargs, log_len), metrics=metrics, final=final)
         result = self.manager.save(ctx)
         if result is not None:
