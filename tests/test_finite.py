@@ -78,7 +78,7 @@ def test_the_optimizer_is_checked_only_when_asked(tmp_path: Path) -> None:
 
 
 def test_off_by_default_and_the_switches_validate(tmp_path: Path) -> None:
-    model, opt = run_model()
+    model, _ = run_model()
     with torch.no_grad():
         model[0].bias[0] = math.nan
     with DefaultCheckpointManager(CheckpointConfig(save_dir=str(tmp_path))) as manager:
