@@ -10,7 +10,6 @@ import contextlib
 import gc
 import logging
 import operator
-import os
 import threading
 import time
 import warnings
@@ -26,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from checkpoint_manager._version import __version__
 from checkpoint_manager.codec import decode, encode
 from checkpoint_manager.config import CheckpointConfig
-from checkpoint_manager.dcp_io import METADATA_FILE, paused_gc, read_dcp_metadata
+from checkpoint_manager.dcp_io import paused_gc, read_dcp_metadata
 from checkpoint_manager.dcp_reader import CheckpointReader
 from checkpoint_manager.dcp_writer import WRITER_ID, CheckpointWriter, chunk_for_bytes, prime_layout
 from checkpoint_manager.direct_io import reserve_write_buffers, staging_gate
@@ -41,7 +40,7 @@ from checkpoint_manager.errors import (
 )
 from checkpoint_manager.formats.hf import is_hf_weights
 from checkpoint_manager.formats.integration import export_consolidated, load_initial_hf, resolve_load_path
-from checkpoint_manager.integrity import check
+from checkpoint_manager.integrity import Presence, check
 from checkpoint_manager.layout import (
     CHECKPOINT_JSON,
     FORMAT_NAME,
@@ -141,42 +140,21 @@ class _CheckpointGone(CheckpointNotFoundError):
 
 
 class _Watch:
-    """The checkpoint one load reads, to tell "deleted meanwhile" (pruned by a live run) from "damaged".
-
-    Deletion renames the directory away before removing it, so the same directory (device and inode)
-    still holding its marker file after the reads means every read saw the whole checkpoint.
-    """
+    """The checkpoint one load reads (:class:`~checkpoint_manager.integrity.Presence`), if local."""
 
     def __init__(self) -> None:
         self.path: Path | None = None
         self.model_only = False
-        self._identity: tuple[int, int] | None = None
-        self._marker: str | None = None
+        self._presence: Presence | None = None
 
     def start(self, location: str, model_only: bool) -> None:
         self.model_only = model_only
-        if is_url(location):
-            return  # an object store's checkpoint is read from a private download
-        self.path = Path(location)
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return  # gone already
-        self._identity = (st.st_dev, st.st_ino)
-        self._marker = next((m for m in (CHECKPOINT_JSON, METADATA_FILE) if (self.path / m).exists()), None)
+        if not is_url(location):  # an object store's checkpoint is read from a private download
+            self.path = Path(location)
+            self._presence = Presence(self.path)
 
     def gone(self) -> bool:
-        if self.path is None:
-            return False
-        if self._identity is None:
-            return True
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return True
-        if (st.st_dev, st.st_ino) != self._identity:
-            return True
-        return self._marker is not None and not (self.path / self._marker).exists()
+        return self._presence is not None and self._presence.gone()
 
 
 @dataclass

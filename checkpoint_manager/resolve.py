@@ -166,8 +166,8 @@ def _resolve_dir(given: str, path: Path, step: int | None) -> ResolvedCheckpoint
     if (path / _METADATA).is_file():
         if (path / STATE_JSON).exists() or (path / rank_file(0)).exists():
             raise CheckpointCorruptError(
-                f"{path / CHECKPOINT_JSON}: missing (a save of ours that never committed: interrupted, or "
-                "copied before it finished)"
+                f"{path / CHECKPOINT_JSON}: missing (not a committed checkpoint); its files are a save of ours "
+                "that never committed (interrupted, or copied before it finished)"
             )
         if step is not None:
             raise CheckpointNotFoundError(

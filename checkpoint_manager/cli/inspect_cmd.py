@@ -7,7 +7,9 @@ allow-listed reader), so inspecting a 100 GB checkpoint costs a few small reads.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from checkpoint_manager.cli.output import Output, human_bytes
@@ -56,8 +58,9 @@ def run(args: argparse.Namespace, out: Output) -> int:
         remote = remote_checkpoint(args.path, storage_options(args), args.step)
         with metadata_only(remote) as local:
             source = open_source(local)
-        return _show(args, out, match, source, remote.info.location, dict(remote.info.meta), remote.via,
-                     remote_size(remote.storage, remote.info.name))
+        info_meta = dict(remote.info.meta)
+        return _show(args, out, match, source, remote.info.location, info_meta, remote.via,
+                     remote_size(remote.storage, remote.info.name), len(info_meta.get("files") or {}))
     from checkpoint_manager.formats.hf import is_hf_weights
 
     given = existing(args.path)
@@ -68,7 +71,15 @@ def run(args: argparse.Namespace, out: Output) -> int:
     else:
         ckpt = resolve_checkpoint(args.path, step=args.step, args=args)
         path, meta, via = ckpt.path, ckpt.meta, ckpt.via
-    return _show(args, out, match, open_source(path), str(path), meta, via, tree_size(path))
+    recorded = meta.get("files")  # plain DCP and safetensors record none: count what is there
+    files = len(recorded) if isinstance(recorded, dict) and recorded else _count_files(path)
+    return _show(args, out, match, open_source(path), str(path), meta, via, tree_size(path), files)
+
+
+def _count_files(path: Path) -> int:
+    if path.is_file():
+        return 1
+    return sum(len(names) for _dir, _dirs, names in os.walk(path))
 
 
 def _show(
@@ -80,6 +91,7 @@ def _show(
     meta: dict[str, Any],
     via: str | None,
     size: int,
+    file_count: int,
 ) -> int:
     tensors = [t for t in source.tensors if match(t.name)]
     doc: dict[str, Any] = {
@@ -94,6 +106,7 @@ def _show(
         "meta": {k: meta[k] for k in _META_KEYS if k in meta},
         "files": meta.get("files") or {},
         "size_bytes": size,
+        "file_count": file_count,
         "filter": args.filter,
         "tensors": [
             {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes} for t in tensors
@@ -110,7 +123,7 @@ def _show(
     if doc["created"]:
         pairs.append(("created", str(doc["created"])))
     pairs += [(k, str(v)) for k, v in doc["meta"].items()]
-    pairs.append(("size", f"{human_bytes(doc['size_bytes'])} ({doc['size_bytes']} bytes, {len(doc['files'])} files)"))
+    pairs.append(("size", f"{human_bytes(doc['size_bytes'])} ({doc['size_bytes']} bytes, {file_count} files)"))
     out.fields(pairs)
     if doc["train_state"]:
         out.line()

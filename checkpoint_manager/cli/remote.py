@@ -103,16 +103,34 @@ def remote_size(storage: FsspecStorage, name: str) -> int:
 def verify_remote(storage: FsspecStorage, info: CheckpointInfo, level: str) -> list[str]:
     """Sizes from one listing; ``full`` also downloads the checkpoint and recomputes every CRC32
     (problems name the URL, not the temporary copy)."""
+    from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
     from checkpoint_manager.integrity import verify
 
     problems = storage.check_sizes(info)
-    if problems or level == "sizes":
-        return problems
-    local = storage.localize(info.location)
+    if not problems and level != "sizes":
+        try:
+            local = storage.localize(info.location)
+        except CheckpointCorruptError:  # its marker went while listing: pruned (checked below)
+            problems = [f"{info.location}/checkpoint.json: missing"]
+        else:
+            try:
+                problems = [p.replace(str(local), info.location) for p in verify(local, "full")]
+            finally:
+                storage.release_local(local)
+    if problems and _marker_gone(storage, info):
+        raise CheckpointNotFoundError(f"{info.location}: deleted while being verified (pruned by a running job?)")
+    return problems
+
+
+def _marker_gone(storage: FsspecStorage, info: CheckpointInfo) -> bool:
+    """Deletion removes the marker first: without it the checkpoint is gone, not damaged."""
+    from checkpoint_manager.errors import CheckpointCorruptError
+
     try:
-        return [p.replace(str(local), info.location) for p in verify(local, "full")]
-    finally:
-        storage.release_local(local)
+        storage.read_marker(info.location)
+    except CheckpointCorruptError as exc:
+        return "missing" in str(exc)
+    return False
 
 
 @contextlib.contextmanager
