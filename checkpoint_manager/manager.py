@@ -393,19 +393,24 @@ class DefaultCheckpointManager(FinalizeOnExit):
         never fall back.
         """
         damaged: list[CheckpointCorruptError] = []
-        for info in reversed(self.list_checkpoints(load_dir=True)):
-            try:
-                self._load_storage.check_info(info, self.config.verify_on_load)
-            except CheckpointCorruptError as exc:
-                if self._load_storage.is_local and not info.path.exists():
-                    log.info("%s (step %d) was deleted while being checked (pruned?); trying an older one", info.path, info.step)
+        for _ in range(_GONE_RETRIES + 1):
+            gone = 0
+            for info in reversed(self.list_checkpoints(load_dir=True)):
+                try:
+                    self._load_storage.check_info(info, self.config.verify_on_load)
+                except CheckpointCorruptError as exc:
+                    if self._load_storage.is_local and not info.path.exists():  # pruned by a live run
+                        log.info("%s (step %d) was deleted while being checked; trying another", info.path, info.step)
+                        gone += 1
+                        continue
+                    log.warning(
+                        "skipping damaged checkpoint %s (step %d), trying an older one: %s", info.path, info.step, exc
+                    )
+                    damaged.append(exc)
                     continue
-                log.warning(
-                    "skipping damaged checkpoint %s (step %d), trying an older one: %s", info.path, info.step, exc
-                )
-                damaged.append(exc)
-                continue
-            return info
+                return info
+            if not gone or damaged:
+                break  # the listing was current: nothing newer appeared while its checkpoints went
         if damaged:
             raise CheckpointCorruptError(
                 f"every committed checkpoint in {self.config.resolved_load_dir} is damaged; the newest: {damaged[0]}"
