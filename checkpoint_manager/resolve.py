@@ -142,8 +142,10 @@ def _resolve_file(given: str, path: Path, step: int | None) -> ResolvedCheckpoin
 
 def _resolve_pointer(given: str, path: Path, step: int | None) -> ResolvedCheckpoint:
     """A save directory's ``latest`` / ``best`` file: the committed checkpoint it names."""
+    from checkpoint_manager.safe_io import read_small
+
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(read_small(path, limit=1 << 20, follow=True).decode("utf-8"))
     except (OSError, ValueError) as exc:
         raise CheckpointCorruptError(f"{given}: not a readable {path.name} pointer ({exc})") from exc
     name = data.get("name") if isinstance(data, dict) else None

@@ -24,6 +24,7 @@ from checkpoint_manager import (
     TrainState,
     UnsafeCheckpointError,
     convert,
+    read_event_log,
 )
 from checkpoint_manager.cli import main
 from checkpoint_manager.layout import read_checkpoint_json
@@ -88,6 +89,18 @@ def test_plain_model_and_optimizer_state_dict(tmp_path: Path, caplog: pytest.Log
         f"loaded checkpoint from plain DCP directory {plain}: restored model, optim; "
         "not restored: rng: not in the checkpoint; train_state: not in the checkpoint"
     ) in caplog.messages
+
+
+def test_event_log_records_what_was_not_restored(tmp_path: Path) -> None:
+    model, _, _ = trained()
+    plain = tmp_path / "plain"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(plain))
+    log_file = tmp_path / "events.jsonl"
+    config = CheckpointConfig(save_dir=str(tmp_path / "new"), event_log=str(log_file), fsync=False)
+    with DefaultCheckpointManager(config) as mgr:
+        mgr.load(LoadContext(model=Net(seed=7), path=plain))
+    [record] = [r for r in read_event_log(log_file) if r["event"] == "load"]
+    assert (record["restored"], record["not_restored"]) == (["model"], {"rng": "not in the checkpoint"})
 
 
 def test_torchtitan_layout(tmp_path: Path) -> None:
