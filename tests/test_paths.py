@@ -30,6 +30,7 @@ from checkpoint_manager import (
     TrainState,
     convert,
     export_hf,
+    export_peft_adapter,
     pack_bundle,
 )
 from checkpoint_manager.cli import main
@@ -183,8 +184,9 @@ def test_formats_take_a_save_directory(run: tuple[Path, Any], tmp_path: Path) ->
         lambda src, out: dcp_to_torch(src, out / "w.pt"),
         lambda src, out: convert(src, out / "w.safetensors", to="safetensors"),
         lambda src, out: pack_bundle(src, out / "b.tar"),
+        lambda src, out: export_peft_adapter(src, out, None),
     ],
-    ids=["export_hf", "dcp_to_safetensors", "dcp_to_torch", "convert", "pack_bundle"],
+    ids=["export_hf", "dcp_to_safetensors", "dcp_to_torch", "convert", "pack_bundle", "export_peft_adapter"],
 )
 def test_formats_missing_path_is_not_found(call: Callable[[Path, Path], Any], tmp_path: Path) -> None:
     missing = tmp_path / "nope"
