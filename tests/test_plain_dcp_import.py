@@ -233,3 +233,8 @@ def test_inspect_plain_dcp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert doc["tensor_count"] == 4 + 4 * 3  # model + (step, exp_avg, exp_avg_sq) per parameter
     assert main(["inspect", str(plain)]) == 0
     assert f"({doc['size_bytes']} bytes, {len(on_disk)} files)" in capsys.readouterr().out
+    assert main(["verify", str(plain)]) == 2
+    assert capsys.readouterr().err == (
+        f"ckpt verify: error: {plain}: a plain DCP directory records no sizes or checksums to verify "
+        "(ckpt convert ... --to dcp makes a checkpoint of ours that does)\n"
+    )

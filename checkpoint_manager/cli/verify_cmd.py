@@ -64,6 +64,14 @@ def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
     if path.is_file() or (path / CHECKPOINT_JSON).exists():
         ckpt = resolve_checkpoint(text, args=args)
         return [(ckpt.path.name, str(ckpt.path), [], lambda level: verify(ckpt.path, level))], False  # type: ignore[arg-type]
+    from checkpoint_manager.resolve import is_plain_dcp
+
+    if is_plain_dcp(path):
+        raise CliError(
+            ExitCode.USAGE,
+            f"{text}: a plain DCP directory records no sizes or checksums to verify "
+            "(ckpt convert ... --to dcp makes a checkpoint of ours that does)",
+        )
     infos, bad = scan_checkpoints(path, LocalStorage(path).list_names())
     out: list[Target] = [
         (i.name, str(i.path), [], lambda level, p=i.path: verify(p, level))  # type: ignore[misc]
