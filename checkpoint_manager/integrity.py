@@ -11,13 +11,45 @@ import zlib
 from pathlib import Path
 from typing import Any, Literal
 
-from checkpoint_manager.errors import CheckpointCorruptError
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
 from checkpoint_manager.layout import CHECKPOINT_JSON, read_checkpoint_json
 
-__all__ = ["VerifyLevel", "describe_files", "file_crc32", "verify"]
+__all__ = ["Presence", "VerifyLevel", "describe_files", "file_crc32", "verify"]
 
 VerifyLevel = Literal["off", "sizes", "full"]
 _READ_CHUNK = 8 << 20
+
+
+class Presence:
+    """Whether a checkpoint is still the one a reader started on, to tell "deleted meanwhile" from "damaged".
+
+    A running job's retention deletes old checkpoints while tools and other jobs read them. Deletion
+    renames the directory away before removing it, so the same directory (device and inode), still
+    holding the marker file it had at the start, means every read saw the whole checkpoint.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._identity: tuple[int, int] | None = None
+            self._marker: str | None = None
+            return
+        self._identity = (st.st_dev, st.st_ino)
+        self._marker = next((m for m in (CHECKPOINT_JSON, ".metadata") if (self.path / m).exists()), None)
+
+    def gone(self) -> bool:
+        """True once the checkpoint is deleted (or was missing from the start)."""
+        if self._identity is None:
+            return True
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return True
+        if (st.st_dev, st.st_ino) != self._identity:
+            return True
+        return self._marker is not None and not (self.path / self._marker).exists()
 
 
 def file_crc32(path: str | Path) -> int:
@@ -62,20 +94,28 @@ def verify(
     """Problems found in the checkpoint at ``path`` (empty: it is intact).
 
     ``sizes`` checks that every recorded file exists with its size; ``full`` also recomputes every
-    CRC32. A missing or unreadable ``checkpoint.json`` is itself a problem. ``path`` may be an fsspec
-    URL (``s3://bucket/prefix/step_00000010``): ``sizes`` then reads a listing, ``full`` downloads
-    the checkpoint (``storage_options`` go to fsspec).
+    CRC32. A missing or unreadable ``checkpoint.json`` is itself a problem. A local checkpoint that is
+    not there, or is deleted while being verified (a running job's retention pruned it), raises
+    :class:`CheckpointNotFoundError`: it is gone, not damaged. ``path`` may be an fsspec URL
+    (``s3://bucket/prefix/step_00000010``): ``sizes`` then reads a listing, ``full`` downloads the
+    checkpoint (``storage_options`` go to fsspec).
     """
     from checkpoint_manager.storage.base import is_url
 
     if is_url(path):
         return _verify_remote(str(path).rstrip("/"), level, storage_options)
     root = Path(path)
+    presence = Presence(root)
+    if presence.gone():
+        raise CheckpointNotFoundError(f"{root}: no such file or directory")
     try:
         meta = read_checkpoint_json(root)
+        problems = _problems(root, meta, level)
     except CheckpointCorruptError as exc:
-        return [str(exc)]
-    return _problems(root, meta, level)
+        problems = [str(exc)]
+    if problems and presence.gone():
+        raise CheckpointNotFoundError(f"{root}: deleted while being verified (pruned by a running job?)")
+    return problems
 
 
 def check(root: Path, meta: dict[str, Any], level: VerifyLevel) -> None:
@@ -115,7 +155,11 @@ def _problems(root: Path, meta: dict[str, Any], level: VerifyLevel) -> list[str]
             )
             continue
         if level == "full" and "crc32" in desc:
-            crc = file_crc32(file)
+            try:
+                crc = file_crc32(file)
+            except FileNotFoundError:
+                problems.append(f"{file}: missing (listed in {CHECKPOINT_JSON})")
+                continue
             if crc != desc["crc32"]:
                 problems.append(
                     f"{file}: CRC32 {crc:08x}, {CHECKPOINT_JSON} records {int(desc['crc32']):08x} (corrupted)"

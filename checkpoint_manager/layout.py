@@ -145,6 +145,8 @@ def scan_checkpoints(root: Path, names: list[str]) -> tuple[list[CheckpointInfo]
         try:
             info = info_from_meta(path, read_checkpoint_json(path))
         except CheckpointCorruptError as exc:
+            if not os.path.lexists(os.path.join(root_s, name, CHECKPOINT_JSON)):
+                continue  # deleted since the stat (a running job's retention): gone, not broken
             bad.append((name, str(exc)))
             continue
         good.append(info)

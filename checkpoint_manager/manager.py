@@ -40,13 +40,14 @@ from checkpoint_manager.errors import (
     PostCommitError,
 )
 from checkpoint_manager.finite import FiniteCheck, NonFiniteStateError, finite_groups
+from checkpoint_manager.formats.hf import is_hf_weights
 from checkpoint_manager.formats.integration import (
     HFConfigRecorder,
     export_consolidated,
     load_initial_hf,
     resolve_load_path,
 )
-from checkpoint_manager.integrity import check
+from checkpoint_manager.integrity import Presence, check
 from checkpoint_manager.layout import (
     CHECKPOINT_JSON,
     FORMAT_NAME,
@@ -63,12 +64,14 @@ from checkpoint_manager.layout import (
 )
 from checkpoint_manager.lock import AnyWriterLock, writer_lock_for
 from checkpoint_manager.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
+from checkpoint_manager.plain_dcp import load_plain_dcp
 from checkpoint_manager.planner import FastSavePlanner, SavePlanCache
 from checkpoint_manager.planner import load_tensors as dcp_load
 from checkpoint_manager.planner import save_tensors as dcp_save
 from checkpoint_manager.policy import build_save_policy
 from checkpoint_manager.preemption import PreemptionWatcher
 from checkpoint_manager.protocol import FinalizeOnExit, LoadContext, LoadResult, SaveContext, SaveResult
+from checkpoint_manager.resolve import is_plain_dcp, resolve_checkpoint
 from checkpoint_manager.retention import Pruner
 from checkpoint_manager.staging import StagingBuffers, StagingGate
 from checkpoint_manager.state import GatheredState, StateLoader, gather_state, per_rank_state
@@ -134,6 +137,31 @@ def _check_decodes(file: Path, data: dict[str, Any]) -> None:
         decode(data, tensor_hook=lambda placeholder: None)
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointCorruptError(f"{file}: damaged state ({type(exc).__name__}: {exc})") from exc
+
+
+_GONE_RETRIES = 3  # auto-resume: how many checkpoints may vanish under one load before it gives up
+
+
+class _CheckpointGone(CheckpointNotFoundError):
+    """The checkpoint being loaded was deleted before its objects were set (internal: retried)."""
+
+
+class _Watch:
+    """The checkpoint one load reads (:class:`~checkpoint_manager.integrity.Presence`), if local."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.model_only = False
+        self._presence: Presence | None = None
+
+    def start(self, location: str, model_only: bool) -> None:
+        self.model_only = model_only
+        if not is_url(location):  # an object store's checkpoint is read from a private download
+            self.path = Path(location)
+            self._presence = Presence(self.path)
+
+    def gone(self) -> bool:
+        return self._presence is not None and self._presence.gone()
 
 
 @dataclass
@@ -326,14 +354,13 @@ class DefaultCheckpointManager(FinalizeOnExit):
         return (str(answer[0]) if answer[0] is not None else None), bool(answer[1])
 
     def _resolve_local(self, ctx: LoadContext) -> tuple[str | None, bool]:
-        if ctx.path is not None and is_url(ctx.path):
-            self._remote_for(str(ctx.path)).read_marker(str(ctx.path))  # typed error if not committed
-            return str(ctx.path), False
-        if ctx.path is not None:
-            path = Path(ctx.path)  # a bundle stays a bundle: every rank unpacks it in load()
-            read_checkpoint_json(resolve_load_path(path))  # a typed error if it is not a committed checkpoint
-            return str(path), False
+        if ctx.path is not None:  # a save directory, a checkpoint, a bundle, plain DCP or a URL
+            return self._named(ctx.path, ctx.step), False
         step = ctx.step if ctx.step is not None else self.config.load_step
+        if step is not None or self.config.load_mode != "never":
+            single = self._load_dir_checkpoint(step)
+            if single is not None:
+                return single, False
         if step is not None:
             infos = self.list_checkpoints(load_dir=True)
             matches = [i for i in infos if i.step == step]
@@ -349,12 +376,28 @@ class DefaultCheckpointManager(FinalizeOnExit):
         if good is not None:
             return good.location, False
         if self.config.initial_load_path is not None:
-            return str(self.config.initial_load_path), True
+            initial = self.config.initial_load_path
+            return (initial if not is_url(initial) and is_hf_weights(Path(initial)) else self._named(initial, None)), True
         if self.config.load_mode == "required":
             raise CheckpointNotFoundError(
                 f"load_mode='required' but {self.config.resolved_load_dir} holds no committed checkpoint"
             )
         return None, False
+
+    def _named(self, path: str | Path, step: int | None) -> str:
+        """What a path names, by the one rule of :mod:`checkpoint_manager.resolve`: its location to load
+        (a bundle stays a bundle: every rank unpacks it in load())."""
+        return resolve_checkpoint(path, step=step, storage_options=self.config.storage_options).location
+
+    def _load_dir_checkpoint(self, step: int | None) -> str | None:
+        """``load_dir`` naming one checkpoint (ours, a bundle, plain DCP) rather than a save directory."""
+        load_dir = self.config.load_dir
+        if load_dir is None or is_url(load_dir):
+            return None
+        path = Path(load_dir)
+        if path.is_file() or (path / CHECKPOINT_JSON).exists() or is_plain_dcp(path):
+            return self._named(load_dir, step)
+        return None
 
     def _newest_intact(self) -> CheckpointInfo | None:
         """Auto-resume's pick: the newest checkpoint that passes ``verify_on_load``.
@@ -364,20 +407,28 @@ class DefaultCheckpointManager(FinalizeOnExit):
         never fall back.
         """
         damaged: list[CheckpointCorruptError] = []
-        for info in reversed(self.list_checkpoints(load_dir=True)):
-            finite = info.meta.get("finite")
-            if isinstance(finite, dict) and finite.get("ok") is False:
-                log.warning("skipping checkpoint %s (step %d): it records non-finite values", info.path, info.step)
-                continue
-            try:
-                self._load_storage.check_info(info, self.config.verify_on_load)
-            except CheckpointCorruptError as exc:
-                log.warning(
-                    "skipping damaged checkpoint %s (step %d), trying an older one: %s", info.path, info.step, exc
-                )
-                damaged.append(exc)
-                continue
-            return info
+        for _ in range(_GONE_RETRIES + 1):
+            gone = 0
+            for info in reversed(self.list_checkpoints(load_dir=True)):
+                finite = info.meta.get("finite")
+                if isinstance(finite, dict) and finite.get("ok") is False:
+                    log.warning("skipping checkpoint %s (step %d): it records non-finite values", info.path, info.step)
+                    continue
+                try:
+                    self._load_storage.check_info(info, self.config.verify_on_load)
+                except CheckpointCorruptError as exc:
+                    if self._load_storage.is_local and not info.path.exists():  # pruned by a live run
+                        log.info("%s (step %d) was deleted while being checked; trying another", info.path, info.step)
+                        gone += 1
+                        continue
+                    log.warning(
+                        "skipping damaged checkpoint %s (step %d), trying an older one: %s", info.path, info.step, exc
+                    )
+                    damaged.append(exc)
+                    continue
+                return info
+            if not gone or damaged:
+                break  # the listing was current: nothing newer appeared while its checkpoints went
         if damaged:
             raise CheckpointCorruptError(
                 f"every committed checkpoint in {self.config.resolved_load_dir} is damaged; the newest: {damaged[0]}"
@@ -397,15 +448,34 @@ class DefaultCheckpointManager(FinalizeOnExit):
             # whose next pass scanned every metadata object still alive (0.4 of 0.9 s warm at 26,664
             # small tensors). Here the load's objects are freed by reference counting before it resumes.
             with paused_gc():
-                result = self._load(ctx)
+                result = self._load_retrying(ctx)
         except BaseException as exc:
             self._observers.error("load", ctx.step, exc)
             raise
         self._observers.loaded(result)
         return result
 
-    def _load(self, ctx: LoadContext) -> LoadResult:
+    def _load_retrying(self, ctx: LoadContext) -> LoadResult:
+        """A checkpoint deleted while being read (pruned by the run that writes it) is gone, not damaged:
+        auto-resume loads the next newest; a pinned one (path, step, initial weights) raises
+        :class:`CheckpointNotFoundError`. Never half-applied: the check runs before any object is set."""
+        auto = ctx.path is None and ctx.step is None and self.config.load_step is None
+        for attempt in range(_GONE_RETRIES + 1):
+            watch = _Watch()
+            try:
+                return self._load(ctx, watch)
+            except (CheckpointError, OSError) as exc:
+                if not (isinstance(exc, _CheckpointGone) or watch.gone()):
+                    raise
+                message = f"{watch.path}: deleted while it was being loaded (pruned by the run that writes it?)"
+                if not (auto and not watch.model_only) or attempt == _GONE_RETRIES or self._dist.world_size > 1:
+                    raise CheckpointNotFoundError(message) from exc
+                log.warning("%s; loading the newest checkpoint now", message)
+        raise AssertionError("unreachable")
+
+    def _load(self, ctx: LoadContext, watch: _Watch | None = None) -> LoadResult:
         t0 = time.perf_counter()
+        watch = watch if watch is not None else _Watch()
         location, model_only = self._resolve(ctx)
         if location is None:
             reason = (
@@ -415,6 +485,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
             )
             raise CheckpointNotFoundError(f"nothing to load: {reason}")
         source = location
+        watch.start(location, model_only)
         self._release_copies()
         if is_url(location):  # object store: download, then the fast reader and the CRC check run locally
             remote = self._remote_for(location)
@@ -425,6 +496,8 @@ class DefaultCheckpointManager(FinalizeOnExit):
             source = str(path)
         if model_only and (hf_result := load_initial_hf(ctx, path, self.config)) is not None:
             return hf_result  # initial weights from a Hugging Face directory
+        if is_plain_dcp(path):  # written by plain dcp.save: weights (and optimizer state) imported
+            return self._load_plain(ctx, path, model_only, watch, t0)
         meta = read_checkpoint_json(path)
         t_verify = time.perf_counter()
         check(path, meta, self.config.verify_on_load)
@@ -462,6 +535,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
             except CheckpointException as exc:  # a BaseException: surface the reader's typed error
                 raise _own_failure(exc, self._dist.rank) from exc
         t_read = time.perf_counter()
+        self._check_still_there(watch)
         loader.apply(targets)
         t_end = time.perf_counter()
         if not model_only:
@@ -501,6 +575,28 @@ class DefaultCheckpointManager(FinalizeOnExit):
                 "apply": t_end - t_read,
             },
         )
+
+    def _load_plain(self, ctx: LoadContext, path: Path, model_only: bool, watch: _Watch, t0: float) -> LoadResult:
+        """Import a directory plain ``dcp.save`` wrote (:mod:`checkpoint_manager.plain_dcp`)."""
+        try:
+            with _quiet_single_process(), self._dist.phase(f"load {path.name}: read"):
+                result = load_plain_dcp(
+                    ctx,
+                    path,
+                    model_only=model_only,
+                    process_group=self._dist.group,
+                    no_dist=self._dist.world_size == 1,
+                    before_apply=lambda: self._check_still_there(watch),
+                )
+        except CheckpointException as exc:  # a BaseException: surface the reader's typed error
+            raise _own_failure(exc, self._dist.rank) from exc
+        self._release_copies()
+        return result.replace(seconds=time.perf_counter() - t0)
+
+    def _check_still_there(self, watch: _Watch) -> None:
+        """Before any object is set: a checkpoint deleted while it was read may have read as absent."""
+        if self._dist.any_true(watch.gone(), "load: checkpoint still there"):
+            raise _CheckpointGone(f"{watch.path}: deleted while it was being loaded")
 
     def save(self, ctx: SaveContext) -> SaveResult | None:
         self._check_open()

@@ -124,6 +124,7 @@ def load_record(result: LoadResult, *, rank: int = 0, world_size: int = 1) -> di
         "gbps": result.bytes / result.seconds / 1e9 if result.seconds > 0 else 0.0,
         "restored": list(result.restored),
         "skipped": list(result.skipped),
+        "not_restored": dict(result.not_restored),
         "timings": _seconds(result.timings),
         "rank": rank,
         "world_size": world_size,

@@ -166,7 +166,12 @@ class SaveResult:
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What one load restored, so a trainer can log it or assert on it."""
+    """What one load restored, so a trainer can log it or assert on it.
+
+    ``restored``: the parts set from the checkpoint; ``skipped``: parts the context holds but the load
+    was told to leave (``load_optimizer=False``, initial weights); ``not_restored``: parts it wanted
+    but the checkpoint could not supply, with why (a plain DCP directory keeps no scheduler state).
+    """
 
     path: str
     step: int
@@ -176,6 +181,7 @@ class LoadResult:
     bytes: int = 0
     seconds: float = 0.0
     timings: Mapping[str, float] = field(default_factory=dict)
+    not_restored: Mapping[str, str] = field(default_factory=dict)
 
     def replace(self, **changes: Any) -> LoadResult:
         return dataclasses.replace(self, **changes)

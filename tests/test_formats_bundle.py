@@ -183,8 +183,8 @@ def test_pack_errors(
 ) -> None:
     _, _, _, ckpt = saved
     (tmp_path / "notckpt").mkdir()
-    with pytest.raises(CheckpointCorruptError, match=r"checkpoint\.json: missing"):
-        pack_bundle(tmp_path / "notckpt", tmp_path / "a.tar")
+    with pytest.raises(CheckpointNotFoundError, match=r"notckpt: no committed checkpoint here"):
+        pack_bundle(tmp_path / "notckpt", tmp_path / "a.tar")  # an empty directory is not a damaged checkpoint
     pack_bundle(ckpt, tmp_path / "a.tar")
     with pytest.raises(FileExistsError, match="exists"):
         pack_bundle(ckpt, tmp_path / "a.tar")

@@ -210,8 +210,8 @@ def test_separate_load_dir_and_explicit_path(tmp_path: Path) -> None:
     mgr = DefaultCheckpointManager(cfg(tmp_path, save_dir=str(tmp_path / "finetune"), load_dir=str(tmp_path / "pretrain")))
     assert mgr.load(LoadContext(model=model, optimizer=opt)).path == res.path
     assert mgr.load(LoadContext(model=model, path=res.path)).step == 5
-    with pytest.raises(CheckpointCorruptError, match=r"checkpoint\.json: missing"):
-        mgr.load(LoadContext(model=model, path=str(tmp_path)))
+    with pytest.raises(CheckpointNotFoundError, match=r"no committed checkpoint here"):
+        mgr.load(LoadContext(model=model, path=str(tmp_path)))  # holds save directories, no checkpoint
 
 
 def test_skip_switches_leave_objects_untouched(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import tempfile
 from collections.abc import Callable
@@ -64,8 +65,9 @@ def run(args: argparse.Namespace, out: Output) -> int:
         with metadata_only(remote) as local:
             source = open_source(local)
             state = _read_state(local)
-        return _show(args, out, match, source, remote.info.location, dict(remote.info.meta), remote.via,
-                     remote_size(remote.storage, remote.info.name), state)
+        info_meta = dict(remote.info.meta)
+        return _show(args, out, match, source, remote.info.location, info_meta, remote.via,
+                     remote_size(remote.storage, remote.info.name), len(info_meta.get("files") or {}), state)
     from checkpoint_manager.formats.bundle import is_bundle, read_bundle_metadata
     from checkpoint_manager.formats.hf import is_hf_weights
     from checkpoint_manager.layout import read_checkpoint_json
@@ -82,11 +84,21 @@ def run(args: argparse.Namespace, out: Output) -> int:
             info = read_bundle_metadata(given, Path(tmp) / "bundle")
             meta = read_checkpoint_json(info.checkpoint)
             source, state = open_source(info.checkpoint), _read_state(info.checkpoint)
-        return _show(args, out, match, source, str(given), meta, "bundle", given.stat().st_size, state)
+        return _show(args, out, match, source, str(given), meta, "bundle", given.stat().st_size,
+                     len(meta.get("files") or {}), state)
     else:
         ckpt = resolve_checkpoint(args.path, step=args.step, args=args)
         path, meta, via = ckpt.path, ckpt.meta, ckpt.via
-    return _show(args, out, match, open_source(path), str(path), meta, via, tree_size(path), _read_state(path))
+    recorded = meta.get("files")  # plain DCP and safetensors record none: count what is there
+    files = len(recorded) if isinstance(recorded, dict) and recorded else _count_files(path)
+    return _show(args, out, match, open_source(path), str(path), meta, via, tree_size(path), files,
+                 _read_state(path))
+
+
+def _count_files(path: Path) -> int:
+    if path.is_file():
+        return 1
+    return sum(len(names) for _dir, _dirs, names in os.walk(path))
 
 
 def _read_state(path: Path) -> dict[str, Any] | str | None:
@@ -223,6 +235,7 @@ def _show(
     meta: dict[str, Any],
     via: str | None,
     size: int,
+    file_count: int,
     state: dict[str, Any] | str | None,
 ) -> int:
     tensors = [t for t in source.tensors if match(t.name)]
@@ -238,6 +251,7 @@ def _show(
         "meta": {k: meta[k] for k in _META_KEYS if k in meta},
         "files": meta.get("files") or {},
         "size_bytes": size,
+        "file_count": file_count,
         "summary": summarize(source, state, meta),
         "filter": args.filter,
         "tensors": [
@@ -255,7 +269,7 @@ def _show(
     if doc["created"]:
         pairs.append(("created", str(doc["created"])))
     pairs += [(k, str(v)) for k, v in doc["meta"].items()]
-    pairs.append(("size", f"{human_bytes(doc['size_bytes'])} ({doc['size_bytes']} bytes, {len(doc['files'])} files)"))
+    pairs.append(("size", f"{human_bytes(doc['size_bytes'])} ({doc['size_bytes']} bytes, {file_count} files)"))
     out.fields(pairs)
     _summary_lines(out, doc["summary"])
     if doc["train_state"]:

@@ -3,7 +3,8 @@
 Committed checkpoints come from the library's own discovery (``scan_checkpoints``); what discovery
 skips is shown too, because that is what people are looking for when something went wrong:
 directories whose ``checkpoint.json`` is damaged or missing (``corrupt``), saves still in
-``.pending/`` (``pending``) and deletions under way (``deleting``).
+``.pending/`` (``pending``) and deletions under way (``deleting``). With ``--verify``, a checkpoint
+deleted while it was being verified (a running job's retention) is ``gone``, not ``corrupt``.
 """
 
 from __future__ import annotations
@@ -167,16 +168,23 @@ def _finish(
             row["pointers"].append("best")
 
     if verify_level is not None:
+        from checkpoint_manager.errors import CheckpointNotFoundError
+
         committed = [r for r in rows if r["state"] == "committed"]
         with out.progress("verifying", len(committed)) as advance:
             for row in committed:
-                problems = check(row, verify_level)
+                try:
+                    problems = check(row, verify_level)
+                except CheckpointNotFoundError:  # a running job's retention deleted it meanwhile
+                    row["state"] = "gone"
+                    advance(1)
+                    continue
                 if problems:
                     row["state"] = "corrupt"
                     row["problems"].extend(problems)
                 advance(1)
 
-    order = {"committed": 0, "corrupt": 0, "pending": 1, "deleting": 2}
+    order = {"committed": 0, "corrupt": 0, "pending": 1, "deleting": 2, "gone": 2}
     rows.sort(key=lambda r: (order[r["state"]], r["step"] if r["step"] is not None else -1, r["name"]))
     return {
         "directory": where,

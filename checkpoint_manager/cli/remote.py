@@ -82,34 +82,16 @@ class RemoteCheckpoint:
 
 
 def remote_checkpoint(url: str, options: dict[str, Any] | None, step: int | None) -> RemoteCheckpoint:
-    """The checkpoint at ``url``, or (a save root) its newest one or the one of ``step``."""
-    from checkpoint_manager.errors import CheckpointCorruptError
+    """The checkpoint at ``url``, or (a save root) its newest one or the one of ``step``: the
+    library's rule (:mod:`checkpoint_manager.resolve`)."""
     from checkpoint_manager.layout import info_from_meta
+    from checkpoint_manager.resolve import _resolve_remote
 
-    url = url.rstrip("/")
-    storage = open_remote(url, options)
-    infos, _bad = storage.scan()
-    if infos:
-        if step is None:
-            return RemoteCheckpoint(storage, infos[-1], f"newest in {url}")
-        for info in infos:
-            if info.step == step:
-                return RemoteCheckpoint(storage, info, f"step {step} of {url}")
-        steps = ", ".join(str(i.step) for i in infos)
-        raise CliError(ExitCode.NOT_FOUND, f"{url}: no checkpoint at step {step} (steps here: {steps})")
-    parent_url, _, _name = url.rpartition("/")
-    parent = open_remote(parent_url, options) if "://" in parent_url and not parent_url.endswith(":/") else None
-    if parent is not None:
-        try:
-            meta = parent.read_marker(url)
-        except CheckpointCorruptError as exc:
-            if "missing" not in str(exc):
-                raise
-        else:
-            if step is not None:
-                raise CliError(ExitCode.USAGE, f"{url}: is one checkpoint; --step applies to save directories")
-            return RemoteCheckpoint(parent, info_from_meta(Path(parent.key(_name)), meta, url=url), None)
-    raise CliError(ExitCode.NOT_FOUND, f"{url}: no committed checkpoint here (not a checkpoint or save root)")
+    try:
+        found, storage = _resolve_remote(url, step, options)
+    except ImportError as exc:
+        raise CliError(ExitCode.USAGE, f"{url}: no fsspec backend for this URL ({exc}); pip install s3fs/gcsfs") from None
+    return RemoteCheckpoint(storage, info_from_meta(found.path, dict(found.meta), url=found.url), found.via)
 
 
 def remote_size(storage: FsspecStorage, name: str) -> int:
@@ -123,16 +105,34 @@ def remote_size(storage: FsspecStorage, name: str) -> int:
 def verify_remote(storage: FsspecStorage, info: CheckpointInfo, level: str) -> list[str]:
     """Sizes from one listing; ``full`` also downloads the checkpoint and recomputes every CRC32
     (problems name the URL, not the temporary copy)."""
+    from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
     from checkpoint_manager.integrity import verify
 
     problems = storage.check_sizes(info)
-    if problems or level == "sizes":
-        return problems
-    local = storage.localize(info.location)
+    if not problems and level != "sizes":
+        try:
+            local = storage.localize(info.location)
+        except CheckpointCorruptError:  # its marker went while listing: pruned (checked below)
+            problems = [f"{info.location}/checkpoint.json: missing"]
+        else:
+            try:
+                problems = [p.replace(str(local), info.location) for p in verify(local, "full")]
+            finally:
+                storage.release_local(local)
+    if problems and _marker_gone(storage, info):
+        raise CheckpointNotFoundError(f"{info.location}: deleted while being verified (pruned by a running job?)")
+    return problems
+
+
+def _marker_gone(storage: FsspecStorage, info: CheckpointInfo) -> bool:
+    """Deletion removes the marker first: without it the checkpoint is gone, not damaged."""
+    from checkpoint_manager.errors import CheckpointCorruptError
+
     try:
-        return [p.replace(str(local), info.location) for p in verify(local, "full")]
-    finally:
-        storage.release_local(local)
+        storage.read_marker(info.location)
+    except CheckpointCorruptError as exc:
+        return "missing" in str(exc)
+    return False
 
 
 @contextlib.contextmanager

@@ -65,48 +65,25 @@ class Checkpoint:
     given: str
     path: Path
     meta: dict[str, Any] = field(default_factory=dict)
-    via: str | None = None  # "bundle", "newest in <dir>", "step N of <dir>"
+    via: str | None = None  # "bundle", "newest in <dir>", "step N of <dir>", "plain DCP directory"
     url: str | None = None  # where it was downloaded from (``path`` is then the local copy)
+    kind: str = "committed"  # as checkpoint_manager.resolve names it
 
 
 def resolve_checkpoint(text: str, *, step: int | None = None, args: argparse.Namespace | None = None) -> Checkpoint:
-    """A checkpoint directory as is; a bundle unpacked (cached); a save directory's newest (or ``step``).
+    """What ``text`` names, by the library's one rule (:mod:`checkpoint_manager.resolve`).
 
-    A directory DCP wrote without us (``.metadata`` and no ``checkpoint.json``) is accepted with
-    empty metadata, so plain ``dcp.save`` output can be inspected and compared too. A URL is
-    downloaded into the storage's cache; the copy goes when the command ends (``args.cleanup``).
+    A URL's checkpoint is downloaded into the storage's cache; the copy goes when the command ends
+    (``args.cleanup``).
     """
     if is_url(text):
         return _download(text, step, args)
-    from checkpoint_manager.formats.bundle import is_bundle, resolve_checkpoint_path
-    from checkpoint_manager.layout import CHECKPOINT_JSON, read_checkpoint_json, scan_checkpoints
-    from checkpoint_manager.storage.local import LocalStorage
+    from checkpoint_manager.resolve import resolve_checkpoint as resolve
 
-    path = existing(text)
-    if path.is_file():
-        if not is_bundle(path):
-            raise CliError(ExitCode.USAGE, f"{text}: a file, but not a checkpoint bundle (.tar)")
-        if step is not None:
-            raise CliError(ExitCode.USAGE, f"{text}: --step applies to save directories, not bundles")
-        resolved = resolve_checkpoint_path(path)
-        return Checkpoint(text, resolved, read_checkpoint_json(resolved), via="bundle")
-    if (path / CHECKPOINT_JSON).exists():
-        if step is not None:
-            raise CliError(ExitCode.USAGE, f"{text}: is one checkpoint; --step applies to save directories")
-        return Checkpoint(text, path, read_checkpoint_json(path))
-    if (path / ".metadata").is_file():
-        return Checkpoint(text, path, {}, via="plain DCP directory")
-    infos, _bad = scan_checkpoints(path, LocalStorage(path).list_names())
-    if not infos:
-        raise CliError(ExitCode.NOT_FOUND, f"{text}: no committed checkpoint here (not a checkpoint or save directory)")
-    if step is None:
-        info = infos[-1]
-        return Checkpoint(text, info.path, dict(info.meta), via=f"newest in {text}")
-    for info in infos:
-        if info.step == step:
-            return Checkpoint(text, info.path, dict(info.meta), via=f"step {step} of {text}")
-    steps = ", ".join(str(i.step) for i in infos)
-    raise CliError(ExitCode.NOT_FOUND, f"{text}: no checkpoint at step {step} (steps here: {steps})")
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    found = resolve(text, step=step)
+    return Checkpoint(text, found.path, dict(found.meta), via=found.via, kind=found.kind)
 
 
 def _download(text: str, step: int | None, args: argparse.Namespace | None) -> Checkpoint:
@@ -117,4 +94,4 @@ def _download(text: str, step: int | None, args: argparse.Namespace | None) -> C
     cleanup = getattr(args, "cleanup", None)
     if cleanup is not None:
         cleanup.callback(remote.storage.release_local, local)
-    return Checkpoint(text, local, dict(remote.info.meta), via=remote.via, url=remote.info.location)
+    return Checkpoint(text, local, dict(remote.info.meta), via=remote.via, url=remote.info.location, kind="remote")

@@ -1,7 +1,8 @@
 """``ckpt verify PATH|DIR``: recheck sizes and CRC32s recorded at save time (``checkpoint_manager.integrity``).
 
 A save directory is verified checkpoint by checkpoint; one whose ``checkpoint.json`` is unreadable
-counts as failed, since loading it would fail too. Exit 1 when anything failed.
+counts as failed, since loading it would fail too. One that a running job's retention deletes while
+it is being verified is reported as gone and skipped, not failed. Exit 1 when anything failed.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
     if path.is_file() or (path / CHECKPOINT_JSON).exists():
         ckpt = resolve_checkpoint(text, args=args)
         return [(ckpt.path.name, str(ckpt.path), [], lambda level: verify(ckpt.path, level))], False  # type: ignore[arg-type]
+    from checkpoint_manager.resolve import is_plain_dcp
+
+    if is_plain_dcp(path):
+        raise CliError(
+            ExitCode.USAGE,
+            f"{text}: a plain DCP directory records no sizes or checksums to verify "
+            "(ckpt convert ... --to dcp makes a checkpoint of ours that does)",
+        )
     infos, bad = scan_checkpoints(path, LocalStorage(path).list_names())
     out: list[Target] = [
         (i.name, str(i.path), [], lambda level, p=i.path: verify(p, level))  # type: ignore[misc]
@@ -103,16 +112,26 @@ def _remote_targets(url: str, args: argparse.Namespace) -> tuple[list[Target], b
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
+    from checkpoint_manager.errors import CheckpointNotFoundError
+
     targets, is_dir = _targets(args.path, args)
     results: list[dict[str, Any]] = []
     with out.progress(f"verifying ({args.level})", len(targets)) as advance:
         for name, where, problems, check in targets:
+            gone = False
             if check is not None:
-                problems = problems + check(args.level)
-                if getattr(args, "finite", False) and not problems:
-                    problems = problems + _nonfinite_problems(where)
-            results.append({"name": name, "path": where, "ok": not problems, "problems": problems})
+                try:
+                    problems = problems + check(args.level)
+                    if getattr(args, "finite", False) and not problems:
+                        problems = problems + _nonfinite_problems(where)
+                except CheckpointNotFoundError as exc:  # pruned meanwhile: gone, not damaged
+                    if not is_dir:
+                        raise CliError(ExitCode.NOT_FOUND, str(exc)) from exc
+                    gone = True
+            results.append({"name": name, "path": where, "ok": not problems, "gone": gone, "problems": problems})
             advance(1)
+    vanished = [r for r in results if r["gone"]]
+    results = [r for r in results if not r["gone"]]
     failed = [r for r in results if not r["ok"]]
     if out.json_mode:
         out.emit(
@@ -122,6 +141,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
                 "ok": not failed,
                 "checked": len(results),
                 "failed": len(failed),
+                "gone": [r["name"] for r in vanished],
                 "checkpoints": results,
             }
         )
@@ -130,9 +150,12 @@ def run(args: argparse.Namespace, out: Output) -> int:
             out.line(f"{'ok    ' if r['ok'] else 'FAILED'} {r['name']}")
             for problem in r["problems"]:
                 out.line(f"       {problem}")
+        for r in vanished:
+            out.line(f"gone   {r['name']} (deleted while being verified: pruned by a running job?)")
         what = f"{len(results)} checkpoint(s)" if is_dir else "checkpoint"
         verdict = "intact" if not failed else f"{len(failed)} failed"
-        out.line(f"{what} verified ({args.level}): {verdict}")
+        skipped = f" ({len(vanished)} deleted meanwhile, skipped)" if vanished else ""
+        out.line(f"{what} verified ({args.level}): {verdict}{skipped}")
     return ExitCode.DIFFERENT if failed else ExitCode.OK
 
 

@@ -126,7 +126,17 @@ def pack_bundle(
     ``config`` is a :class:`CheckpointConfig` (or any JSON-able mapping). The file appears in one
     rename once complete; an existing file is replaced only with ``overwrite``.
     """
-    src = Path(checkpoint)
+    from checkpoint_manager.resolve import resolve_checkpoint
+
+    found = resolve_checkpoint(checkpoint)  # a save directory: its newest checkpoint
+    if found.url is not None:
+        raise ValueError(f"{checkpoint}: a URL; download it first (checkpoint_manager.resolve.local_checkpoint)")
+    if not found.committed:
+        raise CheckpointNotFoundError(
+            f"{checkpoint}: a plain DCP directory; only committed checkpoints are bundled "
+            "(make one with convert(..., to='dcp'))"
+        )
+    src = found.path
     meta = read_checkpoint_json(src)  # only committed checkpoints are bundled
     if compression is not None and compression not in _COMPRESSIONS:
         raise ValueError(f"compression must be one of {_COMPRESSIONS} or None, got {compression!r}")
@@ -799,6 +809,24 @@ def clear_bundle_cache(cache_dir: str | Path | None = None, *, bundle: str | Pat
 
 
 def resolve_checkpoint_path(path: str | Path, *, cache_dir: str | Path | None = None) -> Path:
-    """A checkpoint directory as is; a bundle → its unpacked checkpoint directory (a verified cache entry)."""
+    """The local checkpoint directory ``path`` names, by :func:`checkpoint_manager.resolve.resolve_checkpoint`.
+
+    A directory of DCP files (ours, plain ``dcp.save`` output) as is; a bundle → its unpacked
+    checkpoint; a save directory → its newest committed checkpoint; nothing there →
+    :class:`CheckpointNotFoundError`. URLs: download with :func:`checkpoint_manager.resolve.local_checkpoint`.
+    """
+    from checkpoint_manager.storage.base import is_url
+
+    if is_url(str(path)):
+        raise ValueError(
+            f"{path}: a URL; download it first: `with checkpoint_manager.resolve.local_checkpoint(url) as c: ...(c.path)`"
+        )
     p = Path(path)
-    return open_bundle(p, cache_dir=cache_dir).checkpoint if is_bundle(p) else p
+    if p.is_dir() and (p / ".metadata").is_file():
+        return p
+    if cache_dir is not None and is_bundle(p):
+        return open_bundle(p, cache_dir=cache_dir).checkpoint
+    from checkpoint_manager.resolve import resolve_checkpoint
+
+    return resolve_checkpoint(p).path
+

@@ -23,7 +23,7 @@ from checkpoint_manager._version import __version__
 from checkpoint_manager.codec import split_tensors
 from checkpoint_manager.dcp_io import METADATA_FILE
 from checkpoint_manager.dcp_writer import CheckpointWriter
-from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
 from checkpoint_manager.formats.bundle import is_bundle, resolve_checkpoint_path
 from checkpoint_manager.formats.dcp_stream import group_entries, read_entries, tensor_entries
 from checkpoint_manager.formats.hf import export_hf, hf_weight_files, is_hf_weights
@@ -33,6 +33,7 @@ from checkpoint_manager.formats.safetensors_io import SafetensorsFile, Safetenso
 from checkpoint_manager.formats.sizes import parse_size
 from checkpoint_manager.integrity import describe_files
 from checkpoint_manager.layout import CHECKPOINT_JSON, FORMAT_NAME, FORMAT_VERSION, STATE_JSON, now
+from checkpoint_manager.resolve import is_plain_dcp
 from checkpoint_manager.storage import LocalStorage
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "dcp_to_safetensors",
     "dcp_to_torch",
     "detect_format",
+    "plain_dcp_to_dcp",
     "read_safetensors",
     "read_torch_file",
     "safetensors_to_dcp",
@@ -55,12 +57,16 @@ _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 def detect_format(path: str | Path) -> WeightsFormat:
-    """Which of the three formats ``path`` holds (a bundle counts as DCP)."""
+    """Which of the three formats ``path`` holds (a bundle, a save directory and plain DCP count as DCP)."""
     p = Path(path)
+    if not p.exists():
+        raise CheckpointNotFoundError(f"{p}: no such file or directory")
     if p.is_dir() and ((p / CHECKPOINT_JSON).is_file() or (p / METADATA_FILE).is_file()):
         return "dcp"
     if is_hf_weights(p):
         return "safetensors"
+    if p.is_dir():
+        return "dcp"  # a save directory: its newest checkpoint (the resolver says if there is none)
     if p.is_file() and p.name.endswith(_TORCH_SUFFIXES):
         return "torch"
     if is_bundle(p):
@@ -84,6 +90,8 @@ def convert(
 ) -> Path:
     """Convert model weights from whatever ``src`` is to the format ``to``, written at ``dst``."""
     kind = detect_format(src)
+    if kind == "dcp" == to and Path(src).is_dir() and is_plain_dcp(src):
+        return plain_dcp_to_dcp(src, dst, model_key=model_key, step=step, dtype=dtype, overwrite=overwrite)
     if kind == to:
         raise ValueError(f"{src} is already in {to} format")
     if kind == "dcp":
@@ -154,6 +162,29 @@ def dcp_to_torch(
 
 
 # -- into DCP ---------------------------------------------------------------------------------------
+def plain_dcp_to_dcp(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    model_key: str = "model",
+    step: int = 0,
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """A committed model-only checkpoint of ours from a directory plain ``dcp.save`` wrote.
+
+    The model is its ``model_key`` section, or (torchtitan's layout) the top-level tensors of no other
+    section; optimizer and other state are left behind (load the plain directory itself to restore
+    optimizer state: ``LoadContext(path=...)``).
+    """
+    from checkpoint_manager.plain_dcp import plain_model_tensors
+
+    tensors = plain_model_tensors(Path(src), model_key)
+    return write_weights_checkpoint(
+        _cast(tensors, dtype), dst, model_key=model_key, step=step, source=str(src), overwrite=overwrite
+    )
+
+
 def safetensors_to_dcp(
     src: str | Path,
     dst: str | Path,

@@ -88,8 +88,8 @@ def export_consolidated(config: CheckpointConfig, checkpoint_dir: Path, *, final
 
 
 def resolve_load_path(path: Path) -> Path:
-    """A bundle becomes its unpacked checkpoint directory; anything else is returned as is."""
-    return resolve_checkpoint_path(path)
+    """The checkpoint directory ``path`` names (a bundle: its unpacked copy); Hugging Face weights as is."""
+    return path if is_hf_weights(path) else resolve_checkpoint_path(path)
 
 
 def load_initial_hf(ctx: LoadContext, path: Path, config: CheckpointConfig) -> LoadResult | None:

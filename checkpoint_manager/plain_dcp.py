@@ -1,0 +1,345 @@
+"""Importing a directory that plain ``dcp.save`` wrote: the weights, and optimizer state where its keys match.
+
+Such a directory has DCP's ``.metadata`` and data files but none of our JSON: no step, no skeleton
+of non-tensor state. What can be restored is what DCP stored as tensors under names we can match:
+
+* the model: ``{"model": model.state_dict()}`` (keys ``model.<fqn>``), or torchtitan's flattened
+  layout (``<fqn>`` at the top level);
+* the optimizer: ``optimizer.state.<fqn>.<name>`` (torchtitan, ``get_optimizer_state_dict``) or
+  ``optimizer.state.<index>.<name>`` (``optimizer.state_dict()``); ``optim.`` works too. Its
+  hyperparameters stay those of the live optimizer (DCP stores them as pickles, which are never read);
+* the step, from a ``train_state.step`` tensor (torchtitan).
+
+Everything else (schedulers, data loaders, RNG, extras) DCP keeps as pickled objects: it is reported
+as not restored, never unpickled. ``.metadata`` goes through the allow-listed unpickler, tensor data
+through ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from checkpoint_manager.dcp_io import read_dcp_metadata
+from checkpoint_manager.errors import CheckpointMismatchError, CheckpointNotFoundError
+from checkpoint_manager.protocol import LoadContext, LoadResult
+
+__all__ = ["OPTIMIZER_SECTIONS", "PlainImport", "load_plain_dcp", "model_entries", "plan_plain_import"]
+
+log = logging.getLogger("checkpoint_manager")
+
+#: Top-level sections that are never model weights (ours and torchtitan's names).
+OPTIMIZER_SECTIONS = ("optimizer", "optim")
+_NOT_MODEL = (
+    *OPTIMIZER_SECTIONS,
+    "optimizers",
+    "lr_scheduler",
+    "lr_schedulers",
+    "scheduler",
+    "dataloader",
+    "train_state",
+    "extra",
+    "rng",
+)
+_STEP_KEY = "train_state.step"
+
+
+def _tensor_keys(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
+    return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def model_entries(metadata: Metadata, model_key: str = "model") -> dict[str, str]:
+    """``{fqn: DCP key}`` of the model's tensors: under ``model_key.`` if that section exists, else
+    the top-level tensors of no other known section (torchtitan's flattened layout)."""
+    tensors = _tensor_keys(metadata)
+    prefix = model_key + "."
+    under = {k[len(prefix) :]: k for k in tensors if k.startswith(prefix)}
+    if under:
+        return under
+    return {k: k for k in tensors if k.split(".", 1)[0] not in _NOT_MODEL}
+
+
+def _sections(metadata: Metadata) -> set[str]:
+    return {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
+
+
+@dataclass
+class PlainImport:
+    """What one import of a plain DCP directory reads, and what it says about each part."""
+
+    path: Path
+    targets: dict[str, torch.Tensor] = field(default_factory=dict)
+    restored: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    not_restored: dict[str, str] = field(default_factory=dict)
+    step_target: torch.Tensor | None = None
+    _models: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)
+    _optim: tuple[torch.nn.Module, list[torch.optim.Optimizer], dict[str, Any]] | None = None
+
+    @property
+    def step(self) -> int | None:
+        return int(self.step_target.item()) if self.step_target is not None else None
+
+
+def plan_plain_import(ctx: LoadContext, path: Path, metadata: Metadata, *, model_only: bool) -> PlainImport:
+    """Match the live objects of ``ctx`` against the tensors of a plain DCP checkpoint.
+
+    The model must match (all keys with ``strict``, its shapes always); the optimizer is restored
+    only if every one of its state tensors is found, and reported as not restored otherwise.
+    """
+    plan = PlainImport(path)
+    available = _tensor_keys(metadata)
+    models = ctx.models()
+    if not models:
+        raise CheckpointMismatchError(f"{path}: a plain DCP checkpoint restores a model; the context has none")
+    for i, model in enumerate(models):
+        key = "model" if len(models) == 1 else f"model_{i}"
+        entries = model_entries(metadata, key)
+        if len(models) > 1 and not any(v.startswith(key + ".") for v in entries.values()):
+            entries = {}
+        if not entries:
+            raise CheckpointMismatchError(
+                f"{path}: no tensors of {key!r} in this plain DCP checkpoint (sections here: {sorted(_sections(metadata))})"
+            )
+        msd = get_model_state_dict(model)
+        plan.targets.update(_match(path, key, msd, entries, available, strict=ctx.strict))
+        plan._models.append((model, msd))
+        plan.restored.append(key)
+    _plan_optimizer(plan, ctx, models, metadata, available, model_only=model_only)
+    _plan_rest(plan, ctx, metadata, available, model_only=model_only)
+    return plan
+
+
+def _match(
+    path: Path,
+    key: str,
+    live: Mapping[str, Any],
+    entries: Mapping[str, str],
+    available: Mapping[str, TensorStorageMetadata],
+    *,
+    strict: bool,
+) -> dict[str, torch.Tensor]:
+    """Targets ``{DCP key: live tensor}``; a strict load needs exactly the live keys, shapes always agree."""
+    live_tensors = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)}
+    missing = sorted(set(live_tensors) - set(entries))
+    unexpected = sorted(set(entries) - set(live_tensors))
+    if strict and (missing or unexpected):
+        raise CheckpointMismatchError(
+            f"{path}: {key} keys differ from the plain DCP checkpoint: missing in checkpoint {_short(missing)}, "
+            f"unexpected in checkpoint {_short(unexpected)} (load with strict=False to take the common keys)"
+        )
+    if not strict and not (set(live_tensors) & set(entries)):
+        raise CheckpointMismatchError(f"{path}: no {key} key matches the plain DCP checkpoint: {_short(missing)}")
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in live_tensors.items():
+        dcp_key = entries.get(name)
+        if dcp_key is None:
+            continue
+        meta = available[dcp_key]
+        if tuple(meta.size) != tuple(tensor.shape):
+            raise CheckpointMismatchError(
+                f"{path}: {dcp_key}: shape {tuple(meta.size)} in checkpoint, {tuple(tensor.shape)} in the live object"
+            )
+        if strict and meta.properties.dtype != tensor.dtype:
+            raise CheckpointMismatchError(
+                f"{path}: {dcp_key}: dtype {meta.properties.dtype} in checkpoint, {tensor.dtype} in the live "
+                "object (strict=False casts)"
+            )
+        out[dcp_key] = tensor
+    return out
+
+
+def _plan_optimizer(
+    plan: PlainImport,
+    ctx: LoadContext,
+    models: list[torch.nn.Module],
+    metadata: Metadata,
+    available: Mapping[str, TensorStorageMetadata],
+    *,
+    model_only: bool,
+) -> None:
+    optims = ctx.optimizers()
+    if not optims:
+        return
+    if model_only or not ctx.load_optimizer:
+        plan.skipped.append("optim")
+        return
+    sections = [s for s in OPTIMIZER_SECTIONS if s in _sections(metadata)]
+    if not sections:
+        plan.not_restored["optim"] = "no optimizer section in the checkpoint"
+        return
+    if len(models) != 1:
+        plan.not_restored["optim"] = "several models: optimizer state is matched for one model only"
+        return
+    model = models[0]
+    _msd, osd = get_state_dict(model, optims)  # initializes empty optimizer state, as our own load does
+    live = _optimizer_tensors(osd)
+    reason = "no optimizer state tensors in the live optimizer"
+    for section in sections:
+        for naming, keys in (("names", _by_name(section, live)), ("indices", _by_index(section, live, osd))):
+            found = {k: t for k, t in keys.items() if k in available and tuple(available[k].size) == tuple(t.shape)}
+            if keys and len(found) == len(keys):
+                plan.targets.update(found)
+                plan._optim = (model, optims, osd)
+                plan.restored.append("optim")
+                return
+            if keys:
+                missing = sorted(k for k in keys if k not in found)
+                reason = f"{len(missing)} of {len(keys)} state tensors not found by parameter {naming}: {_short(missing)}"
+    plan.not_restored["optim"] = reason
+
+
+def _optimizer_tensors(osd: Mapping[str, Any]) -> dict[tuple[str, str], torch.Tensor]:
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    for fqn, values in (osd.get("state") or {}).items():
+        if isinstance(values, Mapping):
+            for name, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    out[(str(fqn), str(name))] = value
+    return out
+
+
+def _by_name(section: str, live: Mapping[tuple[str, str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {f"{section}.state.{fqn}.{name}": t for (fqn, name), t in live.items()}
+
+
+def _by_index(
+    section: str, live: Mapping[tuple[str, str], torch.Tensor], osd: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """``optimizer.state_dict()`` numbers parameters in param-group order; the live FQNs in that order."""
+    order = [fqn for group in osd.get("param_groups") or [] for fqn in group.get("params", [])]
+    index = {str(fqn): i for i, fqn in enumerate(order)}
+    return {f"{section}.state.{index[fqn]}.{name}": t for (fqn, name), t in live.items() if fqn in index}
+
+
+def _plan_rest(
+    plan: PlainImport,
+    ctx: LoadContext,
+    metadata: Metadata,
+    available: Mapping[str, TensorStorageMetadata],
+    *,
+    model_only: bool,
+) -> None:
+    sections = _sections(metadata)
+    step = available.get(_STEP_KEY)
+    if step is not None and len(step.size) == 0 and not step.properties.dtype.is_floating_point:
+        plan.step_target = torch.zeros((), dtype=step.properties.dtype)
+        plan.targets[_STEP_KEY] = plan.step_target
+    parts: list[tuple[str, bool, bool, tuple[str, ...]]] = [
+        ("scheduler", bool(ctx.schedulers()), ctx.load_scheduler, ("lr_scheduler", "lr_schedulers", "scheduler")),
+        ("dataloader", ctx.dataloader is not None, ctx.load_dataloader, ("dataloader",)),
+        ("rng", True, ctx.load_rng, ("rng",)),
+        ("train_state", ctx.train_state is not None, ctx.load_train_state, ("train_state",)),
+        *((f"extra.{name}", True, ctx.load_extra, ("extra",)) for name in ctx.extra),
+    ]
+    for part, present, wanted, names in parts:
+        if not present:
+            continue
+        if model_only or not wanted:
+            plan.skipped.append(part)
+        elif part == "train_state" and plan.step_target is not None:
+            continue  # restored (its step) after the read
+        elif any(n in sections for n in names):
+            plan.not_restored[part] = "stored by DCP as pickled objects, which are never loaded"
+        else:
+            plan.not_restored[part] = "not in the checkpoint"
+
+
+def load_plain_dcp(
+    ctx: LoadContext,
+    path: Path,
+    *,
+    model_only: bool,
+    process_group: Any = None,
+    no_dist: bool = True,
+    before_apply: Any = None,
+) -> LoadResult:
+    """Restore what ``ctx`` holds from the plain DCP checkpoint at ``path`` (see the module docstring).
+
+    ``before_apply``: called after every tensor is read and before any object is changed.
+    """
+    from checkpoint_manager.dcp_reader import CheckpointReader
+
+    metadata = read_dcp_metadata(path)
+    plan = plan_plain_import(ctx, path, metadata, model_only=model_only)
+    if plan.targets:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load(
+                plan.targets,
+                storage_reader=CheckpointReader(path, metadata=metadata),
+                process_group=process_group,
+                no_dist=no_dist,
+            )
+    if before_apply is not None:
+        before_apply()
+    for model, msd in plan._models:
+        set_model_state_dict(model, msd)
+    if plan._optim is not None:
+        model, optims, osd = plan._optim
+        set_optimizer_state_dict(model, optims, osd)
+    step = plan.step
+    if ctx.train_state is not None and step is not None and not model_only and ctx.load_train_state:
+        ctx.train_state.step = step
+        plan.restored.append("train_state")
+    nbytes = sum(int(t.numel() * t.element_size()) for t in plan.targets.values())
+    _log(plan, path, model_only)
+    return LoadResult(
+        path=str(path),
+        step=step if step is not None and not model_only else 0,
+        restored=tuple(plan.restored),
+        skipped=tuple(plan.skipped),
+        not_restored=dict(plan.not_restored),
+        bytes=nbytes,
+    )
+
+
+def _log(plan: PlainImport, path: Path, model_only: bool) -> None:
+    what = "initial weights" if model_only else "checkpoint"
+    missing = "; ".join(f"{part}: {why}" for part, why in plan.not_restored.items())
+    log.info(
+        "loaded %s from plain DCP directory %s: restored %s%s",
+        what,
+        path,
+        ", ".join(plan.restored),
+        f"; not restored: {missing}" if missing else "",
+    )
+    if plan.not_restored:
+        log.warning("plain DCP import of %s did not restore: %s", path, missing)
+
+
+def _short(keys: Iterable[str], limit: int = 6) -> str:
+    keys = list(keys)
+    if not keys:
+        return "[]"
+    return f"[{', '.join(keys[:limit])}{', ...' if len(keys) > limit else ''}] ({len(keys)})"
+
+
+def plain_model_tensors(path: Path, model_key: str = "model") -> dict[str, torch.Tensor]:
+    """Every model tensor of a plain DCP checkpoint, ``{fqn: tensor}`` (for ``convert(..., to="dcp")``)."""
+    from checkpoint_manager.formats.dcp_stream import TensorEntry, read_entries
+
+    metadata = read_dcp_metadata(path)
+    entries = model_entries(metadata, model_key)
+    if not entries:
+        raise CheckpointNotFoundError(f"{path}: no model tensors in this plain DCP checkpoint")
+    tensors = _tensor_keys(metadata)
+    wanted = [
+        TensorEntry(key, name, tensors[key].properties.dtype, tuple(int(d) for d in tensors[key].size))
+        for name, key in entries.items()
+    ]
+    return read_entries(path, wanted)
