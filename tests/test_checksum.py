@@ -105,3 +105,42 @@ def test_without_isal_saves_on_zlib_and_warns_once_naming_the_cost(tmp_path: Pat
 def test_with_isal_no_warning(tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
     checksum.warn_if_slow()
     assert not [w for w in recwarn if "isal" in str(w.message)]
+
+
+_WITHOUT_NUMPY = textwrap.dedent(
+    """
+    import sys
+    sys.modules["numpy"] = None  # a plain install: torch's CPU wheel does not bring numpy
+    import torch
+    from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, LoadContext, SaveContext, TrainState
+    from checkpoint_manager.formats.convert import dcp_to_safetensors
+    from checkpoint_manager.formats.safetensors_io import SafetensorsFile
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    with DefaultCheckpointManager(CheckpointConfig(save_dir=sys.argv[1], fsync=False)) as mgr:
+        r = mgr.save(SaveContext(model=model, optimizer=opt, train_state=TrainState(step=1), force=True))
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh = torch.nn.Linear(16, 4)
+    with DefaultCheckpointManager(CheckpointConfig(save_dir=sys.argv[1], fsync=False)) as mgr:
+        assert mgr.load(LoadContext(model=fresh)).step == 1
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
+    out = dcp_to_safetensors(r.path, sys.argv[1] + "/model.safetensors")
+    with SafetensorsFile(out) as st:
+        assert all(torch.equal(st.get(k), v) for k, v in want.items())
+    print("ok")
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_plain_install_saves_loads_and_exports_without_numpy(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_NUMPY, str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=110, env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
