@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
-from checkpoint_manager.cli.output import Output, human_bytes
+from checkpoint_manager.cli.output import Output, human_bytes, io_meter
 from checkpoint_manager.cli.targets import existing, is_url, storage_options, tree_size
 
 __all__ = ["add_parser", "collect", "run"]
@@ -168,7 +168,11 @@ def _finish(
 
     if verify_level is not None:
         committed = [r for r in rows if r["state"] == "committed"]
-        with out.progress("verifying", len(committed)) as advance:
+        progress = out.progress("verifying", len(committed))
+        if verify_level == "full" and not is_url(where):  # reads every byte: show bytes and an ETA
+            total = sum(r["size_bytes"] for r in committed)
+            progress = out.progress("verifying", total, unit="bytes", meter=io_meter("read"))
+        with progress as advance:
             for row in committed:
                 problems = check(row, verify_level)
                 if problems:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
-from checkpoint_manager.cli.output import Output
-from checkpoint_manager.cli.targets import existing, is_url, resolve_checkpoint, storage_options
+from checkpoint_manager.cli.output import Output, io_meter
+from checkpoint_manager.cli.targets import existing, is_url, resolve_checkpoint, storage_options, tree_size
 
 __all__ = ["add_parser", "run"]
 
@@ -99,7 +100,11 @@ def _remote_targets(url: str, args: argparse.Namespace) -> tuple[list[Target], b
 def run(args: argparse.Namespace, out: Output) -> int:
     targets, is_dir = _targets(args.path, args)
     results: list[dict[str, Any]] = []
-    with out.progress(f"verifying ({args.level})", len(targets)) as advance:
+    progress = out.progress(f"verifying ({args.level})", len(targets))
+    if args.level == "full" and not is_url(args.path):  # reads every byte: show bytes and an ETA
+        total = sum(tree_size(Path(where)) for _name, where, _problems, check in targets if check is not None)
+        progress = out.progress(f"verifying ({args.level})", total, unit="bytes", meter=io_meter("read"))
+    with progress as advance:
         for name, where, problems, check in targets:
             if check is not None:
                 problems = problems + check(args.level)
