@@ -36,6 +36,9 @@ def test_progress_text() -> None:
         "packing x  40.0 MiB / 40.0 MiB  100%  5.0 MiB/s  ETA 0:00"
     )
     assert progress_text("verifying", 2, None, 3.0, finished=True) == "verifying  2  done in 0:03"
+    # no counter on this system (no /proc/self/io): the time alone
+    assert progress_text("packing x", 0, None, 7.0) == "packing x  0:07 elapsed"
+    assert progress_text("packing x", 0, None, 9.0, finished=True) == "packing x  done in 0:09"
     assert progress_text("unpacking b.tar.gz", 3 * mib, None, 65.0, "bytes") == (
         "unpacking b.tar.gz  3.0 MiB  47.3 KiB/s  1:05 elapsed"
     )

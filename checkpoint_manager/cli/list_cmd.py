@@ -169,9 +169,10 @@ def _finish(
     if verify_level is not None:
         committed = [r for r in rows if r["state"] == "committed"]
         progress = out.progress("verifying", len(committed))
-        if verify_level == "full" and not is_url(where):  # reads every byte: show bytes and an ETA
+        meter = io_meter("read")
+        if verify_level == "full" and not is_url(where) and meter is not None:  # every byte read: bytes, ETA
             total = sum(r["size_bytes"] for r in committed)
-            progress = out.progress("verifying", total, unit="bytes", meter=io_meter("read"))
+            progress = out.progress("verifying", total, unit="bytes", meter=meter)
         with progress as advance:
             for row in committed:
                 problems = check(row, verify_level)

@@ -278,6 +278,9 @@ def progress_text(
     if total is not None:
         done = min(done, total)
     parts = [description]
+    if total is None and not done:  # nothing measured (no counter here): the time alone
+        parts.append(f"done in {_duration(elapsed)}" if finished else f"{_duration(elapsed)} elapsed")
+        return "  ".join(parts)
     if unit == "bytes":
         parts.append(f"{human_bytes(done)} / {human_bytes(total)}" if total is not None else human_bytes(done))
     else:

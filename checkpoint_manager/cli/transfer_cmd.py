@@ -153,6 +153,17 @@ def _plus(total: int | None, extra: str | None) -> int | None:
     return total + tree_size(Path(extra))
 
 
+def _bytes_progress(
+    out: Output, description: str, total: int | None, kind: str
+) -> contextlib.AbstractContextManager[Any]:
+    """Progress of one library call in bytes ``kind`` ("read" or "write") of ``total``; where this
+    system cannot count them, the time elapsed alone."""
+    meter = io_meter(kind)
+    if meter is None:
+        return out.progress(description, None)
+    return out.progress(description, total, unit="bytes", meter=meter)
+
+
 def _out_file(out: str, name: str, suffixes: tuple[str, ...]) -> Path:
     path = Path(out)
     return path if path.name.endswith(suffixes) else path / name
@@ -164,9 +175,7 @@ def run_export(args: argparse.Namespace, out: Output) -> int:
     total = _weight_bytes(ckpt.path, args.model_key, args.dtype)
     if args.to == "hf":
         total = _plus(total, args.artifacts_dir)
-    with _cli_errors(), out.progress(
-        f"exporting {ckpt.path.name} ({args.to})", total, unit="bytes", meter=io_meter("write")
-    ):
+    with _cli_errors(), _bytes_progress(out, f"exporting {ckpt.path.name} ({args.to})", total, "write"):
         if args.to == "hf":
             from checkpoint_manager.formats.hf import export_hf
 
@@ -222,9 +231,7 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
         total = _weight_bytes(src, args.model_key, args.dtype)
     else:  # a safetensors or torch.save file: its size, unless a cast changes it
         total = tree_size(src) if args.dtype is None else None
-    with _cli_errors(), out.progress(
-        f"converting {kind} -> {args.to}", total, unit="bytes", meter=io_meter("write")
-    ):
+    with _cli_errors(), _bytes_progress(out, f"converting {kind} -> {args.to}", total, "write"):
         path = convert(
             src, args.dst, to=args.to, model_key=args.model_key, dtype=args.dtype, step=args.step,
             subkey=args.subkey, overwrite=args.overwrite,
@@ -250,7 +257,7 @@ def run_pack(args: argparse.Namespace, out: Output) -> int:
         existing(args.config)
         config = CheckpointConfig.from_file(args.config)
     total = _plus(tree_size(ckpt.path), args.artifacts_dir)  # what is read, compressed or not
-    with _cli_errors(), out.progress(f"packing {ckpt.path.name}", total, unit="bytes", meter=io_meter("read")):
+    with _cli_errors(), _bytes_progress(out, f"packing {ckpt.path.name}", total, "read"):
         path = pack_bundle(
             ckpt.path, args.bundle, config=config, artifacts_dir=args.artifacts_dir,
             compression=args.compression, overwrite=args.overwrite,
@@ -267,9 +274,7 @@ def run_unpack(args: argparse.Namespace, out: Output) -> int:
     from checkpoint_manager.formats.bundle import extract_bundle, list_bundle
 
     bundle = existing(args.bundle)
-    with out.progress(
-        f"unpacking {bundle.name}", _members_bytes(bundle), unit="bytes", meter=io_meter("write")
-    ):
+    with _bytes_progress(out, f"unpacking {bundle.name}", _members_bytes(bundle), "write"):
         dest = extract_bundle(bundle, args.dest)
     members = list_bundle(bundle)
     doc: dict[str, Any] = {"bundle": str(bundle), "path": str(dest), "members": members, "bytes": tree_size(dest)}

@@ -101,9 +101,10 @@ def run(args: argparse.Namespace, out: Output) -> int:
     targets, is_dir = _targets(args.path, args)
     results: list[dict[str, Any]] = []
     progress = out.progress(f"verifying ({args.level})", len(targets))
-    if args.level == "full" and not is_url(args.path):  # reads every byte: show bytes and an ETA
+    meter = io_meter("read")
+    if args.level == "full" and not is_url(args.path) and meter is not None:  # every byte read: bytes, ETA
         total = sum(tree_size(Path(where)) for _name, where, _problems, check in targets if check is not None)
-        progress = out.progress(f"verifying ({args.level})", total, unit="bytes", meter=io_meter("read"))
+        progress = out.progress(f"verifying ({args.level})", total, unit="bytes", meter=meter)
     with progress as advance:
         for name, where, problems, check in targets:
             if check is not None:
