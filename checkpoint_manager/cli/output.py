@@ -158,8 +158,8 @@ class Output:
 
         ``unit="bytes"`` shows sizes and a rate; with a ``total`` both kinds show the share done and
         an ETA. ``meter`` (e.g. :func:`io_meter`) is polled for the amount done instead of counting
-        ``advance`` calls (which it ignores): for work done inside one library call. rich draws a bar; without it (or
-        with ``CKPT_PLAIN=1``) one plain line is rewritten in place.
+        ``advance`` calls (which it ignores): for work done inside one library call. rich draws a
+        bar; without it (or with ``CKPT_PLAIN=1``) one plain line is rewritten in place.
         """
         if not self.stderr.isatty():
             yield lambda n: None
