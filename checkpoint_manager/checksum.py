@@ -100,7 +100,8 @@ else:
 SLOW_CRC32_WARNING = (
     "checkpoint-manager: the 'isal' package is not installed, so checkpoint CRC32s run on zlib "
     "(~1 GB/s instead of ISA-L's ~28 GB/s): a save of a large state takes up to twice as long as the "
-    "disk needs. Install it with `pip install isal` where a wheel exists for this platform."
+    "disk needs. `pip install isal` adds it (where PyPI has no wheel for this platform, it builds "
+    "from source with ISA-L's build requirements)."
 )
 _warned = False
 _warned_lock = threading.Lock()
