@@ -6,6 +6,7 @@ bytes reach the disk, not from what is written.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -121,5 +122,10 @@ def _walk_fingerprint(obj: Any, prefix: str, out: dict[str, int]) -> None:
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor (0-d tensors included)."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    """A zero-copy byte view of a contiguous CPU tensor (0-d tensors included; no numpy needed)."""
+    flat = t.detach().reshape(-1).view(torch.uint8)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    raw = (ctypes.c_char * flat.numel()).from_address(flat.data_ptr())
+    raw._tensor = flat  # type: ignore[attr-defined]  # the view keeps the tensor's memory alive
+    return memoryview(raw).cast("B")

@@ -8,6 +8,7 @@ Every other value is tagged so it comes back as the same type, not merely an equ
 from __future__ import annotations
 
 import base64
+import ctypes
 import math
 from collections.abc import Callable
 from typing import Any
@@ -168,7 +169,7 @@ def _join(path: str, key: str) -> str:
 
 def _encode_tensor(t: torch.Tensor) -> dict[str, Any]:
     t = t.detach().to("cpu").contiguous()
-    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    raw = ctypes.string_at(t.data_ptr(), t.nbytes) if t.numel() else b""  # numpy is not a dependency
     return {
         _TAG: "tensor",
         "dtype": dtype_name(t.dtype),

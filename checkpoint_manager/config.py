@@ -190,7 +190,11 @@ class CheckpointConfig(BaseModel):
 
     # -- what to keep: a checkpoint survives if any rule keeps it; newest, best, the one resumed from
     # -- and saves in flight are always kept. Nothing set: keep everything.
-    keep_last: int | None = Field(default=None, ge=1, description="Keep the newest N checkpoints.")
+    keep_last: int | None = Field(
+        default=None,
+        ge=1,
+        description="Keep the newest N checkpoints (None, the default, with no other keep_* rule: keep every one).",
+    )
     keep_best: int | None = Field(
         default=None, ge=1, description="Keep the N best checkpoints by `monitor` (needs `monitor`)."
     )

@@ -11,7 +11,6 @@ import io
 import math
 import os
 import pickle
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -29,6 +28,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from checkpoint_manager.checksum import crc32, warn_if_slow
 from checkpoint_manager.dcp_io import METADATA_FILE, paused_gc
 from checkpoint_manager.direct_io import (
     _WRITE_DEPTH,
@@ -59,6 +59,7 @@ class CheckpointWriter(FileSystemWriter):
         self, path: str | Path, *, fsync: bool = True, direct: bool = True, chunk_bytes: int = DEFAULT_CHUNK
     ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=fsync, thread_count=1, overwrite=False)
+        warn_if_slow()  # once per process, where isal is missing
         self.direct = direct
         self.chunk_bytes = chunk_bytes
         self.checksums: dict[str, dict[str, int]] = {}
@@ -304,7 +305,7 @@ class _SmallRecords:
             self._pending += overhead + nbytes
             return offset, overhead + nbytes
         raw = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
-        crc = zlib.crc32(raw).to_bytes(4, "little")
+        crc = crc32(raw).to_bytes(4, "little")
         if not self._parts:  # others write only after a flush: the position is current until then
             self._base = self._out.position
         offset = self._base + self._pending
@@ -363,7 +364,7 @@ def _write_small_records(
     """The records of a cached all-small layout, in plan order: what :class:`_SmallRecords` writes
     (same bytes, same batches), with each record's envelope looked up once per plan instead of
     per tensor, and no per-item bookkeeping (the offsets are the cached layout's)."""
-    string_at, crc32 = ctypes.string_at, zlib.crc32
+    string_at = ctypes.string_at
     parts: list[bytes] = []
     extend = parts.extend
     pending = 0

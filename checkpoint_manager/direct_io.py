@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from checkpoint_manager.envelope import crc32_combine
+from checkpoint_manager.checksum import crc32, crc32_combine
 
 __all__ = [
     "BLOCK",
@@ -36,20 +36,6 @@ __all__ = [
     "reserve_write_buffers",
     "staging_gate",
 ]
-
-try:  # ISA-L's CRC32 (same polynomial as zlib's) runs at memory speed: ~28 GB/s vs zlib's ~1
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - depends on the install ([fast] extra)
-    from zlib import crc32 as _crc32
-
-
-def crc32(data: bytes | bytearray | memoryview | mmap.mmap, value: int = 0) -> int:
-    """zlib-compatible CRC32; fast where the ``isal`` package is installed (``[fast]`` extra).
-
-    Checksumming every byte is the one pass over the data a save cannot avoid; with zlib's CRC32
-    at ~1 GB/s it, not the disk, bounded the write.
-    """
-    return int(_crc32(data, value))
 
 BLOCK = 4096
 DEFAULT_CHUNK = 16 << 20
@@ -299,7 +285,7 @@ class AlignedFileWriter:
         while done < total:
             n = min(total - done, self._chunk - self._fill)
             ctypes.memmove(self._addrs[self._cur] + self._fill, src + done, n)
-            crc = _crc32(memoryview(self._maps[self._cur])[self._fill : self._fill + n], crc)
+            crc = crc32(memoryview(self._maps[self._cur])[self._fill : self._fill + n], crc)
             self._fill += n
             done += n
             if self._fill == self._chunk:
@@ -335,7 +321,7 @@ class AlignedFileWriter:
                 self._inflight[buf] = future  # that bounce buffer is reused only once this is on disk
                 self._direct_writes.append(future)
                 head = None
-            crc = _crc32(piece, crc)  # while the write is in flight
+            crc = crc32(piece, crc)  # while the write is in flight
             self._flushed += n
             done += n
             while len(self._direct_writes) > _DIRECT_DEPTH:
@@ -357,7 +343,7 @@ class AlignedFileWriter:
         view = memoryview((ctypes.c_char * bulk).from_address(src)).cast("B")
         crc = 0
         for done in range(0, bulk, self._chunk):
-            crc = _crc32(view[done : done + self._chunk], crc)
+            crc = crc32(view[done : done + self._chunk], crc)
         self._flushed += bulk
         self.crc = crc32_combine(self.crc, crc, bulk)
         self.in_place_bytes += bulk
@@ -454,7 +440,7 @@ class AlignedFileWriter:
     def _flush(self, *, final: bool = False) -> None:
         length = self._fill
         # one call per buffer: cheaper than combining per-record CRCs (~10 us per record in Python)
-        self.crc = _crc32(memoryview(self._maps[self._cur])[:length], self.crc)
+        self.crc = crc32(memoryview(self._maps[self._cur])[:length], self.crc)
         if final and self.direct and length % BLOCK:
             pad = BLOCK - length % BLOCK
             self._maps[self._cur][length : length + pad] = bytes(pad)
@@ -483,7 +469,7 @@ class AlignedFileWriter:
         """
         buf = self._cur
         head = memoryview(self._maps[buf])[: self._fill]
-        self.crc = _crc32(head, self.crc)
+        self.crc = crc32(head, self.crc)
         self._next_buffer()
         return buf, head
 

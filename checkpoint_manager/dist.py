@@ -12,6 +12,7 @@ same manager code serves one CPU process and torchrun alike.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import json
 import struct
@@ -249,12 +250,18 @@ def _slot(payload: bytes) -> torch.Tensor:
 
 
 def _slot_size(slot: torch.Tensor) -> int:
-    size: int = struct.unpack("<q", bytes(slot[:_HEADER].numpy()))[0]
+    size: int = struct.unpack("<q", _bytes(slot[:_HEADER]))[0]
     return size
 
 
 def _decode(buf: torch.Tensor) -> Any:
-    return json.loads(bytes(buf.numpy()).decode("utf-8"))
+    return json.loads(_bytes(buf).decode("utf-8"))
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    """A CPU uint8 tensor's bytes (without numpy, which is not a dependency)."""
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
 
 
 def _rebuild(type_name: str, message: str, phase: str) -> BaseException:

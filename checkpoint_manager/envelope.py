@@ -12,12 +12,13 @@ import io
 import struct
 import tempfile
 import zipfile
-import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import IO
 
 import torch
+
+from checkpoint_manager.checksum import crc32_combine
 
 __all__ = ["Envelope", "crc32_combine", "envelope_for", "locate_data"]
 
@@ -140,53 +141,3 @@ def locate_data(buf: memoryview, start: int, length: int, expected_nbytes: int) 
     if data + expected_nbytes > start + length:
         raise ValueError("data record runs past the end of the record")
     return int(data)
-
-
-# -- CRC32 of a concatenation, from the CRCs of its parts (zlib's crc32_combine, GF(2) matrices) ----
-def _gf2_times(mat: list[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(mat: list[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-@lru_cache(maxsize=1024)
-def _zeros_operator(length: int) -> tuple[int, ...]:
-    """The GF(2) matrix that advances a CRC over ``length`` zero bytes."""
-    odd = [0xEDB88320] + [1 << (n - 1) for n in range(1, 32)]
-    even = _gf2_square(odd)
-    odd = _gf2_square(even)
-    result: list[int] | None = None
-    while True:
-        even = _gf2_square(odd)
-        if length & 1:
-            result = even if result is None else [_gf2_times(even, r) for r in result]
-        length >>= 1
-        if not length:
-            break
-        odd = _gf2_square(even)
-        if length & 1:
-            result = odd if result is None else [_gf2_times(odd, r) for r in result]
-        length >>= 1
-        if not length:
-            break
-    assert result is not None
-    return tuple(result)
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of ``A + B`` given ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
-    if len2 <= 0:
-        return crc1
-    return _gf2_times(list(_zeros_operator(len2)), crc1) ^ crc2
-
-
-def crc32(data: bytes | memoryview, value: int = 0) -> int:
-    return zlib.crc32(data, value)

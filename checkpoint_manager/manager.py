@@ -264,6 +264,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._last_saved_known = False
         self._staging = StagingBuffers()
         self._prepared = False  # the save path warmed up ahead of the first save (see _prepare_ahead)
+        self._reported: set[tuple[str, ...]] = set()  # damaged checkpoints already warned about
         self._plans = SavePlanCache()  # the last save's plan and layout, reused while the structure holds
         self._hf_configs = HFConfigRecorder()  # config.json / adapter config into each checkpoint
         self._executor: ThreadPoolExecutor | None = None
@@ -335,8 +336,15 @@ class DefaultCheckpointManager(FinalizeOnExit):
         storage = self._load_storage if load_dir else self._storage
         infos, bad = storage.scan()
         for name, problem in bad:
-            log.warning("ignoring broken checkpoint %s: %s", name, problem)
+            self._warn_once(("broken", storage.url, name, problem), "ignoring broken checkpoint %s: %s", name, problem)
         return infos
+
+    def _warn_once(self, key: tuple[str, ...], msg: str, *args: object) -> None:
+        """Log a problem of a checkpoint on disk the first time this manager meets it: should_load()
+        and load() (and every save's retention) look at the same directory again."""
+        if key not in self._reported:
+            self._reported.add(key)
+            log.warning(msg, *args)
 
     def latest_checkpoint(self, *, load_dir: bool = False) -> CheckpointInfo | None:
         infos = self.list_checkpoints(load_dir=load_dir)
@@ -421,8 +429,9 @@ class DefaultCheckpointManager(FinalizeOnExit):
                         log.info("%s (step %d) was deleted while being checked; trying another", info.path, info.step)
                         gone += 1
                         continue
-                    log.warning(
-                        "skipping damaged checkpoint %s (step %d), trying an older one: %s", info.path, info.step, exc
+                    self._warn_once(
+                        ("damaged", str(info.path), str(exc)),
+                        "skipping damaged checkpoint %s (step %d), trying an older one: %s", info.path, info.step, exc,
                     )
                     damaged.append(exc)
                     continue

@@ -44,6 +44,7 @@ from checkpoint_manager import (
 )
 
 HERE = Path(__file__).resolve()
+KEEP_LAST = 5  # the command line's default: a long run should not fill the disk with checkpoints
 # torchdata 0.11 calls a torch API that torch itself deprecated; nothing for a user to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
@@ -69,6 +70,9 @@ class RunConfig:
     fsync: bool = True
     step_delay: float = 0.0
     hang_at_step: int | None = None
+    # Retention: the newest N checkpoints are kept (None: every one, as the library does by default;
+    # the tests resume from each). From the command line the default is KEEP_LAST.
+    keep_last: int | None = None
     verbose: bool = True
     skip_on_load: tuple[str, ...] = ()  # e.g. ("rng",): LoadContext(load_rng=False), to show it matters
 
@@ -145,6 +149,7 @@ def train(cfg: RunConfig) -> dict[str, torch.Tensor]:
         load_dir=cfg.load_dir,
         load_step=cfg.load_step,
         save_every_n_steps=cfg.save_every,
+        keep_last=cfg.keep_last,
         async_save=cfg.async_save,
         fsync=cfg.fsync,
     )
@@ -312,7 +317,7 @@ def child_command(cfg: RunConfig, result_path: Path | None, *, quiet: bool = Fal
     """The command line that runs ``cfg`` in a fresh Python process."""
     cmd = [sys.executable, str(HERE), "train", "--save-dir", cfg.save_dir, "--steps", str(cfg.steps),
            "--save-every", str(cfg.save_every), "--seed", str(cfg.seed), "--hidden", str(cfg.hidden),
-           "--samples", str(cfg.samples)]
+           "--samples", str(cfg.samples), "--keep-last", str(cfg.keep_last or 0)]
     if result_path is not None:
         cmd += ["--out", str(result_path)]
     if cfg.load_dir is not None:
@@ -414,7 +419,7 @@ def demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="checkpoint-manager-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     base = dict(steps=args.steps, save_every=args.save_every, seed=args.seed, hidden=args.hidden,
-                async_save=args.async_save)
+                async_save=args.async_save, keep_last=args.keep_last or None)
     kill_after = args.kill_after if args.kill_after is not None else args.steps // 3
     lag = max(1, args.save_every // 3)
     reference_cfg = RunConfig(save_dir=str(workdir / "reference"), **base)
@@ -519,6 +524,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--save-every", type=int, default=25)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--hidden", type=int, default=256)
+        p.add_argument("--keep-last", type=int, default=KEEP_LAST,
+                       help=f"keep the newest N checkpoints (default {KEEP_LAST}; 0 keeps every one)")
     tr.add_argument("--samples", type=int, default=2048)
     return parser.parse_args(argv)
 
@@ -531,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RunConfig(
         save_dir=args.save_dir, steps=args.steps, save_every=args.save_every, seed=args.seed,
         hidden=args.hidden, samples=args.samples, load_dir=args.load_dir, load_step=args.load_step,
-        async_save=args.async_save, fsync=not args.no_fsync, step_delay=args.step_delay,
+        async_save=args.async_save, fsync=not args.no_fsync, step_delay=args.step_delay, keep_last=args.keep_last or None,
         hang_at_step=args.hang_at_step, verbose=not args.quiet,
     )
     result = train(cfg)

@@ -123,6 +123,7 @@ def train(cfg: demo.RunConfig, *, on_world_size_change: str = "error") -> dict[s
     config = CheckpointConfig(
         save_dir=cfg.save_dir,
         save_every_n_steps=cfg.save_every,
+        keep_last=cfg.keep_last,
         async_save=cfg.async_save,
         fsync=cfg.fsync,
         on_world_size_change=on_world_size_change,  # type: ignore[arg-type]
@@ -207,6 +208,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--keep-last", type=int, default=demo.KEEP_LAST,
+                        help=f"keep the newest N checkpoints (default {demo.KEEP_LAST}; 0 keeps every one)")
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--no-fsync", action="store_true")
     parser.add_argument("--quiet", action="store_true")
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = demo.RunConfig(
         save_dir=args.save_dir, steps=args.steps, save_every=args.save_every, seed=args.seed,
         hidden=args.hidden, samples=args.samples, async_save=args.async_save, fsync=not args.no_fsync,
-        verbose=not args.quiet,
+        keep_last=args.keep_last or None, verbose=not args.quiet,
     )
     try:
         result = train(cfg, on_world_size_change=args.on_world_size_change)

@@ -15,7 +15,7 @@ cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
-EXTRAS="dev,hf,s3,cli,yaml,lightning,bench"
+EXTRAS="dev,data,hf,s3,cli,yaml,lightning,bench"
 STAMP="$VENV/.checkpoint-manager-stamp"
 
 log() { printf '[venv] %s\n' "$*" >&2; }

@@ -214,7 +214,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
             size = 0
         groups[-1].append(name)
         size += nbytes
-    with out.progress("comparing tensors", len(comparable)) as advance:
+    total = sum(ta[name].nbytes + tb[name].nbytes for name in comparable)
+    with out.progress("comparing tensors", total, unit="bytes") as advance:
         for group in groups:
             if not group:
                 continue
@@ -230,7 +231,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
                         {"name": name, "max_abs_diff": worst, "differing_elements": count, "numel": numel,
                          "dtype": ta[name].dtype, "shape": list(ta[name].shape)}
                     )
-                advance(1)
+                advance(ta[name].nbytes + tb[name].nbytes)
     is_equal = not (missing or extra or changed or different) and all(t["equal"] for t in tied)
     doc = {
         "a": args.a if is_url(args.a) else str(src_a.path),

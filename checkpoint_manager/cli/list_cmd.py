@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
-from checkpoint_manager.cli.output import Output, human_bytes
+from checkpoint_manager.cli.output import Output, human_bytes, io_meter
 from checkpoint_manager.cli.targets import existing, is_url, storage_options, tree_size
 
 __all__ = ["add_parser", "collect", "run"]
@@ -171,7 +171,12 @@ def _finish(
         from checkpoint_manager.errors import CheckpointNotFoundError
 
         committed = [r for r in rows if r["state"] == "committed"]
-        with out.progress("verifying", len(committed)) as advance:
+        progress = out.progress("verifying", len(committed))
+        meter = io_meter("read")
+        if verify_level == "full" and not is_url(where) and meter is not None:  # every byte read: bytes, ETA
+            total = sum(r["size_bytes"] for r in committed)
+            progress = out.progress("verifying", total, unit="bytes", meter=meter)
+        with progress as advance:
             for row in committed:
                 try:
                     problems = check(row, verify_level)
@@ -222,7 +227,28 @@ def run(args: argparse.Namespace, out: Output) -> int:
             ExitCode.USAGE,
             f"{args.directory}: is one checkpoint, not a save directory (try: ckpt inspect {args.directory})",
         )
-    return _render(collect(root, args.verify, out), args, out, str(root))
+    doc = collect(root, args.verify, out)
+    if not doc["checkpoints"] and not looks_like_save_dir(root):
+        raise CliError(
+            ExitCode.NOT_FOUND,
+            f"{args.directory}: no checkpoints, and not a save directory (none of {_SAVE_DIR_MARKS})",
+        )
+    return _render(doc, args, out, str(root))
+
+
+# What a manager leaves in its save_dir besides checkpoints: the in-progress area, the pointers and
+# the writer lock's files. A directory holding other things but none of these (and no checkpoint)
+# is most likely the wrong path; an empty one is a save directory before its first save.
+_SAVE_DIR_ENTRIES = (".pending", "latest", "best", ".writer.lock", ".writer.lock.guard")
+_SAVE_DIR_MARKS = ", ".join(_SAVE_DIR_ENTRIES)
+
+
+def looks_like_save_dir(root: Path) -> bool:
+    """Whether ``root`` is empty or holds something a checkpoint manager writes there."""
+    with os.scandir(root) as it:
+        if next(it, None) is None:
+            return True
+    return any(os.path.lexists(root / name) for name in _SAVE_DIR_ENTRIES)
 
 
 def _render(doc: dict[str, Any], args: argparse.Namespace, out: Output, where: str) -> int:
@@ -241,12 +267,15 @@ def _render(doc: dict[str, Any], args: argparse.Namespace, out: Output, where: s
             ]
             for r in doc["checkpoints"]
         ]
-        out.table(
-            ["step", "name", "time", "size", "metrics", "state", "pointers"], rows, right=("step", "size")
-        )
-        out.line(
-            f"{doc['committed']} committed checkpoint(s), {human_bytes(doc['total_bytes'])} in {where}"
-        )
+        if not rows:
+            out.line(f"no checkpoints in {where} yet")
+        else:
+            out.table(
+                ["step", "name", "time", "size", "metrics", "state", "pointers"], rows, right=("step", "size")
+            )
+            out.line(
+                f"{doc['committed']} committed checkpoint(s), {human_bytes(doc['total_bytes'])} in {where}"
+            )
         for r in doc["checkpoints"]:
             for problem in r["problems"]:
                 out.line(f"{r['name']}: {problem}")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
-from checkpoint_manager.cli.output import Output, human_bytes
+from checkpoint_manager.cli.output import Output, human_bytes, io_meter
 from checkpoint_manager.cli.targets import existing, resolve_checkpoint, tree_size
 
 __all__ = ["add_parsers"]
@@ -149,6 +149,38 @@ def _cli_errors() -> Iterator[None]:
         raise CliError(ExitCode.USAGE, str(exc)) from exc
 
 
+def _weight_bytes(ckpt_path: Path, model_key: str | None, dtype: str | None) -> int | None:
+    """Bytes of the tensors an export of ``model_key`` writes (after ``--dtype``), from the DCP
+    metadata alone; None when it cannot be told (the export itself then reports the problem)."""
+    try:
+        import torch
+
+        from checkpoint_manager.formats.dcp_stream import tensor_entries
+
+        cast = getattr(torch, dtype) if dtype is not None else None
+        return sum(e.nbytes(cast) for e in tensor_entries(ckpt_path, model_key))
+    except Exception:  # a progress total is never worth failing the command for
+        return None
+
+
+def _plus(total: int | None, extra: str | None) -> int | None:
+    """``total`` plus the bytes below the optional directory ``extra`` (artifacts, copied too)."""
+    if total is None or extra is None or not Path(extra).exists():
+        return total
+    return total + tree_size(Path(extra))
+
+
+def _bytes_progress(
+    out: Output, description: str, total: int | None, kind: str
+) -> contextlib.AbstractContextManager[Any]:
+    """Progress of one library call in bytes ``kind`` ("read" or "write") of ``total``; where this
+    system cannot count them, the time elapsed alone."""
+    meter = io_meter(kind)
+    if meter is None:
+        return out.progress(description, None)
+    return out.progress(description, total, unit="bytes", meter=meter)
+
+
 def _out_file(out: str, name: str, suffixes: tuple[str, ...]) -> Path:
     path = Path(out)
     return path if path.name.endswith(suffixes) else path / name
@@ -164,7 +196,10 @@ def run_export(args: argparse.Namespace, out: Output) -> int:
     ckpt = resolve_checkpoint(args.path, step=args.step, args=args)
     doc: dict[str, Any] = {"source": ckpt.url or str(ckpt.path), "to": args.to, "step": ckpt.meta.get("step")}
     notes: list[str] = []
-    with _cli_errors(), out.progress(f"exporting {ckpt.path.name} ({args.to})", None):
+    total = _weight_bytes(ckpt.path, args.model_key, args.dtype)
+    if args.to == "hf":
+        total = _plus(total, args.artifacts_dir)
+    with _cli_errors(), _bytes_progress(out, f"exporting {ckpt.path.name} ({args.to})", total, "write"):
         if args.to == "hf":
             from checkpoint_manager.formats.hf import MissingConfigWarning, export_hf
 
@@ -242,7 +277,11 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
 
     src = existing(args.src)
     kind = detect_format(src)
-    with _cli_errors(), out.progress(f"converting {kind} -> {args.to}", None):
+    if kind == "dcp":
+        total = _weight_bytes(src, args.model_key, args.dtype)
+    else:  # a safetensors or torch.save file: its size, unless a cast changes it
+        total = tree_size(src) if args.dtype is None else None
+    with _cli_errors(), _bytes_progress(out, f"converting {kind} -> {args.to}", total, "write"):
         path = convert(
             src, args.dst, to=args.to, model_key=args.model_key, dtype=args.dtype, step=args.step,
             subkey=args.subkey, overwrite=args.overwrite,
@@ -267,7 +306,8 @@ def run_pack(args: argparse.Namespace, out: Output) -> int:
 
         existing(args.config)
         config = CheckpointConfig.from_file(args.config)
-    with _cli_errors(), out.progress(f"packing {ckpt.path.name}", None):
+    total = _plus(tree_size(ckpt.path), args.artifacts_dir)  # what is read, compressed or not
+    with _cli_errors(), _bytes_progress(out, f"packing {ckpt.path.name}", total, "read"):
         path = pack_bundle(
             ckpt.path, args.bundle, config=config, artifacts_dir=args.artifacts_dir,
             compression=args.compression, overwrite=args.overwrite,
@@ -284,7 +324,7 @@ def run_unpack(args: argparse.Namespace, out: Output) -> int:
     from checkpoint_manager.formats.bundle import extract_bundle, list_bundle
 
     bundle = existing(args.bundle)
-    with out.progress(f"unpacking {bundle.name}", None):
+    with _bytes_progress(out, f"unpacking {bundle.name}", _members_bytes(bundle), "write"):
         dest = extract_bundle(bundle, args.dest)
     members = list_bundle(bundle)
     doc: dict[str, Any] = {"bundle": str(bundle), "path": str(dest), "members": members, "bytes": tree_size(dest)}
@@ -293,3 +333,15 @@ def run_unpack(args: argparse.Namespace, out: Output) -> int:
     else:
         out.line(f"unpacked into {dest} ({len(members)} entries, {human_bytes(doc['bytes'])})")
     return ExitCode.OK
+
+
+def _members_bytes(bundle: Path) -> int | None:
+    """Bytes an uncompressed bundle unpacks to, from its headers (a compressed one would have to be
+    decompressed once more to tell: None)."""
+    import tarfile
+
+    try:
+        with tarfile.open(bundle, "r:") as tar:
+            return sum(m.size for m in tar.getmembers() if m.isfile())
+    except (tarfile.TarError, OSError):
+        return None

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
-from checkpoint_manager.cli.output import Output
-from checkpoint_manager.cli.targets import existing, is_url, resolve_checkpoint, storage_options
+from checkpoint_manager.cli.output import Output, io_meter
+from checkpoint_manager.cli.targets import existing, is_url, resolve_checkpoint, storage_options, tree_size
 
 __all__ = ["add_parser", "run"]
 
@@ -116,7 +117,12 @@ def run(args: argparse.Namespace, out: Output) -> int:
 
     targets, is_dir = _targets(args.path, args)
     results: list[dict[str, Any]] = []
-    with out.progress(f"verifying ({args.level})", len(targets)) as advance:
+    progress = out.progress(f"verifying ({args.level})", len(targets))
+    meter = io_meter("read")
+    if args.level == "full" and not is_url(args.path) and meter is not None:  # every byte read: bytes, ETA
+        total = sum(tree_size(Path(where)) for _name, where, _problems, check in targets if check is not None)
+        progress = out.progress(f"verifying ({args.level})", total, unit="bytes", meter=meter)
+    with progress as advance:
         for name, where, problems, check in targets:
             gone = False
             if check is not None:

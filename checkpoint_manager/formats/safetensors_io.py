@@ -7,6 +7,7 @@ fills each tensor in at its offset in any order; the reader maps the file and ha
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -127,7 +128,7 @@ class SafetensorsWriter:
         if size:
             flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             self._file.seek(self._data_start + offset)
-            self._file.write(flat.numpy().data)
+            self._file.write(memoryview((ctypes.c_char * flat.numel()).from_address(flat.data_ptr())).cast("B"))
         self._written.add(name)
 
     def commit(self) -> Path:

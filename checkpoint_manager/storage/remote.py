@@ -23,11 +23,11 @@ import shutil
 import tempfile
 import time
 import uuid
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from checkpoint_manager.checksum import crc32
 from checkpoint_manager.errors import CheckpointCorruptError
 from checkpoint_manager.layout import (
     CHECKPOINT_JSON,
@@ -360,7 +360,7 @@ class FsspecStorage:
                 out[rel] = {"size": size, "crc32": int(entry["crc32"])}
             else:
                 raw = self._call(f"read {rel}", self.fs.cat_file, f"{remote}/{rel}")
-                out[rel] = {"size": size, "crc32": zlib.crc32(bytes(raw))}
+                out[rel] = {"size": size, "crc32": crc32(bytes(raw))}
         return dict(sorted(out.items()))
 
     def write_json(self, path: Path, data: Any) -> int:

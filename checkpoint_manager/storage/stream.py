@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import io
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +20,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from checkpoint_manager.checksum import crc32, crc32_combine
 from checkpoint_manager.dcp_writer import CheckpointWriter
-from checkpoint_manager.envelope import crc32_combine, envelope_for
+from checkpoint_manager.envelope import envelope_for
 from checkpoint_manager.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -80,21 +80,21 @@ class StreamingWriter(CheckpointWriter):
                     assert isinstance(data, io.BytesIO)
                     raw = data.getbuffer()
                     put(raw)
-                    file_crc = crc32_combine(file_crc, zlib.crc32(raw), len(raw))
+                    file_crc = crc32_combine(file_crc, crc32(raw), len(raw))
                 else:
                     assert isinstance(data, torch.Tensor)
                     tensor = data.detach()
                     tensor = (tensor if tensor.is_cpu else tensor.cpu()).contiguous()
                     env = envelope_for(tuple(tensor.shape), tensor.dtype)
                     body = _raw_bytes(tensor)
-                    data_crc = zlib.crc32(body)
+                    data_crc = crc32(body)
                     suffix = env.render_suffix(data_crc)
                     put(env.prefix)
                     put(body)
                     put(suffix)
-                    file_crc = crc32_combine(file_crc, zlib.crc32(env.prefix), len(env.prefix))
+                    file_crc = crc32_combine(file_crc, crc32(env.prefix), len(env.prefix))
                     file_crc = crc32_combine(file_crc, data_crc, env.nbytes)
-                    file_crc = crc32_combine(file_crc, zlib.crc32(suffix), len(suffix))
+                    file_crc = crc32_combine(file_crc, crc32(suffix), len(suffix))
                     del body
                 results.append(
                     WriteResult(
