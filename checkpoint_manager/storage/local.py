@@ -9,13 +9,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
+import re
 import shutil
+import stat
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from checkpoint_manager.errors import PostCommitError
+from checkpoint_manager.errors import PostCommitError, UnsafeCheckpointError
 from checkpoint_manager.storage.base import json_bytes
 
 if TYPE_CHECKING:
@@ -25,7 +28,14 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalStorage", "fsync_dir"]
 
+log = logging.getLogger("checkpoint_manager")
+
 PENDING_DIR = ".pending"
+# What a save of ours leaves in ``.pending``: ``<name>.<12 hex>`` (a save in progress), and a
+# checkpoint being deleted, ``<name>.deleting.<8 hex>`` or ``<name>.~deleting~<8 hex>`` (retention).
+_OURS_PENDING = re.compile(r"[^/]+\.(?:[0-9a-f]{12}|deleting\.[0-9a-f]{8}|~deleting~[0-9a-f]{8})")
+# What an interrupted pointer update leaves in the root: ``.<pointer>.<8 hex>.tmp`` (a file or a link).
+_OURS_POINTER_TMP = re.compile(r"\.[^/]+\.[0-9a-f]{8}\.tmp")
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -72,6 +82,26 @@ class LocalStorage:
     @property
     def pending_root(self) -> Path:
         return self.root / PENDING_DIR
+
+    def checked_pending_root(self, *, create: bool) -> Path | None:
+        """``.pending``, refused unless it is a real directory (a symlink there would make the sweep
+        and every save work in its target); None if it does not exist and ``create`` is false."""
+        path = self.pending_root
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            if not create:
+                return None
+            with contextlib.suppress(FileExistsError):
+                path.mkdir()
+            st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            what = f"a symlink to {os.readlink(path)!r}" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise UnsafeCheckpointError(
+                f"{str(path)!r} is {what}: the pending directory of save_dir {str(self.root)!r} must be a "
+                f"real directory (nothing is written or deleted through it); remove or rename it"
+            )
+        return path
 
     def path_of(self, name: str) -> Path:
         return self.root / name
@@ -142,7 +172,7 @@ class LocalStorage:
         self.check_root()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            self.pending_root.mkdir(exist_ok=True)
+            self.checked_pending_root(create=True)
         except PermissionError as exc:
             raise PermissionError(f"save_dir {str(self.root)!r} is not writable: {exc.strerror}") from exc
         if not os.access(self.root, os.W_OK | os.X_OK):
@@ -227,7 +257,7 @@ class LocalStorage:
             return
         if path.parent == self.root:
             doomed = self.pending_root / f"{path.name}.deleting.{uuid.uuid4().hex[:8]}"
-            self.pending_root.mkdir(exist_ok=True)
+            self.checked_pending_root(create=True)
             os.rename(path, doomed)
             if self.fsync:
                 fsync_dir(self.root)
@@ -235,24 +265,36 @@ class LocalStorage:
         shutil.rmtree(path, ignore_errors=False)
 
     def sweep_pending(self) -> list[str]:
-        """Remove what interrupted saves left behind; returns what was removed."""
+        """Remove what interrupted saves of ours left behind; returns what was removed.
+
+        Only names a save or deletion of ours makes are touched (``.pending/<name>.<id>``, a root's
+        ``.<pointer>.<id>.tmp``), and no symlink is ever followed: a symlink is removed as a link, and
+        a ``.pending`` that is not a real directory is refused (:class:`UnsafeCheckpointError`).
+        """
         removed: list[str] = []
+        pending_root = self.checked_pending_root(create=False)
+        if pending_root is not None:
+            with os.scandir(pending_root) as it:
+                entries = list(it)
+            for entry in entries:
+                if not _OURS_PENDING.fullmatch(entry.name):
+                    log.warning("sweep: leaving %s alone: no save of ours makes that name", entry.path)
+                    continue
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)  # removes links inside, never what they point to
+                    else:
+                        os.unlink(entry.path)
+                    removed.append(entry.name)
+                except FileNotFoundError:
+                    continue
         try:
-            entries = list(os.scandir(self.pending_root))
+            with os.scandir(self.root) as it:
+                tops = list(it)
         except FileNotFoundError:
-            return removed
-        for entry in entries:
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
-                removed.append(entry.name)
-            except FileNotFoundError:
-                continue
-        for entry in os.scandir(self.root) if self.root.exists() else []:
-            # leftovers of interrupted pointer updates
-            if entry.name.startswith(".") and entry.name.endswith(".tmp") and entry.is_file():
+            tops = []
+        for entry in tops:  # leftovers of interrupted pointer updates
+            if _OURS_POINTER_TMP.fullmatch(entry.name) and not entry.is_dir(follow_symlinks=False):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
                 removed.append(entry.name)
