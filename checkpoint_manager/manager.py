@@ -150,9 +150,10 @@ class _ExitStatus:
 
 
 def _finalize_at_exit() -> None:
-    """At interpreter exit (the writer threads have finished their jobs by now): collect every
-    manager's last async save. A failure nobody collected is logged at ERROR and turns the exit
-    status non-zero; it is never silently lost. A forked child leaves its parent's managers alone."""
+    """At interpreter exit: finish every manager's async save still writing, and collect its outcome.
+
+    A failure nobody collected is logged at ERROR and turns the exit status non-zero; it is never
+    silently lost. A forked child leaves its parent's managers alone."""
     failed = False
     for manager in list(_live_managers):
         if manager._pid != os.getpid() or manager._closed:
@@ -176,7 +177,19 @@ def _finalize_at_exit() -> None:
         sys.stdout = _ExitStatus(sys.stdout)
 
 
-atexit.register(_finalize_at_exit)  # after the lock module's own hook: runs before it
+def _register_exit_hook() -> None:
+    """Run ``_finalize_at_exit`` before the interpreter stops the thread pools: a save still writing
+    needs its writer's own pools, and ``concurrent.futures`` refuses new work once its exit hook ran
+    (it registers it with ``threading._register_atexit``; those hooks run newest first, before any
+    ``atexit`` hook). Where that hook does not exist, ``atexit`` is the next best."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - not CPython >= 3.9
+        atexit.register(_finalize_at_exit)
+    else:
+        register(_finalize_at_exit)
+
+
+_register_exit_hook()  # concurrent.futures.thread is imported above: this hook runs before its own
 
 
 def _read_state_json(file: Path) -> dict[str, Any]:
