@@ -7,8 +7,7 @@ on this host (or, with ``stale_after_s``, a lock from another host whose heartbe
 taken over with a warning. Readers never take it.
 
 Within one process the lock is shared: a second manager on the same directory (a notebook cell
-run twice, a test that reopens a directory) joins the first instead of failing, and knows it joined
-(:attr:`WriterLock.joined`: it must not sweep the first one's saves in flight). A lock belongs to a
+run twice, a test that reopens a directory) joins the first instead of failing. A lock belongs to a
 process, not to its forks: a forked child starts with no hold, so a manager it opens on the parent's
 directory fails like any second run.
 
@@ -232,19 +231,12 @@ class WriterLock:
         self.stale_after_s = stale_after_s
         self._held = False
         self._pid = os.getpid()
-        self._joined = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def held(self) -> bool:
         """Whether this object holds the lock in this process (a forked child's copy never does)."""
         return self._held and self._pid == os.getpid()
-
-    @property
-    def joined(self) -> bool:
-        """Whether this holder joined a hold another object of this process already had: it shares
-        the directory with that writer, so it must not sweep that writer's saves in flight."""
-        return self._joined
 
     def __enter__(self) -> WriterLock:
         return self.acquire()
@@ -277,7 +269,6 @@ class WriterLock:
                 current = read_lock_owner(self.directory)
                 if current is not None and current.token == holding.owner.token:
                     holding.count += 1
-                    self._joined = True
                     self._hold(key, holding)
                     return self
                 _stop(holding)  # our hold was taken over or removed behind our back
@@ -294,7 +285,6 @@ class WriterLock:
                 )
                 holding.heartbeat.start()
             _registry[key] = holding
-        self._joined = False
         self._hold(key, holding)
         return self
 
@@ -595,17 +585,11 @@ class ObjectWriterLock:
         self.stale_after_s = stale_after_s if stale_after_s is not None else OBJECT_LOCK_STALE_S
         self._held = False
         self._pid = os.getpid()
-        self._joined = False
 
     @property
     def held(self) -> bool:
         """Whether this object holds the lock in this process (a forked child's copy never does)."""
         return self._held and self._pid == os.getpid()
-
-    @property
-    def joined(self) -> bool:
-        """Whether this holder joined a hold another object of this process already had."""
-        return self._joined
 
     def __enter__(self) -> ObjectWriterLock:
         return self.acquire()
@@ -643,7 +627,7 @@ class ObjectWriterLock:
                 current, _ = self.read()
                 if current is not None and current.token == entry[0].token:
                     entry[1][0] += 1
-                    self._held, self._joined = True, True
+                    self._held = True
                     return self
                 entry[2].set()
                 del _object_registry[self.key]
@@ -672,7 +656,7 @@ class ObjectWriterLock:
             threading.Thread(
                 target=self._heartbeat, args=(me, stop), name="checkpoint-lock-heartbeat", daemon=True
             ).start()
-        self._held, self._joined = True, False
+        self._held = True
         return self
 
     def _heartbeat(self, me: LockOwner, stop: threading.Event) -> None:

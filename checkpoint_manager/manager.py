@@ -382,17 +382,16 @@ class DefaultCheckpointManager(FinalizeOnExit):
         return self._writer_lock is not None and self._writer_lock.held
 
     def _sweep_pending(self) -> None:
-        """Only the first writer of this process on save_dir sweeps: a manager without the lock (an
-        evaluation job's ``writer_lock=False``), or one that joined a lock another manager of this
-        process holds, would delete saves that writer has in flight."""
-        if not self._holds_writer_lock() or (self._writer_lock is not None and self._writer_lock.joined):
-            why = (
-                "another manager of this process writes there (their in-flight saves are not ours)"
-                if self._holds_writer_lock()
-                else "this manager does not hold the writer lock (writer_lock=False)"
-            )
+        """Only a manager holding the writer lock sweeps: one without it (an evaluation job's
+        ``writer_lock=False``) would delete the saves a live writer has in flight. (Saves another
+        manager of this process is writing are skipped by the storage's sweep itself.)"""
+        if not self._holds_writer_lock():
             explicit = "sweep_pending_on_start" in self.config.model_fields_set
-            log.log(logging.WARNING if explicit else logging.INFO, "not sweeping %s: %s", self.config.save_dir, why)
+            log.log(
+                logging.WARNING if explicit else logging.INFO,
+                "not sweeping %s: this manager does not hold the writer lock (writer_lock=False)",
+                self.config.save_dir,
+            )
             return
         removed = self._storage.sweep_pending()
         if removed:

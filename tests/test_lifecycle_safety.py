@@ -158,33 +158,47 @@ def test_the_sweep_removes_only_names_a_save_of_ours_makes_and_follows_no_link(
 # -- one writer per process, and what a non-writer may not do -------------------------------------------
 
 @pytest.mark.timeout(120)
-def test_a_second_manager_in_the_same_process_never_sweeps_the_first_ones_saves(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_second_manager_in_the_same_process_never_sweeps_the_first_ones_saves_in_flight(tmp_path: Path) -> None:
     save_dir = tmp_path / "run"
-    cfg = CheckpointConfig(save_dir=str(save_dir), fsync=False, async_save=True)
-    first = DefaultCheckpointManager(cfg)
-    torch.manual_seed(0)
-    model = nn.Linear(512, 512)
-    save(first, 1, model)  # an async save, possibly still writing
-    in_flight = save_dir / ".pending" / "step_00000002.0123456789ab"  # and one surely in flight
-    in_flight.mkdir(parents=True)
-    (in_flight / "__0_0.distcp").write_bytes(b"being written")
-    with caplog.at_level(logging.INFO, logger="checkpoint_manager"):
-        second = DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir), fsync=False))
-    assert (in_flight / "__0_0.distcp").read_bytes() == b"being written"
-    assert "another manager of this process writes there" in caplog.text
-    first.finalize_async_saves(blocking=True, terminate=True)
-    assert committed(save_dir) == ["step_00000001"]
-    state = nn.Linear(512, 512)
-    second.load(LoadContext(model=state))
-    assert torch.equal(state.weight, model.weight) and torch.equal(state.bias, model.bias)
-    second.finalize_async_saves(terminate=True)
-    assert not (save_dir / LOCK_FILE).exists()
-    # the last holder gone, the next manager is the first writer again: now it sweeps
+    first = DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir), fsync=False))
+    save(first, 1)
+    # the directory a save of `first` is writing right now (made as every save makes it)
+    writing = first._storage.new_pending("step_00000002")
+    (writing / "__0_0.distcp").write_bytes(b"being written")
+    crashed = save_dir / ".pending" / "step_00000003.0123456789ab"  # left by a run that died
+    crashed.mkdir()
+    second = DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir), fsync=False))
+    assert (writing / "__0_0.distcp").read_bytes() == b"being written"
+    assert not crashed.exists()  # sharing the lock, it still sweeps what no live save writes
+    first._storage.remove_tree(writing)  # that save failed and was cleaned up; a later sweep may
+    (save_dir / ".pending" / writing.name).mkdir()  # ... remove what then sits under its name
     DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir), fsync=False)).finalize_async_saves(
         terminate=True)
-    assert not in_flight.exists()
+    assert list((save_dir / ".pending").iterdir()) == []
+    second.finalize_async_saves(terminate=True)
+    first.finalize_async_saves(terminate=True)
+    assert not (save_dir / LOCK_FILE).exists()
+
+
+@pytest.mark.timeout(180)
+def test_async_saves_in_flight_survive_managers_opened_beside_them(tmp_path: Path) -> None:
+    """A notebook cell run again while the first manager's async saves are writing: each commits whole."""
+    save_dir = tmp_path / "run"
+    first = DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir), fsync=False, async_save=True))
+    models = {}
+    for step in (1, 2, 3):
+        torch.manual_seed(step)
+        models[step] = nn.Linear(1024, 1024)
+        save(first, step, models[step])  # waits for the previous one, then returns while this one writes
+        DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir), fsync=False))  # sweeps at once
+    first.finalize_async_saves(blocking=True, terminate=True)
+    assert committed(save_dir) == ["step_00000001", "step_00000002", "step_00000003"]
+    for step, model in models.items():
+        restored = nn.Linear(1024, 1024)
+        reader = DefaultCheckpointManager(CheckpointConfig(save_dir=str(tmp_path / "x"), load_dir=str(save_dir),
+                                                           load_step=step, verify_on_load="full"))
+        reader.load(LoadContext(model=restored))
+        assert torch.equal(restored.weight, model.weight) and torch.equal(restored.bias, model.bias)
 
 
 @pytest.mark.timeout(120)

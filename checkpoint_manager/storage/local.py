@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,44 @@ PENDING_DIR = ".pending"
 # What a save of ours leaves in ``.pending``: ``<name>.<12 hex>`` (a save in progress), and a
 # checkpoint being deleted, ``<name>.deleting.<8 hex>`` or ``<name>.~deleting~<8 hex>`` (retention).
 _OURS_PENDING = re.compile(r"[^/]+\.(?:[0-9a-f]{12}|deleting\.[0-9a-f]{8}|~deleting~[0-9a-f]{8})")
+# Pending directories a save of this process is writing now (real paths). Another manager of this
+# process shares its writer lock, so its start-up sweep may run while they are written: it skips them.
+_in_flight: set[str] = set()
+_in_flight_lock = threading.Lock()
+
+
+def _in_flight_key(pending_root: Path, name: str) -> str:
+    return os.path.join(os.path.realpath(pending_root), name)
+
+
+def mark_in_flight(path: Path) -> None:
+    """``path`` (a directory in a ``.pending``) is being written by this process: no sweep removes it."""
+    with _in_flight_lock:
+        _in_flight.add(_in_flight_key(path.parent, path.name))
+
+
+def unmark_in_flight(path: Path) -> None:
+    with _in_flight_lock:
+        _in_flight.discard(_in_flight_key(path.parent, path.name))
+
+
+def in_flight_names(pending_root: Path) -> set[str]:
+    """Names in ``pending_root`` that a save of this process is writing now."""
+    prefix = os.path.realpath(pending_root) + os.sep
+    with _in_flight_lock:
+        return {key[len(prefix):] for key in _in_flight if key.startswith(prefix)}
+
+
+def _forget_in_flight_in_child() -> None:
+    """A forked child writes none of its parent's saves (and the parent's threads hold no lock here)."""
+    global _in_flight_lock
+    _in_flight_lock = threading.Lock()
+    _in_flight.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_flight_in_child)
+
 # What an interrupted pointer update leaves in the root: ``.<pointer>.<8 hex>.tmp`` (a file or a link).
 _OURS_POINTER_TMP = re.compile(r"\.[^/]+\.[0-9a-f]{8}\.tmp")
 
@@ -182,7 +221,12 @@ class LocalStorage:
         """A fresh, empty directory that nobody lists or loads until it is committed."""
         self.ensure_root()
         path = self.pending_root / f"{name}.{uuid.uuid4().hex[:12]}"
-        path.mkdir()
+        mark_in_flight(path)  # before it exists: a sweep that lists it also sees the mark
+        try:
+            path.mkdir()
+        except BaseException:
+            unmark_in_flight(path)
+            raise
         return path
 
     def list_names(self) -> list[str]:
@@ -237,6 +281,7 @@ class LocalStorage:
                 if target.exists():
                     raise FileExistsError(errno.EEXIST, "exists", str(target))
                 os.rename(pending, target)
+                unmark_in_flight(pending)
                 break
             except OSError as exc:
                 if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
@@ -254,6 +299,7 @@ class LocalStorage:
     def remove_tree(self, path: Path) -> None:
         """Delete a checkpoint: first move it out of sight (so it is never half-listed), then remove."""
         if not path.exists():
+            unmark_in_flight(path)
             return
         if path.parent == self.root:
             doomed = self.pending_root / f"{path.name}.deleting.{uuid.uuid4().hex[:8]}"
@@ -263,20 +309,25 @@ class LocalStorage:
                 fsync_dir(self.root)
             path = doomed
         shutil.rmtree(path, ignore_errors=False)
+        unmark_in_flight(path)
 
     def sweep_pending(self) -> list[str]:
         """Remove what interrupted saves of ours left behind; returns what was removed.
 
         Only names a save or deletion of ours makes are touched (``.pending/<name>.<id>``, a root's
-        ``.<pointer>.<id>.tmp``), and no symlink is ever followed: a symlink is removed as a link, and
-        a ``.pending`` that is not a real directory is refused (:class:`UnsafeCheckpointError`).
+        ``.<pointer>.<id>.tmp``), never a save this process is writing now, and no symlink is ever
+        followed: a symlink is removed as a link, and a ``.pending`` that is not a real directory is
+        refused (:class:`UnsafeCheckpointError`).
         """
         removed: list[str] = []
         pending_root = self.checked_pending_root(create=False)
         if pending_root is not None:
             with os.scandir(pending_root) as it:
                 entries = list(it)
+            busy = in_flight_names(pending_root)  # after the listing: a save started since is marked
             for entry in entries:
+                if entry.name in busy:
+                    continue  # another manager of this process is writing it
                 if not _OURS_PENDING.fullmatch(entry.name):
                     log.warning("sweep: leaving %s alone: no save of ours makes that name", entry.path)
                     continue
