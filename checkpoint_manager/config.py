@@ -98,7 +98,7 @@ class CheckpointConfig(BaseModel):
     sweep_pending_on_start: bool = Field(
         default=True,
         description="Remove leftovers of interrupted saves when the manager starts (only a manager that "
-        "holds the writer lock, and is the first of its process on save_dir, does).",
+        "holds the writer lock does; saves this process is writing are never touched).",
     )
 
     # -- when to save: a save happens when any of these (or save_every_n_steps) says so ------------
