@@ -14,14 +14,17 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 from conftest import missing_capability
@@ -490,3 +493,34 @@ def test_a_sync_save_on_a_full_disk_names_the_path_and_the_step(tiny_tmpfs: Path
     assert "checkpoint_manager: the save of step 3 failed and was not committed" in err.value.__notes__
     assert committed(save_dir) == [] and list((save_dir / ".pending").iterdir()) == []
     manager.finalize_async_saves(terminate=True)
+
+
+@pytest.mark.timeout(120)
+def test_an_object_store_sweep_skips_this_process_uploads_and_refuses_a_linked_staging_pending(
+    tmp_path: Path, datasets: Path
+) -> None:
+    url = f"memory://lifecycle-{uuid.uuid4().hex[:8]}/run"
+    fs = fsspec.filesystem("memory")
+    root = url.removeprefix("memory://")
+    staging = tmp_path / "staging"
+    cfg = CheckpointConfig(save_dir=url, staging_dir=str(staging))
+    first = DefaultCheckpointManager(cfg)
+    save(first, 1)
+    writing = first._storage.new_pending("step_00000002")  # a save of `first`, uploading
+    fs.pipe_file(f"{root}/step_00000002/__0_0.distcp", b"uploaded part")
+    fs.pipe_file(f"{root}/step_00000003/__0_0.distcp", b"left by a dead run")
+    second = DefaultCheckpointManager(cfg)  # shares the lock, sweeps
+    assert fs.cat_file(f"{root}/step_00000002/__0_0.distcp") == b"uploaded part"
+    assert writing.is_dir()
+    assert not fs.exists(f"{root}/step_00000003")
+    second.finalize_async_saves(terminate=True)
+    first._storage.remove_tree(writing)
+    first.finalize_async_saves(terminate=True)
+    assert not fs.exists(f"{root}/step_00000002")
+
+    shutil.rmtree(staging / ".pending")
+    (staging / ".pending").symlink_to(datasets)
+    before = tree(datasets)
+    with pytest.raises(UnsafeCheckpointError, match=r"\.pending' is a symlink to"):
+        DefaultCheckpointManager(cfg)
+    assert tree(datasets) == before
