@@ -115,10 +115,9 @@ def _name_failure(exc: BaseException, step: int, pending: Path | None) -> None:
 
     The exception itself is annotated (its ``filename``, where the kernel gave none, and a note), so
     callers that hold it still get the very object raised, with its errno."""
-    if not isinstance(exc, OSError):
-        return
-    if exc.filename is None and pending is not None:
-        exc.filename = str(pending)
+    if not isinstance(exc, OSError) or exc.errno is None or exc.filename is not None or pending is None:
+        return  # not a bare errno: it says what it is already
+    exc.filename = str(pending)  # str(exc) shows it now: "[Errno 28] No space left on device: '<pending>'"
     exc.add_note(f"checkpoint_manager: the save of step {step} failed and was not committed")
 
 
