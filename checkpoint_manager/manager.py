@@ -327,7 +327,8 @@ class DefaultCheckpointManager(FinalizeOnExit):
             self._dist.on_coordinator(self._take_writer_lock, "start: writer lock")
         elif self._pruner.active:
             log.warning(
-                "writer_lock=False: this manager never prunes %s (retention needs the writer lock)",
+                "writer_lock=False: this manager never prunes %s nor moves its `best` pointer or symlinks "
+                "(retention needs the writer lock)",
                 config.save_dir,
             )
         try:
