@@ -39,6 +39,7 @@ from checkpoint_manager import (
     UnsafeCheckpointError,
 )
 from checkpoint_manager.lock import LOCK_FILE, CheckpointLockError, WriterLock, read_lock_owner
+from checkpoint_manager.storage.local import mark_in_flight, unmark_in_flight
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "checkpoint_manager"
@@ -170,14 +171,19 @@ def test_a_second_manager_in_the_same_process_never_sweeps_the_first_ones_saves_
     (writing / "__0_0.distcp").write_bytes(b"being written")
     crashed = save_dir / ".pending" / "step_00000003.0123456789ab"  # left by a run that died
     crashed.mkdir()
+    pointer_update = save_dir / ".latest.0badc0de.tmp"  # `first` is moving its pointer right now
+    mark_in_flight(pointer_update)
+    pointer_update.write_text("{}")
     second = DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir), fsync=False))
     assert (writing / "__0_0.distcp").read_bytes() == b"being written"
+    assert pointer_update.exists()
     assert not crashed.exists()  # sharing the lock, it still sweeps what no live save writes
+    unmark_in_flight(pointer_update)  # (as if that update had been cut short)
     first._storage.remove_tree(writing)  # that save failed and was cleaned up; a later sweep may
     (save_dir / ".pending" / writing.name).mkdir()  # ... remove what then sits under its name
     DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir), fsync=False)).finalize_async_saves(
         terminate=True)
-    assert list((save_dir / ".pending").iterdir()) == []
+    assert list((save_dir / ".pending").iterdir()) == [] and not pointer_update.exists()
     second.finalize_async_saves(terminate=True)
     first.finalize_async_saves(terminate=True)
     assert not (save_dir / LOCK_FILE).exists()

@@ -35,8 +35,9 @@ PENDING_DIR = ".pending"
 # What a save of ours leaves in ``.pending``: ``<name>.<12 hex>`` (a save in progress), and a
 # checkpoint being deleted, ``<name>.deleting.<8 hex>`` or ``<name>.~deleting~<8 hex>`` (retention).
 _OURS_PENDING = re.compile(r"[^/]+\.(?:[0-9a-f]{12}|deleting\.[0-9a-f]{8}|~deleting~[0-9a-f]{8})")
-# Pending directories a save of this process is writing now (real paths). Another manager of this
-# process shares its writer lock, so its start-up sweep may run while they are written: it skips them.
+# Pending directories (and pointer temporaries) a save of this process is writing now (real paths).
+# Another manager of this process shares its writer lock, so its start-up sweep may run while they
+# are written: it skips them.
 _in_flight: set[str] = set()
 _in_flight_lock = threading.Lock()
 
@@ -251,12 +252,14 @@ class LocalStorage:
     def write_json_atomic(self, path: Path, data: Any) -> None:
         """Replace ``path`` in one step (for pointers): write aside, fsync, rename, fsync the directory."""
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        mark_in_flight(tmp)  # another manager of this process may sweep meanwhile: not this one
         try:
             self.write_json(tmp, data)
             os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+            unmark_in_flight(tmp)
         if self.fsync:
             fsync_dir(path.parent)
 
@@ -304,12 +307,19 @@ class LocalStorage:
         if path.parent == self.root:
             doomed = self.pending_root / f"{path.name}.deleting.{uuid.uuid4().hex[:8]}"
             self.checked_pending_root(create=True)
-            os.rename(path, doomed)
+            mark_in_flight(doomed)  # being removed by us: another manager's sweep leaves it to us
+            try:
+                os.rename(path, doomed)
+            except BaseException:
+                unmark_in_flight(doomed)
+                raise
             if self.fsync:
                 fsync_dir(self.root)
             path = doomed
-        shutil.rmtree(path, ignore_errors=False)
-        unmark_in_flight(path)
+        try:
+            shutil.rmtree(path, ignore_errors=False)
+        finally:
+            unmark_in_flight(path)
 
     def sweep_pending(self) -> list[str]:
         """Remove what interrupted saves of ours left behind; returns what was removed.
@@ -344,9 +354,13 @@ class LocalStorage:
                 tops = list(it)
         except FileNotFoundError:
             tops = []
+        busy = in_flight_names(self.root)  # pointer updates of this process's managers, live
         for entry in tops:  # leftovers of interrupted pointer updates
-            if _OURS_POINTER_TMP.fullmatch(entry.name) and not entry.is_dir(follow_symlinks=False):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+            if not _OURS_POINTER_TMP.fullmatch(entry.name) or entry.name in busy:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
                 removed.append(entry.name)
         return removed
