@@ -318,7 +318,7 @@ def w_train(size: float, d: Path) -> dict[str, Any]:
 
     bench = _build(size)
     cfg = CheckpointConfig(
-        save_dir=str(d / "t"), async_save=True, writer_lock=False, keep_last=1, save_every_n_steps=10**9
+        save_dir=str(d / "t"), async_save=True, keep_last=1, save_every_n_steps=10**9
     )
     mgr = DefaultCheckpointManager(cfg)
     # as in a training loop: a step that is not saved first (the manager prepares its buffers then)

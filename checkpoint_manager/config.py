@@ -143,7 +143,9 @@ class CheckpointConfig(BaseModel):
         description="Before loading, check every file's size (sizes) or also its CRC32 (full).",
     )
     sweep_pending_on_start: bool = Field(
-        default=True, description="Remove leftovers of interrupted saves when the manager starts."
+        default=True,
+        description="Remove leftovers of interrupted saves when the manager starts (only a manager that "
+        "holds the writer lock does; saves this process is writing are never touched).",
     )
 
     # -- when to save: a save happens when any of these (or save_every_n_steps) says so ------------
@@ -224,7 +226,8 @@ class CheckpointConfig(BaseModel):
     )
     writer_lock: bool = Field(
         default=True,
-        description="Take a lock in save_dir so a second run writing the same directory fails fast.",
+        description="Take a lock in save_dir so a second run writing the same directory fails fast; "
+        "a manager without it never sweeps nor prunes.",
     )
     lock_stale_after_s: float | None = Field(
         default=None,

@@ -7,7 +7,13 @@ on this host (or, with ``stale_after_s``, a lock from another host whose heartbe
 taken over with a warning. Readers never take it.
 
 Within one process the lock is shared: a second manager on the same directory (a notebook cell
-run twice, a test that reopens a directory) joins the first instead of failing.
+run twice, a test that reopens a directory) joins the first instead of failing. A lock belongs to a
+process, not to its forks: a forked child starts with no hold, so a manager it opens on the parent's
+directory fails like any second run.
+
+No helper file is left in the save directory: acquire and release are serialized between processes
+with ``flock`` on the directory itself. Only where a filesystem refuses that (NFS locks need a file
+open for writing) is ``.writer.lock.guard`` created and locked instead.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -30,7 +38,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from checkpoint_manager.errors import CheckpointError
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError
+from checkpoint_manager.safe_io import UnsafeFileError, read_small
 
 if TYPE_CHECKING:
     from checkpoint_manager.storage.base import Storage
@@ -55,13 +64,16 @@ __all__ = [
 log = logging.getLogger("checkpoint_manager")
 
 LOCK_FILE = ".writer.lock"
-_GUARD_FILE = ".writer.lock.guard"
+_GUARD_FILE = ".writer.lock.guard"  # only where a directory cannot be flocked (and older versions')
+_LOCK_FILE_LIMIT = 64 * 1024  # a lock file is a few hundred bytes
+_PID_MAX = 2**31  # pid_t is a signed 32-bit integer
 _GUARD_TIMEOUT_S = 10.0
 _YOUNG_S = 5.0  # an unreadable lock younger than this may be mid-creation by another process
 
 
 class CheckpointLockError(CheckpointError):
-    """Another live run holds the writer lock of this save directory."""
+    """The writer lock of this save directory cannot be taken: another live run holds it (the
+    message names it), or its lock file is not one this library writes (a FIFO, a symlink, ...)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,7 @@ def _process_start(pid: int) -> tuple[int | None, str | None]:
 
 
 def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
+    if not 0 < pid < _PID_MAX:
         return False
     try:
         os.kill(pid, 0)
@@ -134,27 +146,60 @@ def _current_owner() -> LockOwner:
 
 
 def _parse_owner(raw: bytes) -> LockOwner | None:
+    """The owner a lock file names, or None unless every field has the type and range we write."""
     try:
         data: Any = json.loads(raw.decode("utf-8"))
-        return LockOwner(
-            pid=int(data["pid"]),
-            host=str(data["host"]),
-            started=str(data["started"]),
-            started_unix=float(data["started_unix"]),
-            token=str(data["token"]),
-            boot_id=data.get("boot_id"),
-            process_start=data.get("process_start"),
-            command=str(data.get("command", "")),
-        )
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError):
         return None
+    if not isinstance(data, dict):
+        return None
+    pid, started_unix, process_start = data.get("pid"), data.get("started_unix"), data.get("process_start")
+    strings = [data.get(k) for k in ("host", "started", "token")]
+    if (
+        not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < _PID_MAX
+        or not isinstance(started_unix, int | float) or isinstance(started_unix, bool)
+        or not math.isfinite(started_unix)
+        or not all(isinstance(v, str) for v in strings)
+        or not (process_start is None or (type(process_start) is int and 0 <= process_start < 2**63))
+        or not isinstance(data.get("boot_id"), str | None)
+        or not isinstance(data.get("command", ""), str)
+    ):
+        return None
+    host, started, token = (str(v) for v in strings)
+    return LockOwner(
+        pid=pid,
+        host=host[:256],
+        started=started[:64],
+        started_unix=float(started_unix),
+        token=token,
+        boot_id=data.get("boot_id"),
+        process_start=process_start,
+        command=str(data.get("command", ""))[:200],
+    )
+
+
+def _read_lock_file(path: Path) -> bytes:
+    """The lock file's bytes: never blocks (a FIFO), never follows a symlink, never reads more than
+    a lock file holds. Raises FileNotFoundError, or CheckpointLockError naming what is there instead."""
+    try:
+        return read_small(path, limit=_LOCK_FILE_LIMIT)
+    except (UnsafeFileError, CheckpointCorruptError) as exc:
+        raise CheckpointLockError(
+            f"save_dir {str(path.parent)!r}: its writer lock {str(path)!r} is not a lock file this library "
+            f"writes ({exc}); remove it if no run is writing there"
+        ) from None
+    except IsADirectoryError:  # some systems refuse to open a directory before fstat can tell
+        raise CheckpointLockError(
+            f"save_dir {str(path.parent)!r}: its writer lock {str(path)!r} is a directory, not a lock file; "
+            f"remove it if no run is writing there"
+        ) from None
 
 
 def read_lock_owner(directory: str | Path) -> LockOwner | None:
     """The owner recorded in ``directory``'s lock file, or None if unlocked (or unreadable)."""
     try:
-        raw = (Path(directory) / LOCK_FILE).read_bytes()
-    except FileNotFoundError:
+        raw = _read_lock_file(Path(directory) / LOCK_FILE)
+    except (FileNotFoundError, CheckpointLockError):
         return None
     return _parse_owner(raw)
 
@@ -185,11 +230,13 @@ class WriterLock:
         self.path = self.directory / LOCK_FILE
         self.stale_after_s = stale_after_s
         self._held = False
+        self._pid = os.getpid()
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def held(self) -> bool:
-        return self._held
+        """Whether this object holds the lock in this process (a forked child's copy never does)."""
+        return self._held and self._pid == os.getpid()
 
     def __enter__(self) -> WriterLock:
         return self.acquire()
@@ -205,8 +252,15 @@ class WriterLock:
     # -- acquire ----------------------------------------------------------------------------------
     def acquire(self) -> WriterLock:
         """Take the lock (or join this process's hold on it); idempotent for one object."""
-        if self._held:
+        if self.held:
             return self
+        self._pid = os.getpid()
+        try:
+            return self._acquire()
+        except OSError as exc:  # name the save directory and the step, not a helper file
+            raise _named_os_error(exc, self.directory, "taking its writer lock") from exc
+
+    def _acquire(self) -> WriterLock:
         self.directory.mkdir(parents=True, exist_ok=True)
         key = self._key()
         with _registry_lock:
@@ -278,8 +332,8 @@ class WriterLock:
     def _stale_reason(self) -> tuple[str | None, LockOwner | None]:
         """Why the existing lock may be taken over (None: its owner is alive), and that owner."""
         try:
-            raw = self.path.read_bytes()
-            age = time.time() - self.path.stat().st_mtime
+            raw = _read_lock_file(self.path)
+            age = time.time() - self.path.lstat().st_mtime
         except FileNotFoundError:
             return "the lock vanished while being checked", None
         owner = _parse_owner(raw)
@@ -317,6 +371,10 @@ class WriterLock:
         if not self._held:
             return
         self._held = False
+        if self._pid != os.getpid():  # a forked child's copy: the parent's hold is not ours to drop
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            return
         detached = self._finalizer.detach() if self._finalizer is not None else None
         if detached is not None:  # not yet run by the collector: release now, on this thread
             _release_share(*detached[2])
@@ -361,41 +419,91 @@ def _release_share_locked(key: str, holding: _Holding) -> None:
 
 @contextlib.contextmanager
 def _guard(directory: Path) -> Iterator[None]:
-    """Serialize acquire/release between processes, so two takeovers of one stale lock cannot both win."""
+    """Serialize acquire/release between processes, so two takeovers of one stale lock cannot both win.
+
+    The directory itself is flocked: nothing is created in it. Where that is refused (NFS emulates
+    flock with write locks, which need a file open for writing), ``.writer.lock.guard`` is. A guard
+    file left by an older version is locked too, so a process running one is still kept out.
+    """
     if fcntl is None:  # pragma: no cover - Windows
         yield
         return
-    fd = os.open(directory / _GUARD_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+    fds: list[int] = []
     try:
-        deadline = time.monotonic() + _GUARD_TIMEOUT_S
-        locked = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                locked = True
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise CheckpointLockError(
-                        f"save_dir {str(directory)!r}: timed out waiting for {_GUARD_FILE}"
-                    ) from None
-                time.sleep(0.01)
-            except OSError as exc:  # no flock on this filesystem: the link/replace protocol alone
-                log.debug("flock unavailable on %s (%s)", directory, exc)
-                break
-        try:
-            yield
-        finally:
-            if locked:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+        fds.append(fd)
+        if not _flock(fd, directory):
+            fds.append(_guard_file(directory, create=True))
+            _flock(fds[-1], directory)
+        else:
+            legacy = _guard_file(directory, create=False)
+            if legacy >= 0:
+                fds.append(legacy)
+                _flock(legacy, directory)
+        yield
     finally:
+        for fd in reversed(fds):
+            if fd >= 0:
+                os.close(fd)  # closing drops the flock
+
+
+def _guard_file(directory: Path, *, create: bool) -> int:
+    """The guard file's descriptor (-1: none there and not ``create``); never a symlink or a FIFO."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    path = directory / _GUARD_FILE
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        if create:
+            raise
+        return -1
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise CheckpointLockError(f"save_dir {str(directory)!r}: {str(path)!r} is a symlink; remove it") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
+        raise CheckpointLockError(f"save_dir {str(directory)!r}: {str(path)!r} is not a regular file; remove it")
+    return fd
+
+
+def _flock(fd: int, directory: Path) -> bool:
+    """Take an exclusive flock on ``fd`` within the timeout; False if the filesystem refuses flock."""
+    deadline = time.monotonic() + _GUARD_TIMEOUT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise CheckpointLockError(
+                    f"save_dir {str(directory)!r}: timed out after {_GUARD_TIMEOUT_S:g}s waiting for another "
+                    f"process to finish taking or releasing its writer lock"
+                ) from None
+            time.sleep(0.01)
+        except OSError as exc:  # no flock here (EBADF, ENOLCK, EOPNOTSUPP): the fallback decides
+            log.debug("flock unavailable on %s (%s)", directory, exc)
+            return False
+
+
+def _named_os_error(exc: OSError, directory: Path, what: str) -> OSError:
+    """``exc`` as an error that names the save directory: PermissionError where it is not writable."""
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PermissionError(
+            exc.errno,
+            f"save_dir {str(directory)!r} is not writable ({what}: {exc.strerror}); "
+            f"to only read checkpoints from it, pass it as load_dir",
+        )
+    return OSError(exc.errno, f"save_dir {str(directory)!r}: {what} failed: {exc.strerror or exc}")
 
 
 def _remove_if_ours(path: Path, token: str) -> None:
     try:
-        current = _parse_owner(path.read_bytes())
+        current = _parse_owner(_read_lock_file(path))
     except FileNotFoundError:
+        return
+    except CheckpointLockError as exc:
+        log.warning("not removing %s: %s", path, exc)
         return
     if current is not None and current.token == token:
         with contextlib.suppress(FileNotFoundError):
@@ -476,10 +584,12 @@ class ObjectWriterLock:
         self.url = f"{storage.url}/{LOCK_FILE}"
         self.stale_after_s = stale_after_s if stale_after_s is not None else OBJECT_LOCK_STALE_S
         self._held = False
+        self._pid = os.getpid()
 
     @property
     def held(self) -> bool:
-        return self._held
+        """Whether this object holds the lock in this process (a forked child's copy never does)."""
+        return self._held and self._pid == os.getpid()
 
     def __enter__(self) -> ObjectWriterLock:
         return self.acquire()
@@ -508,8 +618,9 @@ class ObjectWriterLock:
         self.storage.retry.call(lambda: self.storage.fs.pipe_file(self.key, raw), f"write {self.url}")
 
     def acquire(self) -> ObjectWriterLock:
-        if self._held:
+        if self.held:
             return self
+        self._pid = os.getpid()
         with _object_registry_lock:
             entry = _object_registry.get(self.key)
             if entry is not None:
@@ -563,6 +674,8 @@ class ObjectWriterLock:
         if not self._held:
             return
         self._held = False
+        if self._pid != os.getpid():  # a forked child's copy: the parent's hold is not ours to drop
+            return
         with _object_registry_lock:
             entry = _object_registry.get(self.key)
             if entry is None:
@@ -583,6 +696,22 @@ class ObjectWriterLock:
 
 
 AnyWriterLock = WriterLock | ObjectWriterLock
+
+
+def _forget_holds_in_child() -> None:
+    """A forked child holds no lock: the parent's holds stay the parent's, and a manager the child
+    opens on the same directory must fail like any second run's. The registry locks are made anew:
+    another thread of the parent may have held one at the fork, and no thread of the child will
+    ever release it."""
+    global _registry_lock, _object_registry_lock
+    _registry_lock = threading.Lock()
+    _object_registry_lock = threading.Lock()
+    _registry.clear()
+    _object_registry.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_holds_in_child)
 
 
 def writer_lock_for(storage: Storage, *, stale_after_s: float | None = None) -> AnyWriterLock:

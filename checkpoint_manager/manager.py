@@ -6,14 +6,18 @@ Save: policy → gather → DCP write into a pending directory → per-rank JSON
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import gc
 import logging
 import operator
+import os
+import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -62,7 +66,7 @@ from checkpoint_manager.layout import (
     read_checkpoint_json,
     validate_template,
 )
-from checkpoint_manager.lock import AnyWriterLock, writer_lock_for
+from checkpoint_manager.lock import AnyWriterLock, CheckpointLockError, writer_lock_for
 from checkpoint_manager.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
 from checkpoint_manager.plain_dcp import load_plain_dcp
 from checkpoint_manager.planner import FastSavePlanner, SavePlanCache
@@ -114,6 +118,87 @@ def _io_error(exc: BaseException) -> BaseException:
     if isinstance(exc, RuntimeError) and isinstance(exc.__context__, OSError):
         return exc.__context__
     return exc
+
+
+def _name_failure(exc: BaseException, step: int, pending: Path | None) -> None:
+    """An OSError from deep in the write (a full disk) says neither where nor which save: add both.
+
+    The exception itself is annotated (its ``filename``, where the kernel gave none, and a note), so
+    callers that hold it still get the very object raised, with its errno."""
+    if not isinstance(exc, OSError) or exc.errno is None or exc.filename is not None or pending is None:
+        return  # not a bare errno: it says what it is already
+    exc.filename = str(pending)  # str(exc) shows it now: "[Errno 28] No space left on device: '<pending>'"
+    exc.add_note(f"checkpoint_manager: the save of step {step} failed and was not committed")
+
+
+# Every manager of this process, for the exit hook (weakly: a manager dropped early is not kept alive).
+_live_managers: weakref.WeakSet[DefaultCheckpointManager] = weakref.WeakSet()
+
+
+class _ExitStatus:
+    """Stands in for ``sys.stdout`` once an async save is found failed at exit: its flush at the very
+    end of interpreter shutdown fails, which makes the interpreter exit with status 120 (see
+    ``sys.exit``) after every other exit handler has run, instead of 0."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._failed = False
+
+    def flush(self) -> None:
+        if self._stream is not None:
+            self._stream.flush()
+        if sys.is_finalizing() and not self._failed:
+            self._failed = True
+            raise AsyncSaveError("an async save failed and nothing collected its error (logged above)")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def __repr__(self) -> str:
+        return "<checkpoint_manager exit status>"
+
+
+def _finalize_at_exit() -> None:
+    """At interpreter exit: finish every manager's async save still writing, and collect its outcome.
+
+    A failure nobody collected is logged at ERROR and turns the exit status non-zero; it is never
+    silently lost. A forked child leaves its parent's managers alone."""
+    failed = False
+    for manager in list(_live_managers):
+        if manager._pid != os.getpid() or manager._closed:
+            continue
+        saving = manager._inflight_step is not None
+        try:
+            manager.finalize_async_saves(blocking=True, terminate=True)
+        except Exception as exc:
+            if not saving:  # preparing buffers ahead: nothing was lost
+                log.debug("at exit: %r", exc)
+                continue
+            failed = True
+            log.error(
+                "at exit: %s (save_dir %s); call finalize_async_saves(blocking=True) or use "
+                "`with manager:` to get this error in your program",
+                exc,
+                manager.config.save_dir,
+                exc_info=exc,
+            )
+    if failed and not isinstance(sys.stdout, _ExitStatus):
+        sys.stdout = _ExitStatus(sys.stdout)
+
+
+def _register_exit_hook() -> None:
+    """Run ``_finalize_at_exit`` before the interpreter stops the thread pools: a save still writing
+    needs its writer's own pools, and ``concurrent.futures`` refuses new work once its exit hook ran
+    (it registers it with ``threading._register_atexit``; those hooks run newest first, before any
+    ``atexit`` hook). Where that hook does not exist, ``atexit`` is the next best."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - not CPython >= 3.9
+        atexit.register(_finalize_at_exit)
+    else:
+        register(_finalize_at_exit)
+
+
+_register_exit_hook()  # concurrent.futures.thread is imported above: this hook runs before its own
 
 
 def _read_state_json(file: Path) -> dict[str, Any]:
@@ -279,12 +364,25 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._storage.check_root()
         self._pruner = Pruner.from_config(config, self._storage)
         self._resumed_from: str | None = None  # protected from retention while this run lives
+        self._pid = os.getpid()  # a forked child's copy of this manager neither saves nor prunes
         self._writer_lock: AnyWriterLock | None = None
         if config.writer_lock:  # before the sweep: the sweep must never touch another run's saves
             self._dist.on_coordinator(self._take_writer_lock, "start: writer lock")
-        if config.sweep_pending_on_start:
-            self._dist.on_coordinator(self._sweep_pending, "start: sweep pending saves")
-        self._dist.barrier("start")
+        elif self._pruner.active:
+            log.warning(
+                "writer_lock=False: this manager never prunes %s nor moves its `best` pointer or symlinks "
+                "(retention needs the writer lock)",
+                config.save_dir,
+            )
+        try:
+            if config.sweep_pending_on_start:
+                self._dist.on_coordinator(self._sweep_pending, "start: sweep pending saves")
+            self._dist.barrier("start")
+        except BaseException:  # a manager that fails to start leaves the directory unlocked
+            if self._writer_lock is not None:
+                self._writer_lock.release()
+            raise
+        _live_managers.add(self)
 
     def add_callback(self, callback: CheckpointCallback) -> None:
         """Register a callback for every later save, load and error (see :class:`CheckpointCallback`)."""
@@ -322,7 +420,22 @@ class DefaultCheckpointManager(FinalizeOnExit):
         lock = writer_lock_for(self._storage, stale_after_s=self.config.lock_stale_after_s)
         self._writer_lock = lock.acquire()
 
+    def _holds_writer_lock(self) -> bool:
+        """Whether this process holds save_dir's writer lock (a forked child's copy never does)."""
+        return self._writer_lock is not None and self._writer_lock.held
+
     def _sweep_pending(self) -> None:
+        """Only a manager holding the writer lock sweeps: one without it (an evaluation job's
+        ``writer_lock=False``) would delete the saves a live writer has in flight. (Saves another
+        manager of this process is writing are skipped by the storage's sweep itself.)"""
+        if not self._holds_writer_lock():
+            explicit = "sweep_pending_on_start" in self.config.model_fields_set
+            log.log(
+                logging.WARNING if explicit else logging.INFO,
+                "not sweeping %s: this manager does not hold the writer lock (writer_lock=False)",
+                self.config.save_dir,
+            )
+            return
         removed = self._storage.sweep_pending()
         if removed:
             log.warning(
@@ -660,6 +773,12 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._save_failures, self._last_save_error = 0, None
 
     def _save(self, ctx: SaveContext) -> SaveResult | None:
+        if self.config.writer_lock and os.getpid() != self._pid:
+            raise CheckpointLockError(
+                f"this manager was created by process {self._pid}, which holds the writer lock of "
+                f"{self.config.save_dir!r}; a forked child does not inherit it: create a manager in the "
+                f"child (on another save_dir) to save from there"
+            )
         if ctx.train_state is None:
             raise ValueError("SaveContext.train_state is required: it carries the step being saved")
         step = ctx.train_state.step
@@ -985,6 +1104,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
                 with contextlib.suppress(BaseException):
                     finite.result()  # never leave the check reading buffers the next save reuses
             failure = _own_failure(exc, io.rank)
+            _name_failure(failure, job.step, job.pending_dir)
         t1 = time.perf_counter()
         fsync_s = writer.fsync_seconds if writer is not None else 0.0
         job.timings["write"] = t1 - t0 - fsync_s
@@ -997,10 +1117,12 @@ class DefaultCheckpointManager(FinalizeOnExit):
             with self._lock:  # it is committed: the policy must not save this step again
                 self._last_saved_step, self._last_saved_known = job.step, True
             raise
-        except BaseException:
+        except BaseException as exc:
             if io.is_coordinator:
                 with contextlib.suppress(OSError):
                     self._storage.remove_tree(job.pending)
+            if exc is not failure:  # the commit's own error (this rank's write error is named above)
+                _name_failure(exc, job.step, job.pending_dir)
             raise
         # rank 0's commit includes the export and retention, reported as their own phases
         job.timings["commit"] = (
@@ -1074,6 +1196,8 @@ class DefaultCheckpointManager(FinalizeOnExit):
     def _retain(self, committed: str) -> bool:
         """``best`` pointer, then retention: only now that the new checkpoint is durable, never fatal."""
         if not self._pruner.active:
+            return False
+        if not self._holds_writer_lock():  # writer_lock=False: another process may be the writer
             return False
         try:
             self._pruner.after_commit(protected={committed, *filter(None, [self._resumed_from])})

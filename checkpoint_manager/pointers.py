@@ -17,7 +17,7 @@ from typing import Any
 
 from checkpoint_manager.layout import CheckpointInfo, metric_value
 from checkpoint_manager.storage.base import Storage
-from checkpoint_manager.storage.local import LocalStorage, fsync_dir
+from checkpoint_manager.storage.local import LocalStorage, fsync_dir, mark_in_flight, unmark_in_flight
 
 __all__ = [
     "BEST_LINK",
@@ -84,12 +84,14 @@ def update_symlink(root: Path, link: str, target: str | None) -> None:
         log.warning("not replacing %s with a symlink: it is not one", path)
         return
     tmp = root / f".{link}.{uuid.uuid4().hex[:8]}.tmp"
-    os.symlink(target, tmp)
+    mark_in_flight(tmp)  # a start-up sweep of another manager of this process leaves it alone
     try:
+        os.symlink(target, tmp)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        unmark_in_flight(tmp)
 
 
 def update_pointers(

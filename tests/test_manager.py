@@ -316,7 +316,7 @@ def test_truncated_shard_and_bad_json_are_typed_errors(tmp_path: Path) -> None:
 def test_pending_and_foreign_dirs_are_never_listed_and_swept(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     mgr, _ = save_once(tmp_path, step=5)
     root = Path(mgr.config.save_dir)
-    leftover = root / ".pending" / "step_00000010.abc"
+    leftover = root / ".pending" / "step_00000010.0123456789ab"  # as a save names its directory
     leftover.mkdir(parents=True)
     (leftover / "checkpoint.json").write_text(json.dumps({"format": "checkpoint-manager", "format_version": 1, "step": 10}))
     (root / "notes").mkdir()

@@ -9,13 +9,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
+import re
 import shutil
+import stat
+import threading
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from checkpoint_manager.errors import PostCommitError
+from checkpoint_manager.errors import PostCommitError, UnsafeCheckpointError
 from checkpoint_manager.storage.base import json_bytes
 
 if TYPE_CHECKING:
@@ -25,7 +29,53 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalStorage", "fsync_dir"]
 
+log = logging.getLogger("checkpoint_manager")
+
 PENDING_DIR = ".pending"
+# What a save of ours leaves in ``.pending``: ``<name>.<12 hex>`` (a save in progress), and a
+# checkpoint being deleted, ``<name>.deleting.<8 hex>`` or ``<name>.~deleting~<8 hex>`` (retention).
+_OURS_PENDING = re.compile(r"[^/]+\.(?:[0-9a-f]{12}|deleting\.[0-9a-f]{8}|~deleting~[0-9a-f]{8})")
+# Pending directories (and pointer temporaries) a save of this process is writing now (real paths).
+# Another manager of this process shares its writer lock, so its start-up sweep may run while they
+# are written: it skips them.
+_in_flight: set[str] = set()
+_in_flight_lock = threading.Lock()
+
+
+def _in_flight_key(pending_root: Path, name: str) -> str:
+    return os.path.join(os.path.realpath(pending_root), name)
+
+
+def mark_in_flight(path: Path) -> None:
+    """``path`` (a directory in a ``.pending``) is being written by this process: no sweep removes it."""
+    with _in_flight_lock:
+        _in_flight.add(_in_flight_key(path.parent, path.name))
+
+
+def unmark_in_flight(path: Path) -> None:
+    with _in_flight_lock:
+        _in_flight.discard(_in_flight_key(path.parent, path.name))
+
+
+def in_flight_names(pending_root: Path) -> set[str]:
+    """Names in ``pending_root`` that a save of this process is writing now."""
+    prefix = os.path.realpath(pending_root) + os.sep
+    with _in_flight_lock:
+        return {key[len(prefix):] for key in _in_flight if key.startswith(prefix)}
+
+
+def _forget_in_flight_in_child() -> None:
+    """A forked child writes none of its parent's saves (and the parent's threads hold no lock here)."""
+    global _in_flight_lock
+    _in_flight_lock = threading.Lock()
+    _in_flight.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_flight_in_child)
+
+# What an interrupted pointer update leaves in the root: ``.<pointer>.<8 hex>.tmp`` (a file or a link).
+_OURS_POINTER_TMP = re.compile(r"\.[^/]+\.[0-9a-f]{8}\.tmp")
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -72,6 +122,26 @@ class LocalStorage:
     @property
     def pending_root(self) -> Path:
         return self.root / PENDING_DIR
+
+    def checked_pending_root(self, *, create: bool) -> Path | None:
+        """``.pending``, refused unless it is a real directory (a symlink there would make the sweep
+        and every save work in its target); None if it does not exist and ``create`` is false."""
+        path = self.pending_root
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            if not create:
+                return None
+            with contextlib.suppress(FileExistsError):
+                path.mkdir()
+            st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            what = f"a symlink to {os.readlink(path)!r}" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise UnsafeCheckpointError(
+                f"{str(path)!r} is {what}: the pending directory of save_dir {str(self.root)!r} must be a "
+                f"real directory (nothing is written or deleted through it); remove or rename it"
+            )
+        return path
 
     def path_of(self, name: str) -> Path:
         return self.root / name
@@ -142,7 +212,7 @@ class LocalStorage:
         self.check_root()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            self.pending_root.mkdir(exist_ok=True)
+            self.checked_pending_root(create=True)
         except PermissionError as exc:
             raise PermissionError(f"save_dir {str(self.root)!r} is not writable: {exc.strerror}") from exc
         if not os.access(self.root, os.W_OK | os.X_OK):
@@ -152,7 +222,12 @@ class LocalStorage:
         """A fresh, empty directory that nobody lists or loads until it is committed."""
         self.ensure_root()
         path = self.pending_root / f"{name}.{uuid.uuid4().hex[:12]}"
-        path.mkdir()
+        mark_in_flight(path)  # before it exists: a sweep that lists it also sees the mark
+        try:
+            path.mkdir()
+        except BaseException:
+            unmark_in_flight(path)
+            raise
         return path
 
     def list_names(self) -> list[str]:
@@ -177,12 +252,14 @@ class LocalStorage:
     def write_json_atomic(self, path: Path, data: Any) -> None:
         """Replace ``path`` in one step (for pointers): write aside, fsync, rename, fsync the directory."""
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        mark_in_flight(tmp)  # another manager of this process may sweep meanwhile: not this one
         try:
             self.write_json(tmp, data)
             os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+            unmark_in_flight(tmp)
         if self.fsync:
             fsync_dir(path.parent)
 
@@ -207,6 +284,7 @@ class LocalStorage:
                 if target.exists():
                     raise FileExistsError(errno.EEXIST, "exists", str(target))
                 os.rename(pending, target)
+                unmark_in_flight(pending)
                 break
             except OSError as exc:
                 if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
@@ -224,36 +302,65 @@ class LocalStorage:
     def remove_tree(self, path: Path) -> None:
         """Delete a checkpoint: first move it out of sight (so it is never half-listed), then remove."""
         if not path.exists():
+            unmark_in_flight(path)
             return
         if path.parent == self.root:
             doomed = self.pending_root / f"{path.name}.deleting.{uuid.uuid4().hex[:8]}"
-            self.pending_root.mkdir(exist_ok=True)
-            os.rename(path, doomed)
+            self.checked_pending_root(create=True)
+            mark_in_flight(doomed)  # being removed by us: another manager's sweep leaves it to us
+            try:
+                os.rename(path, doomed)
+            except BaseException:
+                unmark_in_flight(doomed)
+                raise
             if self.fsync:
                 fsync_dir(self.root)
             path = doomed
-        shutil.rmtree(path, ignore_errors=False)
+        try:
+            shutil.rmtree(path, ignore_errors=False)
+        finally:
+            unmark_in_flight(path)
 
     def sweep_pending(self) -> list[str]:
-        """Remove what interrupted saves left behind; returns what was removed."""
+        """Remove what interrupted saves of ours left behind; returns what was removed.
+
+        Only names a save or deletion of ours makes are touched (``.pending/<name>.<id>``, a root's
+        ``.<pointer>.<id>.tmp``), never a save this process is writing now, and no symlink is ever
+        followed: a symlink is removed as a link, and a ``.pending`` that is not a real directory is
+        refused (:class:`UnsafeCheckpointError`).
+        """
         removed: list[str] = []
+        pending_root = self.checked_pending_root(create=False)
+        if pending_root is not None:
+            with os.scandir(pending_root) as it:
+                entries = list(it)
+            busy = in_flight_names(pending_root)  # after the listing: a save started since is marked
+            for entry in entries:
+                if entry.name in busy:
+                    continue  # another manager of this process is writing it
+                if not _OURS_PENDING.fullmatch(entry.name):
+                    log.warning("sweep: leaving %s alone: no save of ours makes that name", entry.path)
+                    continue
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)  # removes links inside, never what they point to
+                    else:
+                        os.unlink(entry.path)
+                    removed.append(entry.name)
+                except FileNotFoundError:
+                    continue
         try:
-            entries = list(os.scandir(self.pending_root))
+            with os.scandir(self.root) as it:
+                tops = list(it)
         except FileNotFoundError:
-            return removed
-        for entry in entries:
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
-                removed.append(entry.name)
-            except FileNotFoundError:
+            tops = []
+        busy = in_flight_names(self.root)  # pointer updates of this process's managers, live
+        for entry in tops:  # leftovers of interrupted pointer updates
+            if not _OURS_POINTER_TMP.fullmatch(entry.name) or entry.name in busy:
                 continue
-        for entry in os.scandir(self.root) if self.root.exists() else []:
-            # leftovers of interrupted pointer updates
-            if entry.name.startswith(".") and entry.name.endswith(".tmp") and entry.is_file():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+            if entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
                 removed.append(entry.name)
         return removed

@@ -37,7 +37,13 @@ from checkpoint_manager.layout import (
     rank_file,
 )
 from checkpoint_manager.storage.base import json_bytes
-from checkpoint_manager.storage.local import PENDING_DIR, LocalStorage
+from checkpoint_manager.storage.local import (
+    PENDING_DIR,
+    LocalStorage,
+    in_flight_names,
+    mark_in_flight,
+    unmark_in_flight,
+)
 from checkpoint_manager.storage.retry import RetryPolicy, is_transient
 
 if TYPE_CHECKING:
@@ -276,9 +282,15 @@ class FsspecStorage:
         while candidate in taken:
             version += 1
             candidate = f"{name}-v{version}"
-        self.pending_root.mkdir(parents=True, exist_ok=True)
+        self.staging_root.mkdir(parents=True, exist_ok=True)
+        self._local.checked_pending_root(create=True)  # a real directory, never a link's target
         path = self.pending_root / f"{candidate}.{uuid.uuid4().hex[:12]}"
-        path.mkdir()
+        mark_in_flight(path)  # its staging copy and its prefix in the store: no sweep of ours removes them
+        try:
+            path.mkdir()
+        except BaseException:
+            unmark_in_flight(path)
+            raise
         return path
 
     def dcp_writer(self, pending: Path, *, fsync: bool, direct: bool) -> CheckpointWriter:
@@ -377,6 +389,7 @@ class FsspecStorage:
         self._put(pending, [CHECKPOINT_JSON])  # the commit point
         self._uploaded.pop(str(pending), None)
         shutil.rmtree(pending, ignore_errors=True)
+        unmark_in_flight(pending)
         return self.location_of(remote.rsplit("/", 1)[-1])
 
     def remove_tree(self, path: Path) -> None:
@@ -386,6 +399,7 @@ class FsspecStorage:
             remote = self.remote_dir(path)
             self._uploaded.pop(str(path), None)
             shutil.rmtree(path, ignore_errors=True)
+            unmark_in_flight(path)
             if self._exists(f"{remote}/{CHECKPOINT_JSON}"):
                 return
             with contextlib.suppress(FileNotFoundError):
@@ -437,6 +451,7 @@ class FsspecStorage:
             listing = self._call(f"list {self.url}", self.fs.find, self.root)
         except FileNotFoundError:
             return removed
+        busy = {n.rsplit(".", 1)[0] for n in in_flight_names(self.pending_root)}  # after the listing
         groups: dict[str, list[str]] = {}
         for path in listing:
             rel = str(path)[len(self.root) + 1 :]
@@ -444,7 +459,9 @@ class FsspecStorage:
                 top, rest = rel.split("/", 1)
                 groups.setdefault(top, []).append(rest)
         for name, rels in sorted(groups.items()):
-            if name.startswith(".") or CHECKPOINT_JSON in rels or not all(_OURS.match(r) for r in rels):
+            if name.startswith(".") or name in busy:  # hidden, or a save of this process uploading
+                continue
+            if CHECKPOINT_JSON in rels or not all(_OURS.match(r) for r in rels):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 self._call(f"delete {self.location_of(name)}", self.fs.rm, self.key(name), recursive=True)
