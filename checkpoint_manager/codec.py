@@ -128,6 +128,8 @@ def encode(obj: Any, *, tensor_hook: Callable[[str, torch.Tensor], Any] | None =
 def decode(data: Any, *, tensor_hook: Callable[[dict[str, Any]], Any] | None = None) -> Any:
     """Invert :func:`encode`; ``tensor_hook`` resolves placeholders that ``split_tensors`` left."""
     if isinstance(data, list):
+        if _atoms(data):  # e.g. an RNG state's 625 ints: one check, not a call each
+            return list(data)
         return [decode(v, tensor_hook=tensor_hook) for v in data]
     if not isinstance(data, dict):
         return data
@@ -137,7 +139,10 @@ def decode(data: Any, *, tensor_hook: Callable[[dict[str, Any]], Any] | None = N
     if tag == "float":
         return float(data["v"])
     if tag == "tuple":
-        return tuple(decode(v, tensor_hook=tensor_hook) for v in data["items"])
+        items = data["items"]
+        if isinstance(items, list) and _atoms(items):
+            return tuple(items)
+        return tuple(decode(v, tensor_hook=tensor_hook) for v in items)
     if tag == "dict":
         return {_hashable(decode(k)): decode(v, tensor_hook=tensor_hook) for k, v in data["items"]}
     if tag == "bytes":

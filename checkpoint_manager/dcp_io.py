@@ -218,7 +218,9 @@ def check_metadata(metadata: Metadata, file: Path) -> None:
         try:
             inside(root, rel)
         except UnsafeFileError as exc:
-            raise bad(f"record of {index.fqn!r} names data file {rel!r}, which leaves the checkpoint") from exc
+            raise UnsafeCheckpointError(
+                f"{file}: record of {index.fqn!r} names data file {rel!r}, outside the checkpoint directory"
+            ) from exc
     for fqn, entry in entries.items():
         if not isinstance(fqn, str):
             raise bad(f"key {fqn!r} is not a string")

@@ -7,17 +7,20 @@ tensor files get theirs for free while they are written, so only small files are
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from pathlib import Path
 from typing import Any, Literal
 
 from checkpoint_manager.errors import CheckpointCorruptError
-from checkpoint_manager.layout import CHECKPOINT_JSON, file_record_problems, read_checkpoint_json
+from checkpoint_manager.layout import CHECKPOINT_JSON, STATE_JSON, file_record_problems, read_checkpoint_json
 from checkpoint_manager.safe_io import UnsafeFileError, inside, open_regular, read_small
 
 __all__ = ["VerifyLevel", "describe_files", "file_crc32", "read_recorded", "verify"]
 
 VerifyLevel = Literal["off", "sizes", "full"]
+METADATA_FILE = ".metadata"  # dcp_io's name for it (dcp_io imports this module lazily)
+_RANK_JSON = re.compile(r"rank_\d{5}\.json")
 _READ_CHUNK = 8 << 20
 
 
@@ -116,7 +119,7 @@ def _problems(root: Path, meta: dict[str, Any], level: VerifyLevel) -> list[str]
                 problems.append(
                     f"{file}: size {size} bytes, {CHECKPOINT_JSON} records {desc['size']} (truncated or altered)"
                 )
-            elif level == "full" and "crc32" in desc:
+            elif (level == "full" or read_whole(rel)) and "crc32" in desc:
                 crc = _fd_crc32(fd)
                 if crc != desc["crc32"]:
                     problems.append(
@@ -125,6 +128,13 @@ def _problems(root: Path, meta: dict[str, Any], level: VerifyLevel) -> list[str]
         finally:
             os.close(fd)
     return problems
+
+
+def read_whole(rel: str) -> bool:
+    """Whether a load reads file ``rel`` whole (its JSON state, the DCP metadata): ``sizes`` checks
+    its CRC32 too, since a same-size flip there would otherwise reach the decoder; these files are
+    small next to the tensor data, which ``sizes`` only stats."""
+    return rel in (METADATA_FILE, STATE_JSON) or _RANK_JSON.fullmatch(rel) is not None
 
 
 def read_recorded(root: Path, rel: str, meta: dict[str, Any], level: VerifyLevel, *, limit: int) -> bytes:

@@ -174,6 +174,11 @@ def parse_checkpoint_json(raw: bytes, file: str | Path, *, verify_checksum: bool
         _CheckpointSchema.model_validate(meta)
     except ValidationError as exc:
         problems += _schema_problems(exc)
+    problems += [
+        f"unknown key {key!r} (a damaged {known!r}?)"
+        for key in meta
+        if key not in _KNOWN_KEYS and (known := _one_bit_from(key, _KNOWN_KEYS)) is not None
+    ]
     if problems:
         raise CheckpointCorruptError(f"{file}: " + "; ".join(problems))
     if verify_checksum and CHECKSUM_KEY in meta:
@@ -184,6 +189,30 @@ def parse_checkpoint_json(raw: bytes, file: str | Path, *, verify_checksum: bool
                 "the file was altered after it was written"
             )
     return meta
+
+
+# Every top-level key a writer of this format puts in checkpoint.json. Unknown keys are tolerated
+# (a newer writer's additions), except one bit away from one of these: that is a damaged key, and
+# were it ``checksum``, the file would silently pass as one written before checksums existed.
+_KNOWN_KEYS = frozenset(_CheckpointSchema.model_fields) | {
+    "format",
+    "format_version",
+    "step",
+    "files",
+    "converted_from",
+}
+
+
+def _one_bit_from(key: str, known: frozenset[str]) -> str | None:
+    """The known key that ``key`` differs from by exactly one flipped bit, if any."""
+    raw = key.encode("utf-8", "surrogatepass")
+    for name in known:
+        other = name.encode()
+        if len(other) == len(raw):
+            diff = [a ^ b for a, b in zip(raw, other, strict=True) if a != b]
+            if len(diff) == 1 and diff[0] & (diff[0] - 1) == 0:
+                return name
+    return None
 
 
 def _schema_problems(exc: ValidationError) -> list[str]:
@@ -208,13 +237,17 @@ def _short_repr(value: Any) -> str:
 
 def file_record_problems(files: Any) -> list[str]:
     """What is wrong with the ``files`` records of a ``checkpoint.json``: each must be
-    ``{"size": int >= 0, "crc32": 32-bit int}`` under a name that stays inside the checkpoint."""
+    ``{"size": int >= 0, "crc32": 32-bit int}`` (nothing else: a damaged ``crc32`` key must not
+    pass as a record without a CRC) under a name that stays inside the checkpoint."""
     if not isinstance(files, dict) or not files:
         return ["'files' missing or malformed"]
     problems: list[str] = []
     for rel, desc in files.items():
-        if not isinstance(desc, dict) or not _count(desc.get("size")) or (
-            "crc32" in desc and not (_count(desc["crc32"]) and desc["crc32"] < 1 << 32)
+        if (
+            not isinstance(desc, dict)
+            or not _count(desc.get("size"))
+            or not desc.keys() <= {"size", "crc32"}
+            or ("crc32" in desc and not (_count(desc["crc32"]) and desc["crc32"] < 1 << 32))
         ):
             problems.append(f"entry for {rel!r} is malformed")
             continue

@@ -338,9 +338,11 @@ class DefaultCheckpointManager(FinalizeOnExit):
             infos = self.list_checkpoints(load_dir=True)
             matches = [i for i in infos if i.step == step]
             if not matches:
+                _, bad = self._load_storage.scan()  # a damaged checkpoint.json hides its step too
+                damaged = f"; damaged (step unknown): {', '.join(sorted(n for n, _ in bad))}" if bad else ""
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint at step {step} in {self.config.resolved_load_dir}; "
-                    f"available steps: {[i.step for i in infos]}"
+                    f"available steps: {[i.step for i in infos]}{damaged}"
                 )
             return matches[-1].location, False
         if self.config.load_mode == "never":

@@ -71,7 +71,8 @@ def open_regular(path: str | Path, *, root: str | Path | None = None, follow: bo
     ``FileNotFoundError`` unchanged, so callers keep telling "absent" from "damaged".
     """
     path = Path(path)
-    if root is not None:
+    if root is not None and (follow or path.parent != Path(root)):
+        # a direct child opened with O_NOFOLLOW cannot leave root: no realpath needed for it
         _check_within(path, Path(root))
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     if not follow:

@@ -469,6 +469,11 @@ class StateLoader:
                 raise CheckpointCorruptError(
                     f"{self.source}: damaged state: {key} param group {i} names parameters the optimizer does not hold"
                 )
+            unknown = sorted(set(group) - set(live_groups[i])) if strict else []
+            if unknown:  # missing ones are fine (an older torch); unknown ones are damage
+                raise CheckpointCorruptError(
+                    f"{self.source}: damaged state: {key} param group {i} has unknown settings {unknown}"
+                )
         if strict and len(groups) != len(live_groups):
             raise CheckpointCorruptError(
                 f"{self.source}: damaged state: {key} has {len(groups)} param groups, the optimizer {len(live_groups)}"
@@ -477,6 +482,12 @@ class StateLoader:
         for fqn, values in state.items():
             if not isinstance(values, dict) or (strict and fqn not in names):
                 raise CheckpointCorruptError(f"{self.source}: damaged state ({key} state of {fqn!r})")
+            now = live_state.get(fqn)
+            if strict and now and values.keys() != now.keys():
+                raise CheckpointCorruptError(
+                    f"{self.source}: damaged state: {key} state of {fqn!r} holds {sorted(values)}, "
+                    f"the optimizer {sorted(now)}"
+                )
             self._like_live(f"{key}.state.{fqn}", values, live_state.get(fqn) or {}, exact=False)
 
     def _need(self, key: str) -> None:
