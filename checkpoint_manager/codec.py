@@ -205,9 +205,14 @@ def _decode_tensor(data: dict[str, Any]) -> torch.Tensor:
     return out
 
 
+_INT = {int}
+
+
 def _shape(value: Any, what: str) -> list[int]:
     """A tensor shape from a file: a list of non-negative ints, checked before anything is allocated."""
-    if not isinstance(value, list) or not all(type(v) is int and 0 <= v < 1 << 62 for v in value):
+    if type(value) is not list or (
+        value and not (set(map(type, value)) == _INT and min(value) >= 0 and max(value) < 1 << 62)
+    ):
         raise ValueError(f"{what} has shape {value!r}, not a list of non-negative integers")
     return value
 

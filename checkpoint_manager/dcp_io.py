@@ -200,32 +200,37 @@ def check_metadata(metadata: Metadata, file: Path) -> None:
         raise bad(f"state_dict_metadata is a {type(entries).__name__}, not a dict")
     if not isinstance(storage, dict):
         raise bad(f"storage_data is a {type(storage).__name__}, not a dict")
+    checked: set[str] = set()  # data file names already found to stay inside (one per rank, typically)
+    records: dict[tuple[str, Any], _StorageInfo] = {}  # (fqn, offset) -> record, MetadataIndex's identity
     for index, info in storage.items():
-        if type(index) is not MetadataIndex or not isinstance(index.fqn, str):
+        if type(index) is not MetadataIndex or type(index.fqn) is not str:
             raise bad(f"storage key {index!r} is not a MetadataIndex")
         if index.offset is not None and not _dims(index.offset):
             raise bad(f"storage key of {index.fqn!r} has offset {index.offset!r}")
         if type(info) is not _StorageInfo:
             raise bad(f"storage record of {index.fqn!r} is a {type(info).__name__}")
         rel, offset, length = info.relative_path, info.offset, info.length
-        if not _count(offset) or not _count(length):
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
             raise bad(f"record of {index.fqn!r} has offset {offset!r} and length {length!r}")
         descriptors = info.transform_descriptors
         if descriptors is not None and not (
             isinstance(descriptors, (list, tuple)) and all(isinstance(d, str) for d in descriptors)
         ):
             raise bad(f"record of {index.fqn!r} has transform descriptors {descriptors!r}")
-        try:
-            inside(root, rel)
-        except UnsafeFileError as exc:
-            raise UnsafeCheckpointError(
-                f"{file}: record of {index.fqn!r} names data file {rel!r}, outside the checkpoint directory"
-            ) from exc
+        if rel not in checked:
+            try:
+                inside(root, rel)
+            except UnsafeFileError as exc:
+                raise UnsafeCheckpointError(
+                    f"{file}: record of {index.fqn!r} names data file {rel!r}, outside the checkpoint directory"
+                ) from exc
+            checked.add(rel)
+        records[index.fqn, index.offset] = info
     for fqn, entry in entries.items():
         if not isinstance(fqn, str):
             raise bad(f"key {fqn!r} is not a string")
         if isinstance(entry, TensorStorageMetadata):
-            _check_tensor(fqn, entry, storage, bad)
+            _check_tensor(fqn, entry, records, bad)
         elif not isinstance(entry, BytesStorageMetadata):
             raise bad(f"entry {fqn!r} is a {type(entry).__name__}")
 
@@ -260,17 +265,30 @@ def check_data_files(metadata: Metadata, root: Path) -> None:
 def _check_tensor(
     fqn: str,
     entry: TensorStorageMetadata,
-    storage: dict[MetadataIndex, _StorageInfo],
+    records: dict[tuple[str, Any], _StorageInfo],
     bad: Callable[[str], CheckpointCorruptError],
 ) -> None:
     size, props, chunks = entry.size, entry.properties, entry.chunks
     if not _dims(size):
         raise bad(f"tensor {fqn!r} has size {size!r}")
-    if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
+    if type(props) is not TensorProperties or type(props.dtype) is not torch.dtype:
         raise bad(f"tensor {fqn!r} has properties {props!r}")
-    if not isinstance(chunks, list):
+    if type(chunks) is not list:
         raise bad(f"tensor {fqn!r} has chunks {chunks!r}")
     itemsize = props.dtype.itemsize
+    if len(chunks) == 1:  # the common case, one whole chunk: a few C-level comparisons
+        chunk = chunks[0]
+        if (
+            type(chunk) is ChunkStorageMetadata
+            and type(chunk.sizes) is torch.Size
+            and type(chunk.offsets) is torch.Size
+            and chunk.sizes == size
+            and not any(chunk.offsets)
+            and len(chunk.offsets) == len(size)
+        ):
+            info = records.get((fqn, chunk.offsets))
+            if info is not None and (info.transform_descriptors or math.prod(size) * itemsize <= info.length):
+                return
     covered = 0
     for chunk in chunks:
         if not isinstance(chunk, ChunkStorageMetadata) or not (_dims(chunk.offsets) and _dims(chunk.sizes)):
@@ -279,7 +297,7 @@ def _check_tensor(
             o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, size, strict=True)
         ):
             raise bad(f"tensor {fqn!r} of size {tuple(size)} has a chunk outside it ({chunk!r})")
-        info = storage.get(MetadataIndex(fqn, chunk.offsets))
+        info = records.get((fqn, chunk.offsets))  # torch.Size hashes and compares as the tuple it is
         if info is None:
             raise bad(f"chunk at {tuple(chunk.offsets)} of {fqn!r} has no storage record")
         numel = math.prod(chunk.sizes)
@@ -293,9 +311,8 @@ def _check_tensor(
         raise bad(f"the chunks of {fqn!r} cover {covered} of its {math.prod(size)} elements")
 
 
-def _count(value: Any) -> bool:
-    return type(value) is int and value >= 0
-
-
 def _dims(value: Any) -> bool:
-    return isinstance(value, (tuple, list)) and all(_count(v) for v in value)
+    """A shape or an offset: non-negative ints (a torch.Size holds ints by construction: one C call)."""
+    if type(value) is torch.Size:
+        return not value or min(value) >= 0
+    return isinstance(value, (tuple, list)) and all(type(v) is int and v >= 0 for v in value)
