@@ -880,8 +880,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
             "bytes": job.state.nbytes,
             "files": files,
         }
-        meta = seal_checkpoint_json(meta)  # last: its checksum covers every field above
-        self._storage.write_json(pending / CHECKPOINT_JSON, meta)
+        self._storage.write_json(pending / CHECKPOINT_JSON, seal_checkpoint_json(meta))  # sealed as written
         final = self._storage.commit(pending, job.name)  # object stores: the marker is written last
         final_name = basename(final)
         try:
