@@ -136,6 +136,18 @@ def test_a_fifo_named_checkpoint_json_does_not_block_ckpt_list_in_a_child(run: P
 
 
 @pytest.mark.timeout(60)
+def test_a_fifo_checkpoint_json_in_a_pending_save_does_not_block_ckpt_list(
+    run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pending = run / ".pending" / "step_00000003.0123456789ab"
+    pending.mkdir(parents=True)
+    os.mkfifo(pending / "checkpoint.json")
+    code, doc = cli("list", str(run), capsys=capsys)
+    states = {r["name"]: r["state"] for r in doc["checkpoints"]}
+    assert code == 0 and states == {STEP1: "committed", STEP2: "committed", "step_00000003": "pending"}
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
 def test_a_special_latest_pointer_is_only_a_missing_hint(
     run: Path, kind: str, capsys: pytest.CaptureFixture[str]
