@@ -20,7 +20,15 @@ try:  # numpy is optional: only needed to checkpoint numpy values (e.g. numpy's 
 except ImportError:  # pragma: no cover - depends on the environment
     np = None  # type: ignore[assignment]
 
-__all__ = ["collect_tensors", "decode", "encode", "merge_tensors", "split_tensors", "tensor_placeholders"]
+__all__ = [
+    "check_placeholder",
+    "collect_tensors",
+    "decode",
+    "encode",
+    "merge_tensors",
+    "split_tensors",
+    "tensor_placeholders",
+]
 
 _TAG = "__cm__"
 _DTYPES: dict[str, torch.dtype] = {
@@ -58,7 +66,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: not hashable (a list where a name belongs)
         raise ValueError(f"unknown tensor dtype {name!r}") from None
 
 
@@ -121,6 +129,8 @@ def encode(obj: Any, *, tensor_hook: Callable[[str, torch.Tensor], Any] | None =
 def decode(data: Any, *, tensor_hook: Callable[[dict[str, Any]], Any] | None = None) -> Any:
     """Invert :func:`encode`; ``tensor_hook`` resolves placeholders that ``split_tensors`` left."""
     if isinstance(data, list):
+        if _atoms(data):  # e.g. an RNG state's 625 ints: one check, not a call each
+            return list(data)
         return [decode(v, tensor_hook=tensor_hook) for v in data]
     if not isinstance(data, dict):
         return data
@@ -130,7 +140,10 @@ def decode(data: Any, *, tensor_hook: Callable[[dict[str, Any]], Any] | None = N
     if tag == "float":
         return float(data["v"])
     if tag == "tuple":
-        return tuple(decode(v, tensor_hook=tensor_hook) for v in data["items"])
+        items = data["items"]
+        if isinstance(items, list) and _atoms(items):
+            return tuple(items)
+        return tuple(decode(v, tensor_hook=tensor_hook) for v in items)
     if tag == "dict":
         return {_hashable(decode(k)): decode(v, tensor_hook=tensor_hook) for k, v in data["items"]}
     if tag == "bytes":
@@ -138,8 +151,12 @@ def decode(data: Any, *, tensor_hook: Callable[[dict[str, Any]], Any] | None = N
     if tag == "ndarray":
         if np is None:
             raise ValueError("checkpoint holds a numpy array but numpy is not installed")
-        raw = base64.b64decode(data["b64"])
-        return np.frombuffer(raw, dtype=np.dtype(data["dtype"])).reshape(data["shape"]).copy()
+        dtype = np.dtype(data["dtype"]) if isinstance(data["dtype"], str) else None
+        if dtype is None or dtype.kind not in "biufc":  # numbers only: never objects
+            raise ValueError(f"inline array has dtype {data['dtype']!r}")
+        shape = _shape(data["shape"], "inline array")
+        raw = _b64_exactly(data["b64"], math.prod(shape) * dtype.itemsize, f"inline array of shape {shape}")
+        return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
     if tag == "dtype":
         return dtype_from_name(data["v"])
     if tag == "tensor":
@@ -180,15 +197,45 @@ def _encode_tensor(t: torch.Tensor) -> dict[str, Any]:
 
 def _decode_tensor(data: dict[str, Any]) -> torch.Tensor:
     dtype = dtype_from_name(data["dtype"])
-    shape = [int(s) for s in data["shape"]]
-    raw = bytearray(base64.b64decode(data["b64"]))
-    out = torch.empty(shape, dtype=dtype)
-    expected = out.numel() * out.element_size()
-    if len(raw) != expected:
-        raise ValueError(f"inline tensor has {len(raw)} bytes, expected {expected} for {shape} {dtype}")
+    shape = _shape(data["shape"], "inline tensor")
+    expected = math.prod(shape) * dtype.itemsize
+    raw = bytearray(_b64_exactly(data["b64"], expected, f"inline tensor {shape} {dtype}"))
+    out = torch.empty(shape, dtype=dtype)  # allocated only once the bytes for it are known to be there
     if expected:
         out.view(-1).view(torch.uint8).copy_(torch.frombuffer(raw, dtype=torch.uint8))
     return out
+
+
+_INT = {int}
+
+
+def _shape(value: Any, what: str) -> list[int]:
+    """A tensor shape from a file: a list of non-negative ints, checked before anything is allocated."""
+    if type(value) is not list or (
+        value and not (set(map(type, value)) == _INT and min(value) >= 0 and max(value) < 1 << 62)
+    ):
+        raise ValueError(f"{what} has shape {value!r}, not a list of non-negative integers")
+    return value
+
+
+def _b64_exactly(text: Any, nbytes: int, what: str) -> bytes:
+    """Base64 ``text`` that must decode to exactly ``nbytes`` bytes, checked before it is decoded."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what}: data is a {type(text).__name__}, not base64 text")
+    if len(text) != 4 * -(-nbytes // 3):
+        raise ValueError(f"{what}: {len(text)} base64 characters cannot hold the expected {nbytes} bytes")
+    raw = base64.b64decode(text, validate=True)
+    if len(raw) != nbytes:
+        raise ValueError(f"{what}: holds {len(raw)} bytes, expected {nbytes}")
+    return raw
+
+
+def check_placeholder(node: dict[str, Any]) -> None:
+    """Raise ValueError unless ``node`` is a well-formed tensor placeholder (key, dtype, shape)."""
+    if not isinstance(node.get("key"), str):
+        raise ValueError(f"tensor placeholder without a string key: {node!r}"[:200])
+    dtype_from_name(node.get("dtype"))  # type: ignore[arg-type]
+    _shape(node.get("shape"), f"tensor placeholder {node['key']!r}")
 
 
 def split_tensors(tree: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]:
@@ -247,8 +294,14 @@ def collect_tensors(tree: Any, prefix: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def tensor_placeholders(skeleton: Any) -> dict[str, torch.Tensor]:
-    """Allocate empty tensors for every placeholder in ``skeleton``: the targets DCP loads into."""
+def tensor_placeholders(
+    skeleton: Any, *, check: Callable[[str, list[int], torch.dtype], None] | None = None
+) -> dict[str, torch.Tensor]:
+    """Allocate empty tensors for every placeholder in ``skeleton``: the targets DCP loads into.
+
+    ``check(key, shape, dtype)`` runs before each allocation (e.g. against the checkpoint's own
+    metadata), so a placeholder claiming 10**12 elements raises instead of allocating them.
+    """
     out: dict[str, torch.Tensor] = {}
 
     def walk(node: Any) -> None:
@@ -257,7 +310,11 @@ def tensor_placeholders(skeleton: Any) -> dict[str, torch.Tensor]:
                 walk(v)
         elif isinstance(node, dict):
             if node.get(_TAG) == "dcp":
-                out[node["key"]] = torch.empty(node["shape"], dtype=dtype_from_name(node["dtype"]))
+                check_placeholder(node)
+                dtype = dtype_from_name(node["dtype"])
+                if check is not None:
+                    check(node["key"], node["shape"], dtype)
+                out[node["key"]] = torch.empty(node["shape"], dtype=dtype)
                 return
             for v in node.values():
                 walk(v)

@@ -140,7 +140,8 @@ class CheckpointConfig(BaseModel):
     )
     verify_on_load: Literal["off", "sizes", "full"] = Field(
         default="sizes",
-        description="Before loading, check every file's size (sizes) or also its CRC32 (full).",
+        description="Before loading, check every file's size and the CRC32 of the small files read whole "
+        "(sizes), or every file's CRC32 (full); see docs/integrity.md.",
     )
     sweep_pending_on_start: bool = Field(
         default=True,

@@ -11,16 +11,31 @@ import contextlib
 import gc
 import io
 import logging
+import math
+import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
+from checkpoint_manager.safe_io import UnsafeFileError, inside, open_regular
 
-__all__ = ["METADATA_FILE", "paused_gc", "read_dcp_metadata"]
+if TYPE_CHECKING:
+    from checkpoint_manager.integrity import VerifyLevel
+
+__all__ = ["METADATA_FILE", "check_data_files", "check_metadata", "paused_gc", "read_dcp_metadata"]
 
 
 @contextlib.contextmanager
@@ -125,13 +140,31 @@ class _RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def read_dcp_metadata(path: str | Path) -> Metadata:
-    """Read a DCP ``.metadata`` file without running code from it."""
-    file = Path(path) / METADATA_FILE
+#: ``.metadata`` holds one small entry per tensor chunk: well under this for millions of tensors
+METADATA_LIMIT = 1 << 30
+
+
+def read_dcp_metadata(
+    path: str | Path, *, meta: dict[str, Any] | None = None, level: VerifyLevel = "off"
+) -> Metadata:
+    """Read a DCP ``.metadata`` file without running code from it, and check what it claims.
+
+    The file must be a regular file inside ``path`` (no symlink, FIFO or device) of bounded size;
+    with ``meta`` (the checkpoint's ``checkpoint.json``) and a ``level`` above ``off``, its size and
+    CRC32 must match their record. The unpickled object must then be well formed (see
+    :func:`check_metadata`); the data files it names are checked by :func:`check_data_files`
+    before the reader opens any of them.
+    """
+    from checkpoint_manager.integrity import read_recorded
+
+    root = Path(path)
+    file = root / METADATA_FILE
     try:
-        raw = file.read_bytes()
+        raw = read_recorded(root, METADATA_FILE, meta or {}, level, limit=METADATA_LIMIT)
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{file}: missing DCP metadata") from None
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{file}: unreadable ({exc.strerror or exc})") from exc
     try:
         with paused_gc():
             metadata = _RestrictedUnpickler(io.BytesIO(raw), str(file)).load()
@@ -143,4 +176,143 @@ def read_dcp_metadata(path: str | Path) -> Metadata:
         ) from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{file}: holds a {type(metadata).__name__}, not DCP Metadata")
+    with paused_gc():
+        check_metadata(metadata, file)
     return metadata
+
+
+def check_metadata(metadata: Metadata, file: Path) -> None:
+    """Raise :class:`CheckpointCorruptError` (naming ``file``) unless ``metadata`` is what a DCP
+    writer produces.
+
+    The allow-listed unpickler only limits which classes are built, not what their fields hold: a
+    crafted file can name ``../../x`` or ``/dev/zero`` as a data file, give a negative offset, a
+    chunk outside its tensor, or a tensor of 10**12 elements with no record big enough behind it.
+    """
+    root = file.parent
+
+    def bad(what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{file}: {what}")
+
+    entries = metadata.state_dict_metadata
+    storage = metadata.storage_data
+    if not isinstance(entries, dict):
+        raise bad(f"state_dict_metadata is a {type(entries).__name__}, not a dict")
+    if not isinstance(storage, dict):
+        raise bad(f"storage_data is a {type(storage).__name__}, not a dict")
+    checked: set[str] = set()  # data file names already found to stay inside (one per rank, typically)
+    records: dict[tuple[str, Any], _StorageInfo] = {}  # (fqn, offset) -> record, MetadataIndex's identity
+    for index, info in storage.items():
+        if type(index) is not MetadataIndex or type(index.fqn) is not str:
+            raise bad(f"storage key {index!r} is not a MetadataIndex")
+        if index.offset is not None and not _dims(index.offset):
+            raise bad(f"storage key of {index.fqn!r} has offset {index.offset!r}")
+        if type(info) is not _StorageInfo:
+            raise bad(f"storage record of {index.fqn!r} is a {type(info).__name__}")
+        rel, offset, length = info.relative_path, info.offset, info.length
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise bad(f"record of {index.fqn!r} has offset {offset!r} and length {length!r}")
+        descriptors = info.transform_descriptors
+        if descriptors is not None and not (
+            isinstance(descriptors, (list, tuple)) and all(isinstance(d, str) for d in descriptors)
+        ):
+            raise bad(f"record of {index.fqn!r} has transform descriptors {descriptors!r}")
+        if rel not in checked:
+            try:
+                inside(root, rel)
+            except UnsafeFileError as exc:
+                raise UnsafeCheckpointError(
+                    f"{file}: record of {index.fqn!r} names data file {rel!r}, outside the checkpoint directory"
+                ) from exc
+            checked.add(rel)
+        records[index.fqn, index.offset] = info
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str):
+            raise bad(f"key {fqn!r} is not a string")
+        if isinstance(entry, TensorStorageMetadata):
+            _check_tensor(fqn, entry, records, bad)
+        elif not isinstance(entry, BytesStorageMetadata):
+            raise bad(f"entry {fqn!r} is a {type(entry).__name__}")
+
+
+def check_data_files(metadata: Metadata, root: Path) -> None:
+    """Open every data file ``metadata`` names (a regular file inside ``root``: no symlink, FIFO or
+    device) and check that each holds every record placed in it; before the first tensor byte is read.
+    """
+    needed: dict[str, tuple[int, str]] = {}  # data file -> (end of its last record, that record's key)
+    for index, info in metadata.storage_data.items():
+        end = info.offset + info.length
+        if end > needed.get(info.relative_path, (0, ""))[0]:
+            needed[info.relative_path] = (end, index.fqn)
+    for rel, (end, last) in needed.items():
+        data = inside(root, rel)
+        try:
+            fd = open_regular(data, root=root)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{data}: DCP data file missing (named by {METADATA_FILE})") from None
+        except OSError as exc:
+            raise CheckpointCorruptError(f"{data}: unreadable ({exc.strerror or exc})") from exc
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if end > size:
+            raise CheckpointCorruptError(
+                f"{data}: record of {last!r} runs past the end of the file (at byte {end} of {size}; truncated?)"
+            )
+
+
+def _check_tensor(
+    fqn: str,
+    entry: TensorStorageMetadata,
+    records: dict[tuple[str, Any], _StorageInfo],
+    bad: Callable[[str], CheckpointCorruptError],
+) -> None:
+    size, props, chunks = entry.size, entry.properties, entry.chunks
+    if not _dims(size):
+        raise bad(f"tensor {fqn!r} has size {size!r}")
+    if type(props) is not TensorProperties or type(props.dtype) is not torch.dtype:
+        raise bad(f"tensor {fqn!r} has properties {props!r}")
+    if type(chunks) is not list:
+        raise bad(f"tensor {fqn!r} has chunks {chunks!r}")
+    itemsize = props.dtype.itemsize
+    if len(chunks) == 1:  # the common case, one whole chunk: a few C-level comparisons
+        chunk = chunks[0]
+        if (
+            type(chunk) is ChunkStorageMetadata
+            and type(chunk.sizes) is torch.Size
+            and type(chunk.offsets) is torch.Size
+            and chunk.sizes == size
+            and not any(chunk.offsets)
+            and len(chunk.offsets) == len(size)
+        ):
+            info = records.get((fqn, chunk.offsets))
+            if info is not None and (info.transform_descriptors or math.prod(size) * itemsize <= info.length):
+                return
+    covered = 0
+    for chunk in chunks:
+        if not isinstance(chunk, ChunkStorageMetadata) or not (_dims(chunk.offsets) and _dims(chunk.sizes)):
+            raise bad(f"tensor {fqn!r} has chunk {chunk!r}")
+        if len(chunk.offsets) != len(size) or len(chunk.sizes) != len(size) or any(
+            o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, size, strict=True)
+        ):
+            raise bad(f"tensor {fqn!r} of size {tuple(size)} has a chunk outside it ({chunk!r})")
+        info = records.get((fqn, chunk.offsets))  # torch.Size hashes and compares as the tuple it is
+        if info is None:
+            raise bad(f"chunk at {tuple(chunk.offsets)} of {fqn!r} has no storage record")
+        numel = math.prod(chunk.sizes)
+        if not info.transform_descriptors and numel * itemsize > info.length:
+            raise bad(
+                f"record of {fqn!r} holds {info.length} bytes, too few for its chunk of "
+                f"{tuple(chunk.sizes)} x {itemsize} bytes"
+            )
+        covered += numel
+    if covered != math.prod(size):  # chunks never overlap: they must cover the tensor exactly
+        raise bad(f"the chunks of {fqn!r} cover {covered} of its {math.prod(size)} elements")
+
+
+def _dims(value: Any) -> bool:
+    """A shape or an offset: non-negative ints (a torch.Size holds ints by construction: one C call)."""
+    if type(value) is torch.Size:
+        return not value or min(value) >= 0
+    return isinstance(value, (tuple, list)) and all(type(v) is int and v >= 0 for v in value)

@@ -34,10 +34,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from checkpoint_manager.dcp_io import paused_gc, read_dcp_metadata
+from checkpoint_manager.dcp_io import check_data_files, paused_gc, read_dcp_metadata
 from checkpoint_manager.direct_io import AlignedFileReader, cached_fraction
 from checkpoint_manager.envelope import envelope_for, locate_data
 from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
+from checkpoint_manager.safe_io import inside, open_regular
 
 if TYPE_CHECKING:  # annotations only: a private name of torch's
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -60,6 +61,15 @@ class CheckpointReader(FileSystemReader):
         super().__init__(path)
         self._metadata_cache: Metadata | None = metadata
         self.fast = fast
+        self._files_checked = False
+
+    def _check_files(self) -> None:
+        """Every data file the metadata names is a regular file inside the checkpoint holding its
+        records: checked once, before the first read (DCP's own reader opens them by name)."""
+        if not self._files_checked:
+            metadata = self._metadata_cache or self.read_metadata()
+            check_data_files(metadata, Path(os.fspath(self.path)))
+            self._files_checked = True
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -79,6 +89,7 @@ class CheckpointReader(FileSystemReader):
                     f"{self.path}: entry {item.dest_index.fqn!r} is a pickled object; this library only "
                     "loads tensors from DCP files"
                 )
+        self._check_files()
         with self._typed_errors():
             if self.fast and self._metadata_cache is not None:
                 with paused_gc():  # one job object per tensor: see paused_gc
@@ -116,10 +127,11 @@ class CheckpointReader(FileSystemReader):
             per_file = self._direct_jobs(targets, metadata)
             if per_file is None:
                 return False
+            self._check_files()
             root = Path(os.fspath(self.path))
             with self._typed_errors():
                 for relative_path, jobs in per_file.items():
-                    with _RecordFile(root / relative_path) as records:
+                    with _RecordFile(inside(root, relative_path), root) as records:
                         for job in jobs:
                             if job.offset + job.length > records.size:
                                 raise CheckpointCorruptError(
@@ -171,7 +183,7 @@ class CheckpointReader(FileSystemReader):
             per_file.setdefault(sinfo.relative_path, []).append((item, sinfo))
         root = Path(os.fspath(self.path))
         for relative_path, items in per_file.items():
-            with _RecordFile(root / relative_path) as records:
+            with _RecordFile(inside(root, relative_path), root) as records:
                 jobs = [self._job(req, sinfo, planner, metadata, records) for req, sinfo in items]
                 jobs.sort(key=_offset_of)  # one forward pass over the file
                 whole = [job for job in jobs if job.whole]
@@ -283,9 +295,9 @@ class _RecordFile:
     checked as it passes. Slices (resharding) always come from a map of the file.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, root: Path) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY)
+        self._fd = open_regular(path, root=root)  # a regular file inside the checkpoint, or an error
         self.size = os.fstat(self._fd).st_size
         self._mm: mmap.mmap | None = None
         self._view: memoryview | None = None

@@ -8,16 +8,20 @@ while they are written, so only small files are read back here.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 from checkpoint_manager.checksum import crc32
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
-from checkpoint_manager.layout import CHECKPOINT_JSON, read_checkpoint_json
+from checkpoint_manager.layout import CHECKPOINT_JSON, STATE_JSON, file_record_problems, read_checkpoint_json
+from checkpoint_manager.safe_io import UnsafeFileError, inside, open_regular, read_small
 
-__all__ = ["Presence", "VerifyLevel", "describe_files", "file_crc32", "verify"]
+__all__ = ["Presence", "VerifyLevel", "describe_files", "file_crc32", "read_recorded", "verify"]
 
 VerifyLevel = Literal["off", "sizes", "full"]
+METADATA_FILE = ".metadata"  # dcp_io's name for it (dcp_io imports this module lazily)
+_RANK_JSON = re.compile(r"rank_\d{5}\.json")
 _READ_CHUNK = 8 << 20
 
 
@@ -54,12 +58,16 @@ class Presence:
 
 
 def file_crc32(path: str | Path) -> int:
-    crc = 0
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_READ_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            crc = crc32(view[:n], crc)
+        return _fd_crc32(f.fileno())
+
+
+def _fd_crc32(fd: int) -> int:
+    crc = 0
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    while n := os.readv(fd, [buf]):
+        crc = crc32(view[:n], crc)
     return crc
 
 
@@ -130,42 +138,69 @@ def _problems(root: Path, meta: dict[str, Any], level: VerifyLevel) -> list[str]
     if level == "off":
         return []
     files = meta.get("files")
-    if not isinstance(files, dict) or not files:
-        return [f"{root / CHECKPOINT_JSON}: 'files' missing or malformed"]
-    problems: list[str] = []
+    problems: list[str] = [f"{root / CHECKPOINT_JSON}: {p}" for p in file_record_problems(files)]
+    if problems or not isinstance(files, dict):
+        return problems
     for rel, desc in files.items():
-        file = root / rel
-        if not isinstance(desc, dict) or not isinstance(desc.get("size"), int):
-            problems.append(f"{root / CHECKPOINT_JSON}: entry for {rel!r} is malformed")
-            continue
-        parts = Path(rel).parts
-        if not parts or Path(rel).is_absolute() or ".." in parts:  # never stat or read outside (/dev/zero)
-            problems.append(f"{root / CHECKPOINT_JSON}: entry {rel!r} points outside the checkpoint directory")
-            continue
-        if not file.is_file() and (file.exists() or file.is_symlink()):  # a fifo or device: blocks or never ends
-            problems.append(f"{file}: not a regular file (listed in {CHECKPOINT_JSON})")
-            continue
-        try:
-            size = file.stat().st_size
+        file = inside(root, rel)
+        try:  # never follows a symlink, never blocks on a FIFO, never reads a device
+            fd = open_regular(file, root=root)
         except FileNotFoundError:
             problems.append(f"{file}: missing (listed in {CHECKPOINT_JSON})")
             continue
-        if size != desc["size"]:
-            problems.append(
-                f"{file}: size {size} bytes, {CHECKPOINT_JSON} records {desc['size']} (truncated or altered)"
-            )
+        except UnsafeFileError as exc:
+            problems.append(f"{file}: not a regular file (listed in {CHECKPOINT_JSON}): {exc.reason}")
             continue
-        if level == "full" and "crc32" in desc:
-            try:
-                crc = file_crc32(file)
-            except FileNotFoundError:
-                problems.append(f"{file}: missing (listed in {CHECKPOINT_JSON})")
-                continue
-            if crc != desc["crc32"]:
+        except OSError as exc:
+            problems.append(f"{file}: unreadable ({exc.strerror or exc}; listed in {CHECKPOINT_JSON})")
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            if size != desc["size"]:
                 problems.append(
-                    f"{file}: CRC32 {crc:08x}, {CHECKPOINT_JSON} records {int(desc['crc32']):08x} (corrupted)"
+                    f"{file}: size {size} bytes, {CHECKPOINT_JSON} records {desc['size']} (truncated or altered)"
                 )
+            elif (level == "full" or read_whole(rel)) and "crc32" in desc:
+                crc = _fd_crc32(fd)
+                if crc != desc["crc32"]:
+                    problems.append(
+                        f"{file}: CRC32 {crc:08x}, {CHECKPOINT_JSON} records {desc['crc32']:08x} (corrupted)"
+                    )
+        finally:
+            os.close(fd)
     return problems
+
+
+def read_whole(rel: str) -> bool:
+    """Whether a load reads file ``rel`` whole (its JSON state, the DCP metadata): ``sizes`` checks
+    its CRC32 too, since a same-size flip there would otherwise reach the decoder; these files are
+    small next to the tensor data, which ``sizes`` only stats."""
+    return rel in (METADATA_FILE, STATE_JSON) or _RANK_JSON.fullmatch(rel) is not None
+
+
+def read_recorded(root: Path, rel: str, meta: dict[str, Any], level: VerifyLevel, *, limit: int) -> bytes:
+    """The bytes of a small file of the checkpoint at ``root`` that the load reads whole (JSON state,
+    DCP metadata), checked against its ``checkpoint.json`` record at every level above ``off``.
+
+    These files are read in full anyway, so their CRC32 costs nothing measurable, and a same-size
+    flip in them (which ``sizes`` alone cannot see) is caught before anything is decoded. The file
+    must be a regular file inside ``root`` of at most ``limit`` bytes; missing: FileNotFoundError.
+    """
+    file = inside(root, rel)
+    raw = read_small(file, limit=limit, root=root)
+    files = meta.get("files")
+    desc = files.get(rel) if isinstance(files, dict) and level != "off" else None
+    if isinstance(desc, dict) and not file_record_problems({rel: desc}):
+        if desc["size"] != len(raw):
+            raise CheckpointCorruptError(
+                f"{file}: size {len(raw)} bytes, {CHECKPOINT_JSON} records {desc['size']} (truncated or altered)"
+            )
+        crc = crc32(raw)
+        if "crc32" in desc and crc != desc["crc32"]:
+            raise CheckpointCorruptError(
+                f"{file}: CRC32 {crc:08x}, {CHECKPOINT_JSON} records {desc['crc32']:08x} (corrupted)"
+            )
+    return raw
 
 
 def _verify_remote(url: str, level: VerifyLevel, storage_options: dict[str, Any] | None) -> list[str]:

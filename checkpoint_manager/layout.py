@@ -6,26 +6,33 @@ a directory without a valid one is not a checkpoint. Names are for people; steps
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointVersionError
 from checkpoint_manager.naming import format_name, validate_template
+from checkpoint_manager.safe_io import UnsafeFileError, inside, parse_json, read_small
 
 __all__ = [
     "CHECKPOINT_JSON",
     "FORMAT_VERSION",
     "CheckpointInfo",
+    "canonical_digest",
     "format_name",
     "parse_checkpoint_json",
     "read_checkpoint_json",
     "scan_checkpoints",
+    "seal_checkpoint_json",
     "validate_template",
 ]
 
@@ -34,6 +41,12 @@ STATE_JSON = "state.json"
 LATEST_POINTER = "latest"
 FORMAT_NAME = "checkpoint-manager"
 FORMAT_VERSION = 1
+#: the key of ``checkpoint.json``'s own checksum (see :func:`canonical_digest`)
+CHECKSUM_KEY = "checksum"
+#: ``checkpoint.json`` lists one record per file: a few MB even for thousands of files
+CHECKPOINT_JSON_LIMIT = 64 * 1024 * 1024
+#: ``state.json`` and the rank JSONs: a skeleton entry per tensor, ~100 bytes each
+STATE_JSON_LIMIT = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -63,36 +76,190 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.json"
 
 
-def read_checkpoint_json(path: Path) -> dict[str, Any]:
-    """Read and check a checkpoint's ``checkpoint.json``; typed errors name the file."""
+def read_checkpoint_json(path: Path, *, verify_checksum: bool = True) -> dict[str, Any]:
+    """Read and check a checkpoint's ``checkpoint.json``; typed errors name the file.
+
+    The file must be a regular file (not a symlink, FIFO or device) of bounded size; see
+    :func:`parse_checkpoint_json` for what is checked in it.
+    """
     file = path / CHECKPOINT_JSON
     try:
-        raw = file.read_bytes()
+        raw = read_small(file, limit=CHECKPOINT_JSON_LIMIT)
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{file}: missing (not a committed checkpoint)") from None
-    return parse_checkpoint_json(raw, file)
+    except CheckpointCorruptError:
+        raise
+    except OSError as exc:  # a directory, a symlink loop, a component that is a file, EACCES ...
+        raise CheckpointCorruptError(f"{file}: unreadable ({exc.strerror or exc})") from exc
+    return parse_checkpoint_json(raw, file, verify_checksum=verify_checksum)
 
 
-def parse_checkpoint_json(raw: bytes, file: str | Path) -> dict[str, Any]:
-    """Check the bytes of a ``checkpoint.json`` (local or downloaded); errors name ``file``."""
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointCorruptError(f"{file}: not valid JSON ({exc})") from exc
+class _TrainStateSchema(BaseModel):
+    """``TrainState.state_dict()``: unknown keys are refused (``TrainState`` would refuse them too)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    step: int = 0
+    epoch: int = 0
+    consumed_samples: int = 0
+    flops: float = 0.0
+    counters: dict[str, int | float] = Field(default_factory=dict)
+
+
+class _CheckpointSchema(BaseModel):
+    """Every field of ``checkpoint.json`` a reader uses, with its type.
+
+    Unknown top-level keys are tolerated (a newer writer may add some; an older reader ignores
+    them), unknown keys inside ``train_state`` are not. ``format``, ``format_version``, ``step`` and
+    ``files`` are checked by hand before (their messages predate this schema).
+    """
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: str | None = None
+    created: str | None = None
+    created_unix: float = Field(default=0.0, allow_inf_nan=False)
+    world_size: int | None = Field(default=None, ge=1)
+    train_state: _TrainStateSchema | None = None
+    metrics: dict[str, Any] | None = None
+    bytes: int | None = Field(default=None, ge=0)
+    library_version: str | None = None
+    torch_version: str | None = None
+    engine: str | None = None
+    writer: str | None = None
+    checksum: str | None = None
+
+
+def canonical_digest(meta: dict[str, Any]) -> str:
+    """``sha256:<hex>`` of ``meta`` without its ``checksum``, as canonical JSON (sorted keys, no spaces).
+
+    JSON floats round-trip exactly, so a reader that parses the file and re-encodes it gets the
+    writer's bytes back whatever indentation the file has.
+    """
+    body = {k: v for k, v in meta.items() if k != CHECKSUM_KEY}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return "sha256:" + hashlib.sha256(canon.encode("ascii")).hexdigest()
+
+
+def seal_checkpoint_json(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with its ``checksum`` (see :func:`canonical_digest`): call it on the final dict, last."""
+    return {**{k: v for k, v in meta.items() if k != CHECKSUM_KEY}, CHECKSUM_KEY: canonical_digest(meta)}
+
+
+def parse_checkpoint_json(raw: bytes, file: str | Path, *, verify_checksum: bool = True) -> dict[str, Any]:
+    """Check the bytes of a ``checkpoint.json`` (local or downloaded); errors name ``file``.
+
+    Everything discovery and a load use is checked before anything uses it: the JSON itself, every
+    field's type (the schema) and (unless ``verify_checksum`` is False) the ``checksum`` over the
+    canonical content. A file without ``checksum`` (written before it existed) passes without that
+    check. The ``files`` records are checked by verification (:func:`file_record_problems`), which
+    every load above ``verify_on_load="off"`` runs before it reads anything else.
+    """
+    meta = parse_json(raw, file)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CheckpointCorruptError(f"{file}: not a {FORMAT_NAME} checkpoint description")
     version = meta.get("format_version")
-    if not isinstance(version, int):
+    if isinstance(version, bool) or not isinstance(version, int):
         raise CheckpointCorruptError(f"{file}: format_version missing or not an integer")
     if version > FORMAT_VERSION:
         raise CheckpointVersionError(
             f"{file}: format_version {version} is newer than this library supports ({FORMAT_VERSION}); "
             "upgrade checkpoint-manager"
         )
+    problems: list[str] = []
     step = meta.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointCorruptError(f"{file}: step missing or not a non-negative integer")
+        problems.append("step missing or not a non-negative integer")
+    try:
+        _CheckpointSchema.model_validate(meta)
+    except ValidationError as exc:
+        problems += _schema_problems(exc)
+    problems += [
+        f"unknown key {key!r} (a damaged {known!r}?)"
+        for key in meta
+        if key not in _KNOWN_KEYS and (known := _one_bit_from(key, _KNOWN_KEYS)) is not None
+    ]
+    if problems:
+        raise CheckpointCorruptError(f"{file}: " + "; ".join(problems))
+    if verify_checksum and CHECKSUM_KEY in meta:
+        expected = canonical_digest(meta)
+        if meta[CHECKSUM_KEY] != expected:
+            raise CheckpointCorruptError(
+                f"{file}: checksum {meta[CHECKSUM_KEY]!r} does not match its content ({expected}): "
+                "the file was altered after it was written"
+            )
     return meta
+
+
+# Every top-level key a writer of this format puts in checkpoint.json. Unknown keys are tolerated
+# (a newer writer's additions), except one bit away from one of these: that is a damaged key, and
+# were it ``checksum``, the file would silently pass as one written before checksums existed.
+_KNOWN_KEYS = frozenset(_CheckpointSchema.model_fields) | {
+    "format",
+    "format_version",
+    "step",
+    "files",
+    "converted_from",
+}
+
+
+def _one_bit_from(key: str, known: frozenset[str]) -> str | None:
+    """The known key that ``key`` differs from by exactly one flipped bit, if any."""
+    raw = key.encode("utf-8", "surrogatepass")
+    for name in known:
+        other = name.encode()
+        if len(other) == len(raw):
+            diff = [a ^ b for a, b in zip(raw, other, strict=True) if a != b]
+            if len(diff) == 1 and diff[0] & (diff[0] - 1) == 0:
+                return name
+    return None
+
+
+def _schema_problems(exc: ValidationError) -> list[str]:
+    out: list[str] = []
+    seen: set[str] = set()
+    for error in exc.errors():
+        loc = error["loc"]
+        if error["type"] in ("int_type", "float_type") and len(loc) > 1 and loc[-1] in ("int", "float"):
+            loc = loc[:-1]  # a union's branches: one problem, not one per branch
+        where = ".".join(str(part) for part in loc)
+        if where in seen:
+            continue
+        seen.add(where)
+        out.append(f"{where}: {error['msg'].lower()} (got {_short_repr(error.get('input'))})")
+    return out
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def file_record_problems(files: Any) -> list[str]:
+    """What is wrong with the ``files`` records of a ``checkpoint.json``: each must be
+    ``{"size": int >= 0, "crc32": 32-bit int}`` (nothing else: a damaged ``crc32`` key must not
+    pass as a record without a CRC) under a name that stays inside the checkpoint."""
+    if not isinstance(files, dict) or not files:
+        return ["'files' missing or malformed"]
+    problems: list[str] = []
+    for rel, desc in files.items():
+        if (
+            not isinstance(desc, dict)
+            or not _count(desc.get("size"))
+            or not desc.keys() <= {"size", "crc32"}
+            or ("crc32" in desc and not (_count(desc["crc32"]) and desc["crc32"] < 1 << 32))
+        ):
+            problems.append(f"entry for {rel!r} is malformed")
+            continue
+        try:
+            inside(".", rel)
+        except UnsafeFileError:
+            problems.append(f"entry {rel!r} points outside the checkpoint directory")
+    return problems
+
+
+def _count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 0
 
 
 def info_from_meta(path: Path, meta: dict[str, Any], *, url: str | None = None) -> CheckpointInfo:
@@ -103,9 +270,18 @@ def info_from_meta(path: Path, meta: dict[str, Any], *, url: str | None = None) 
         path=path,
         step=int(meta["step"]),
         created=float(meta.get("created_unix", 0.0)),
-        metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+        metrics={k: f for k, v in metrics.items() if (f := _as_float(v)) is not None},
         meta=meta,
     )
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond a float's range
+        return None
 
 
 # Parsed checkpoint.json files, reused while the file's stat is unchanged: a committed checkpoint's
@@ -131,10 +307,13 @@ def scan_checkpoints(root: Path, names: list[str]) -> tuple[list[CheckpointInfo]
     current: dict[str, tuple[tuple[int, int, int, int], CheckpointInfo]] = {}
     wall = time.time()
     for name in names:
-        try:
-            st = os.stat(os.path.join(root_s, name, CHECKPOINT_JSON))
+        try:  # lstat: a symlink (a loop, /dev/zero) is not followed; read_checkpoint_json refuses it
+            st = os.lstat(os.path.join(root_s, name, CHECKPOINT_JSON))
         except (FileNotFoundError, NotADirectoryError):
             continue  # not ours (or a user directory): ignore silently
+        except OSError as exc:  # EACCES, EIO ...: one bad entry must not hide the others
+            bad.append((name, f"{root / name / CHECKPOINT_JSON}: unreadable ({exc.strerror or exc})"))
+            continue
         key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         hit = previous.get(name)
         if hit is not None and hit[0] == key:
@@ -150,7 +329,7 @@ def scan_checkpoints(root: Path, names: list[str]) -> tuple[list[CheckpointInfo]
             bad.append((name, str(exc)))
             continue
         good.append(info)
-        if wall - st.st_mtime > _SETTLED_S and wall - st.st_ctime > _SETTLED_S:
+        if stat.S_ISREG(st.st_mode) and wall - st.st_mtime > _SETTLED_S and wall - st.st_ctime > _SETTLED_S:
             current[name] = (key, info)
     with _scan_cache_lock:
         _scan_cache[root_s] = current

@@ -28,9 +28,9 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint_manager._version import __version__
-from checkpoint_manager.codec import decode, encode
+from checkpoint_manager.codec import check_placeholder, decode, encode
 from checkpoint_manager.config import CheckpointConfig
-from checkpoint_manager.dcp_io import paused_gc, read_dcp_metadata
+from checkpoint_manager.dcp_io import check_data_files, paused_gc, read_dcp_metadata
 from checkpoint_manager.dcp_reader import CheckpointReader
 from checkpoint_manager.dcp_writer import WRITER_ID, CheckpointWriter, chunk_for_bytes, prime_layout
 from checkpoint_manager.direct_io import reserve_write_buffers, staging_gate
@@ -51,19 +51,21 @@ from checkpoint_manager.formats.integration import (
     load_initial_hf,
     resolve_load_path,
 )
-from checkpoint_manager.integrity import Presence, check
+from checkpoint_manager.integrity import Presence, VerifyLevel, check, read_recorded
 from checkpoint_manager.layout import (
     CHECKPOINT_JSON,
     FORMAT_NAME,
     FORMAT_VERSION,
     LATEST_POINTER,
     STATE_JSON,
+    STATE_JSON_LIMIT,
     CheckpointInfo,
     format_name,
     info_from_meta,
     now,
     rank_file,
     read_checkpoint_json,
+    seal_checkpoint_json,
     validate_template,
 )
 from checkpoint_manager.lock import AnyWriterLock, CheckpointLockError, writer_lock_for
@@ -77,8 +79,9 @@ from checkpoint_manager.preemption import PreemptionWatcher
 from checkpoint_manager.protocol import FinalizeOnExit, LoadContext, LoadResult, SaveContext, SaveResult
 from checkpoint_manager.resolve import is_plain_dcp, resolve_checkpoint
 from checkpoint_manager.retention import Pruner
+from checkpoint_manager.safe_io import parse_json
 from checkpoint_manager.staging import StagingBuffers, StagingGate
-from checkpoint_manager.state import GatheredState, StateLoader, gather_state, per_rank_state
+from checkpoint_manager.state import GatheredState, StateLoader, gather_state, per_rank_state, read_rank_json
 from checkpoint_manager.storage import FsspecStorage, LocalStorage, basename, is_url, open_storage
 
 __all__ = ["DefaultCheckpointManager"]
@@ -201,15 +204,24 @@ def _register_exit_hook() -> None:
 _register_exit_hook()  # concurrent.futures.thread is imported above: this hook runs before its own
 
 
-def _read_state_json(file: Path) -> dict[str, Any]:
-    """``state.json``, fully decoded once before any object is touched: a damaged one is a typed error."""
-    if not file.exists():
+def _read_state_json(path: Path, meta: dict[str, Any], level: VerifyLevel) -> dict[str, Any]:
+    """``state.json``, fully decoded once before any object is touched: a damaged one is a typed error.
+
+    Read as every small file of a checkpoint is (bounded, regular, inside ``path``) and, at every
+    ``level`` above ``off``, checked against its CRC32 in ``checkpoint.json`` before it is parsed.
+    """
+    file = path / STATE_JSON
+    try:
+        raw = read_recorded(path, STATE_JSON, meta, level, limit=STATE_JSON_LIMIT)
+    except FileNotFoundError:
         return {}
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{file}: unreadable ({exc.strerror or exc})") from exc
     try:
         with paused_gc():  # one JSON object per tensor: a GC pass over them cost 10x the parse
-            data = LocalStorage.read_json(file)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise CheckpointCorruptError(f"{file}: damaged state ({type(exc).__name__}: {exc})") from exc
+            data = parse_json(raw, file)
+    except CheckpointCorruptError as exc:
+        raise CheckpointCorruptError(f"{file}: damaged state ({exc})") from exc
     if not isinstance(data, dict):
         raise CheckpointCorruptError(f"{file}: damaged state (holds a JSON {type(data).__name__}, not an object)")
     _check_decodes(file, data)
@@ -219,8 +231,8 @@ def _read_state_json(file: Path) -> dict[str, Any]:
 def _check_decodes(file: Path, data: dict[str, Any]) -> None:
     """A damaged value (unknown tag, bad field) raises here, not halfway through setting the objects."""
     try:
-        decode(data, tensor_hook=lambda placeholder: None)
-    except (ValueError, KeyError, TypeError) as exc:
+        decode(data, tensor_hook=check_placeholder)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CheckpointCorruptError(f"{file}: damaged state ({type(exc).__name__}: {exc})") from exc
 
 
@@ -486,9 +498,11 @@ class DefaultCheckpointManager(FinalizeOnExit):
             infos = self.list_checkpoints(load_dir=True)
             matches = [i for i in infos if i.step == step]
             if not matches:
+                _, bad = self._load_storage.scan()  # a damaged checkpoint.json hides its step too
+                damaged = f"; damaged (step unknown): {', '.join(sorted(n for n, _ in bad))}" if bad else ""
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint at step {step} in {self.config.resolved_load_dir}; "
-                    f"available steps: {[i.step for i in infos]}"
+                    f"available steps: {[i.step for i in infos]}{damaged}"
                 )
             return matches[-1].location, False
         if self.config.load_mode == "never":
@@ -620,11 +634,13 @@ class DefaultCheckpointManager(FinalizeOnExit):
             return hf_result  # initial weights from a Hugging Face directory
         if is_plain_dcp(path):  # written by plain dcp.save: weights (and optimizer state) imported
             return self._load_plain(ctx, path, model_only, watch, t0)
-        meta = read_checkpoint_json(path)
+        level = self.config.verify_on_load
+        meta = read_checkpoint_json(path, verify_checksum=level != "off")
         t_verify = time.perf_counter()
-        check(path, meta, self.config.verify_on_load)
+        check(path, meta, level)
         t_verify = time.perf_counter() - t_verify
-        global_json = _read_state_json(path / STATE_JSON)
+        # Everything below is read, checked and decoded before the read fills the live tensors.
+        global_json = _read_state_json(path, meta, level)
         rank_json = per_rank_state(  # the world-size rule for RNG and dataloader state
             ctx,
             path=path,
@@ -633,14 +649,17 @@ class DefaultCheckpointManager(FinalizeOnExit):
             world_size=self._dist.world_size,
             on_change=self.config.on_world_size_change,
             model_only=model_only,
+            read=lambda p, r: read_rank_json(p, r, meta=meta, level=level),
         )
         if rank_json is not None:  # decoded before any object is touched, like state.json
             _check_decodes(path / rank_file(self._dist.rank), rank_json)
         loader = StateLoader(
             ctx, global_json, rank_json, meta.get("train_state"), source=str(path), model_only=model_only
         )
-        metadata = read_dcp_metadata(path)
+        metadata = read_dcp_metadata(path, meta=meta, level=level)
+        check_data_files(metadata, path)  # before targets are allocated from the sizes it claims
         targets = loader.targets(metadata)
+        loader.prepare(targets)  # every state dict merged and checked: the last step that may refuse
         t_plan = time.perf_counter()
         if targets:
             reader = CheckpointReader(path, fast=meta.get("writer") == WRITER_ID, metadata=metadata)
@@ -1180,7 +1199,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         }
         if job.finite_checked:
             meta["finite"] = {"checked": list(job.finite_checked), "ok": True}
-        self._storage.write_json(pending / CHECKPOINT_JSON, meta)
+        self._storage.write_json(pending / CHECKPOINT_JSON, seal_checkpoint_json(meta))  # sealed as written
         final = self._storage.commit(pending, job.name)  # object stores: the marker is written last
         final_name = basename(final)
         try:

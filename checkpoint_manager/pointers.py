@@ -8,14 +8,15 @@ read it without listing the directory. Optional relative symlinks serve people b
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import uuid
 from pathlib import Path
 from typing import Any
 
+from checkpoint_manager.errors import CheckpointCorruptError
 from checkpoint_manager.layout import CheckpointInfo, metric_value
+from checkpoint_manager.safe_io import read_json
 from checkpoint_manager.storage.base import Storage
 from checkpoint_manager.storage.local import LocalStorage, fsync_dir, mark_in_flight, unmark_in_flight
 
@@ -36,6 +37,8 @@ log = logging.getLogger("checkpoint_manager")
 LATEST_POINTER = "latest"
 BEST_POINTER = "best"
 LATEST_LINK = "latest_checkpoint"
+#: a pointer is a name and a few numbers
+POINTER_LIMIT = 64 * 1024
 BEST_LINK = "best_checkpoint"
 
 
@@ -63,9 +66,9 @@ def best_checkpoint(checkpoints: list[CheckpointInfo], monitor: str, mode: str) 
 
 def read_pointer(root: str | Path, kind: str = LATEST_POINTER) -> dict[str, Any] | None:
     """The JSON of pointer ``kind`` (``latest`` or ``best``), or None if absent or unreadable."""
-    try:
-        data = json.loads((Path(root) / kind).read_bytes().decode("utf-8"))
-    except (OSError, ValueError):
+    try:  # a FIFO or /dev/zero named ``latest`` must neither block nor fill memory
+        data = read_json(Path(root) / kind, limit=POINTER_LIMIT)
+    except (OSError, CheckpointCorruptError):  # UnsafeFileError is one
         return None
     return data if isinstance(data, dict) and isinstance(data.get("name"), str) else None
 

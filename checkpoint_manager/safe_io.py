@@ -10,9 +10,11 @@ regular file, and a small file's read is bounded.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
 
@@ -21,6 +23,8 @@ __all__ = [
     "UnsafeFileError",
     "inside",
     "open_regular",
+    "parse_json",
+    "read_json",
     "read_small",
 ]
 
@@ -30,6 +34,11 @@ SMALL_FILE_LIMIT = 64 * 1024 * 1024
 
 class UnsafeFileError(UnsafeCheckpointError):
     """A file a checkpoint names is not a regular file inside its directory (FIFO, device, escape)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        #: what the file is instead, in a few words ("a FIFO", "a symlink", "outside the directory")
+        self.reason = reason or message
 
 
 def inside(root: str | Path, relative: str) -> Path:
@@ -50,7 +59,7 @@ def _check_within(path: Path, root: Path) -> None:
     real_root = os.path.realpath(root)
     real = os.path.realpath(path)
     if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
-        raise UnsafeFileError(f"{path}: resolves to {real}, outside {root}")
+        raise UnsafeFileError(f"{path}: resolves to {real}, outside {root}", f"resolves to {real}, outside it")
 
 
 def open_regular(path: str | Path, *, root: str | Path | None = None, follow: bool = False) -> int:
@@ -62,7 +71,8 @@ def open_regular(path: str | Path, *, root: str | Path | None = None, follow: bo
     ``FileNotFoundError`` unchanged, so callers keep telling "absent" from "damaged".
     """
     path = Path(path)
-    if root is not None:
+    if root is not None and (follow or path.parent != Path(root)):
+        # a direct child opened with O_NOFOLLOW cannot leave root: no realpath needed for it
         _check_within(path, Path(root))
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     if not follow:
@@ -71,12 +81,12 @@ def open_regular(path: str | Path, *, root: str | Path | None = None, follow: bo
         fd = os.open(path, flags)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise UnsafeFileError(f"{path}: is a symlink, where a regular file was expected") from None
+            raise UnsafeFileError(f"{path}: is a symlink, where a regular file was expected", "a symlink") from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafeFileError(f"{path}: is not a regular file ({_kind(st.st_mode)})")
+            raise UnsafeFileError(f"{path}: is not a regular file ({_kind(st.st_mode)})", _kind(st.st_mode))
         if hasattr(os, "O_NONBLOCK"):
             os.set_blocking(fd, True)
     except BaseException:
@@ -108,6 +118,24 @@ def read_small(
         return data
     finally:
         os.close(fd)
+
+
+def parse_json(raw: bytes, file: str | Path) -> Any:
+    """Decode JSON a checkpoint holds; anything that is not UTF-8 JSON (or nests deeper than the
+    interpreter's recursion allows) is a :class:`CheckpointCorruptError` naming ``file``."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointCorruptError(f"{file}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise CheckpointCorruptError(f"{file}: not valid JSON (nested too deeply)") from None
+
+
+def read_json(
+    path: str | Path, *, limit: int = SMALL_FILE_LIMIT, root: str | Path | None = None, follow: bool = False
+) -> Any:
+    """A small JSON file, read as :func:`read_small` does and decoded by :func:`parse_json`."""
+    return parse_json(read_small(path, limit=limit, root=root, follow=follow), path)
 
 
 def _kind(mode: int) -> str:

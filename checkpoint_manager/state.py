@@ -6,13 +6,13 @@ Tensors go to DCP (large, shardable, reshardable); everything else becomes JSON 
 
 from __future__ import annotations
 
-import json
+import copy
 import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -37,8 +37,12 @@ from checkpoint_manager.codec import (
 )
 from checkpoint_manager.dcp_io import paused_gc
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
-from checkpoint_manager.layout import rank_file
+from checkpoint_manager.layout import STATE_JSON_LIMIT, rank_file
 from checkpoint_manager.protocol import LoadContext, SaveContext, Stateful
+from checkpoint_manager.safe_io import parse_json
+
+if TYPE_CHECKING:
+    from checkpoint_manager.integrity import VerifyLevel
 
 __all__ = [
     "PER_RANK_PARTS",
@@ -189,17 +193,24 @@ def _gather_state(ctx: SaveContext) -> GatheredState:
     return GatheredState(tensors, global_json, rank_json, train_state)
 
 
-def read_rank_json(path: Path, rank: int) -> dict[str, Any] | None:
-    """One rank's JSON state in the checkpoint at ``path`` (None when that rank did not exist)."""
+def read_rank_json(
+    path: Path, rank: int, *, meta: dict[str, Any] | None = None, level: VerifyLevel = "off"
+) -> dict[str, Any] | None:
+    """One rank's JSON state in the checkpoint at ``path`` (None when that rank did not exist).
+
+    Read as every small file of a checkpoint is (a bounded read of a regular file inside ``path``);
+    with ``meta`` and a ``level`` above ``off`` its size and CRC32 must match their record.
+    """
+    from checkpoint_manager.integrity import read_recorded
+
     file = path / rank_file(rank)
     try:
-        raw = file.read_bytes()
+        raw = read_recorded(path, rank_file(rank), meta or {}, level, limit=STATE_JSON_LIMIT)
     except FileNotFoundError:
         return None
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointCorruptError(f"{file}: not valid JSON ({exc})") from exc
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{file}: unreadable ({exc.strerror or exc})") from exc
+    data = parse_json(raw, file)
     if not isinstance(data, dict):
         raise CheckpointCorruptError(f"{file}: holds a JSON {type(data).__name__}, not an object")
     return data
@@ -261,6 +272,9 @@ def per_rank_state(
     return None
 
 
+_UNSET: Any = object()
+
+
 @dataclass
 class StateLoader:
     """Plans and applies one load: targets for DCP first, then the objects are set in order."""
@@ -274,6 +288,11 @@ class StateLoader:
     restored: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     _plans: list[tuple[str, Any, dict[str, torch.Tensor]]] = field(default_factory=list)
+    # what prepare() built for apply(): one value per plan, the decoded per-rank parts
+    _values: list[Any] = field(default_factory=list)
+    _prepared_for: dict[str, torch.Tensor] | None = None
+    _dataloader_state: Any = _UNSET
+    _rng_state: Any = _UNSET
 
     def targets(self, metadata: Metadata) -> dict[str, torch.Tensor]:
         """Tensors DCP loads into, checked against the checkpoint's keys, shapes and dtypes."""
@@ -297,7 +316,7 @@ class StateLoader:
         for key, model, (msd, _) in zip(_model_keys(len(models)), models, state_dicts, strict=True):
             live = collect_tensors(msd, key)
             out.update(self._check(key, live, available, strict=ctx.strict))
-            self._plans.append(("model", (key, model), live))
+            self._plans.append(("model", (key, model, msd), live))
         osds = [osd for _, osd in state_dicts if osd is not None]
         for i, (model, optims) in enumerate(pairs):
             key = "optim" if i == 0 else f"optim_{i}"
@@ -314,10 +333,12 @@ class StateLoader:
                 self.skipped.append(key)
                 continue
             self._need(key)
-            tgt = tensor_placeholders(self.global_json[key])
+            tgt = self._placeholders(self.global_json[key], available)
             out.update(self._check(key, tgt, available, strict=True))
             self._plans.append(("scheduler", (key, sched), tgt))
         saved_extra = self.global_json.get("extra", {})
+        if not isinstance(saved_extra, dict):
+            raise CheckpointCorruptError(f"{self.source}: damaged state ('extra' is a {type(saved_extra).__name__})")
         for name, obj in ctx.extra.items():
             key = f"extra.{name}"
             if not ctx.load_extra or self.model_only:
@@ -330,10 +351,144 @@ class StateLoader:
                     )
                 self.skipped.append(key)
                 continue
-            tgt = tensor_placeholders(saved_extra[name])
+            tgt = self._placeholders(saved_extra[name], available)
             out.update(self._check(key, tgt, available, strict=True))
             self._plans.append(("extra", (name, obj), tgt))
         return out
+
+    def _placeholders(self, skeleton: Any, available: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Targets for a skeleton's tensors, each checked against the DCP metadata before it is allocated."""
+
+        def check(key: str, shape: list[int], dtype: torch.dtype) -> None:
+            meta = available.get(key)
+            if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(shape):
+                saved = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else "no tensor"
+                raise CheckpointCorruptError(
+                    f"{self.source}: state.json places a tensor {key!r} of shape {tuple(shape)}, "
+                    f"the DCP metadata holds {saved}"
+                )
+
+        try:
+            return tensor_placeholders(skeleton, check=check)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CheckpointCorruptError(f"{self.source}: damaged state ({type(exc).__name__}: {exc})") from exc
+
+    def prepare(self, loaded: dict[str, torch.Tensor]) -> None:
+        """Build and check everything :meth:`apply` hands to the live objects, before any is changed.
+
+        Call it with the targets, before the read fills them in place: every state dict is merged
+        from its skeleton now (a damaged one raises here, not after the model was overwritten),
+        compared with the live structure it replaces, and the per-rank state is decoded and tried
+        on throwaway generators. :meth:`apply` then only sets what was built here.
+        """
+        with paused_gc():  # objects per tensor: see paused_gc
+            try:
+                self._prepare(loaded)
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as exc:
+                raise CheckpointCorruptError(
+                    f"{self.source}: damaged state ({type(exc).__name__}: {exc})"
+                ) from exc
+        self._prepared_for = loaded
+
+    def _prepare(self, loaded: dict[str, torch.Tensor]) -> None:
+        ctx = self.ctx
+        values: list[Any] = []
+        for kind, args, _ in self._plans:
+            if kind == "model":
+                key, _model, live = args
+                sd = merge_tensors(self.global_json[key], loaded, drop_missing=not ctx.strict)
+                self._like_live(key, sd, live, exact=ctx.strict)
+            elif kind == "optim":
+                key, _model, _optims, live = args
+                sd = merge_tensors(self.global_json[key], loaded, drop_missing=not ctx.strict)
+                self._like_live_optim(key, sd, live, strict=ctx.strict)
+            elif kind == "scheduler":
+                key, _sched = args
+                sd = merge_tensors(self.global_json[key], loaded)
+                if not isinstance(sd, dict):
+                    raise CheckpointCorruptError(f"{self.source}: damaged state ({key} is a {type(sd).__name__})")
+            else:
+                name, _obj = args
+                sd = merge_tensors(self.global_json["extra"][name], loaded)
+            values.append(sd)
+        self._values = values
+        if ctx.train_state is not None and ctx.load_train_state and not self.model_only and self.train_state is not None:
+            try:  # on a throwaway copy: the live one is set in apply
+                copy.copy(ctx.train_state).load_state_dict(self.train_state)
+            except (TypeError, ValueError) as exc:
+                raise CheckpointCorruptError(f"{self.source}: damaged train_state ({exc})") from exc
+        rank_json = self.rank_json or {}
+        if (
+            ctx.dataloader is not None
+            and ctx.load_dataloader
+            and not self.model_only
+            and "dataloader" in rank_json
+            and isinstance(ctx.dataloader, Stateful)
+        ):
+            self._dataloader_state = decode(rank_json["dataloader"])
+        if ctx.load_rng and not self.model_only and "rng" in rank_json:
+            rng = decode(rank_json["rng"])
+            _check_rng(rng)
+            self._rng_state = rng
+
+    def _like_live(self, key: str, sd: Any, live: dict[str, Any], *, exact: bool) -> None:
+        """A merged model state dict must have the live one's keys (``exact``) and, wherever the live
+        one holds a tensor, a tensor of the same shape: else loading it would fail half-way."""
+        if not isinstance(sd, dict):
+            raise CheckpointCorruptError(f"{self.source}: damaged state ({key} is a {type(sd).__name__})")
+        if exact and sd.keys() != live.keys():
+            raise CheckpointCorruptError(
+                f"{self.source}: damaged state: {key} entries in state.json differ from the model's "
+                f"(missing {_short(sorted(map(str, live.keys() - sd.keys())))}, "
+                f"unexpected {_short(sorted(map(str, sd.keys() - live.keys())))})"
+            )
+        for name, value in sd.items():
+            now = live.get(name)
+            if value is now:
+                continue  # the very target the read fills (nearly every entry): nothing to compare
+            if isinstance(now, torch.Tensor) and (not isinstance(value, torch.Tensor) or value.shape != now.shape):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise CheckpointCorruptError(
+                    f"{self.source}: damaged state: {key}.{name} is {got} in state.json, "
+                    f"the live object holds {tuple(now.shape)}"
+                )
+
+    def _like_live_optim(self, key: str, sd: Any, live: dict[str, Any], *, strict: bool) -> None:
+        """An optimizer state dict as ``set_optimizer_state_dict`` takes it: ``state`` by parameter
+        name, ``param_groups`` naming the live groups' parameters (in order, when ``strict``)."""
+        state, groups = (sd.get("state"), sd.get("param_groups")) if isinstance(sd, dict) else (None, None)
+        if not isinstance(state, dict) or not isinstance(groups, list):
+            raise CheckpointCorruptError(f"{self.source}: damaged state ({key} lacks 'state' or 'param_groups')")
+        live_groups = live.get("param_groups") or []
+        names = {p for g in live_groups for p in g.get("params", [])}
+        for i, group in enumerate(groups):
+            params = group.get("params") if isinstance(group, dict) else None
+            if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+                raise CheckpointCorruptError(f"{self.source}: damaged state ({key} param group {i} has no parameter list)")
+            if strict and (i >= len(live_groups) or params != live_groups[i].get("params")):
+                raise CheckpointCorruptError(
+                    f"{self.source}: damaged state: {key} param group {i} names parameters the optimizer does not hold"
+                )
+            unknown = sorted(set(group) - set(live_groups[i])) if strict else []
+            if unknown:  # missing ones are fine (an older torch); unknown ones are damage
+                raise CheckpointCorruptError(
+                    f"{self.source}: damaged state: {key} param group {i} has unknown settings {unknown}"
+                )
+        if strict and len(groups) != len(live_groups):
+            raise CheckpointCorruptError(
+                f"{self.source}: damaged state: {key} has {len(groups)} param groups, the optimizer {len(live_groups)}"
+            )
+        live_state = live.get("state") or {}
+        for fqn, values in state.items():
+            if not isinstance(values, dict) or (strict and fqn not in names):
+                raise CheckpointCorruptError(f"{self.source}: damaged state ({key} state of {fqn!r})")
+            now = live_state.get(fqn)
+            if strict and now and values.keys() != now.keys():
+                raise CheckpointCorruptError(
+                    f"{self.source}: damaged state: {key} state of {fqn!r} holds {sorted(values)}, "
+                    f"the optimizer {sorted(now)}"
+                )
+            self._like_live(f"{key}.state.{fqn}", values, live_state.get(fqn) or {}, exact=False)
 
     def _need(self, key: str) -> None:
         if key not in self.global_json:
@@ -386,24 +541,24 @@ class StateLoader:
 
     def _apply(self, loaded: dict[str, torch.Tensor]) -> None:
         ctx = self.ctx
+        if self._prepared_for is not loaded:
+            self.prepare(loaded)
         opts = StateDictOptions(strict=ctx.strict)
-        for kind, args, _ in self._plans:
+        for (kind, args, _), sd in zip(self._plans, self._values, strict=True):
             if kind == "model":
-                key, model = args
-                sd = merge_tensors(self.global_json[key], loaded, drop_missing=not ctx.strict)
+                key, model, _live = args
                 if not (ctx.strict and load_model_in_place(model, sd)):
                     set_model_state_dict(model, sd, options=opts)
             elif kind == "optim":
                 key, model, optims, live_osd = args
-                osd = merge_tensors(self.global_json[key], loaded, drop_missing=not ctx.strict)
-                if not load_optimizers_in_place(optims, live_osd, osd):
-                    set_optimizer_state_dict(model, optims, osd, options=opts)
+                if not load_optimizers_in_place(optims, live_osd, sd):
+                    set_optimizer_state_dict(model, optims, sd, options=opts)
             elif kind == "scheduler":
                 key, sched = args
-                sched.load_state_dict(merge_tensors(self.global_json[key], loaded))
+                sched.load_state_dict(sd)
             else:
                 key, obj = args
-                obj.load_state_dict(merge_tensors(self.global_json["extra"][key], loaded))
+                obj.load_state_dict(sd)
                 key = f"extra.{key}"
             self.restored.append(key)
         if ctx.train_state is not None:
@@ -412,23 +567,36 @@ class StateLoader:
                 self.restored.append("train_state")
             else:
                 self.skipped.append("train_state")
-        rank_json = self.rank_json or {}
         if ctx.dataloader is not None:
-            if (
-                not ctx.load_dataloader
-                or self.model_only
-                or "dataloader" not in rank_json
-                or not isinstance(ctx.dataloader, Stateful)
-            ):
+            if self._dataloader_state is _UNSET:
                 self.skipped.append("dataloader")
             else:
-                ctx.dataloader.load_state_dict(decode(rank_json["dataloader"]))
+                ctx.dataloader.load_state_dict(self._dataloader_state)
                 self.restored.append("dataloader")
-        if ctx.load_rng and not self.model_only and "rng" in rank_json:
-            restore_rng(decode(rank_json["rng"]))
+        if self._rng_state is not _UNSET:
+            restore_rng(self._rng_state)
             self.restored.append("rng")
         else:
             self.skipped.append("rng")
+
+
+def _check_rng(state: Any) -> None:
+    """Raise ValueError unless ``state`` is what :func:`restore_rng` accepts: tried on throwaway
+    generators, so a damaged state never reaches the global ones half-way."""
+    if not isinstance(state, dict) or "python" not in state or "torch" not in state:
+        raise ValueError("RNG state lacks its 'python' or 'torch' part")
+    try:
+        random.Random().setstate(state["python"])
+        torch.Generator().set_state(state["torch"])
+        if "numpy" in state and np is not None:
+            np.random.RandomState().set_state(state["numpy"])
+        cuda = state.get("cuda", [])
+        if not isinstance(cuda, list) or not all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda
+        ):
+            raise ValueError("its CUDA part is not a list of byte tensors")
+    except (TypeError, ValueError, RuntimeError, IndexError) as exc:
+        raise ValueError(f"RNG state is not restorable ({type(exc).__name__}: {exc})") from exc
 
 
 _SCALARS = (int, float, bool, type(None))

@@ -39,6 +39,7 @@ from checkpoint_manager import (
 )
 from checkpoint_manager.dcp_io import read_dcp_metadata
 from checkpoint_manager.integrity import describe_files, verify
+from checkpoint_manager.layout import seal_checkpoint_json
 
 SHARD = "__0_0.distcp"
 MARKER = "HOSTILE_PAYLOAD_RAN"
@@ -106,8 +107,12 @@ def load(root: Path, **kw: Any) -> Any:
 
 
 def rewrite_json(file: Path, change: Callable[[dict[str, Any]], Any]) -> None:
+    """Change a JSON file; a rewritten checkpoint.json gets its checksum recomputed, as an attacker
+    (or a careful person) would, so the tests below reach the checks behind it."""
     data = json.loads(file.read_text())
     change(data)
+    if file.name == "checkpoint.json" and isinstance(data, dict) and "checksum" in data:
+        data = seal_checkpoint_json(data)
     file.write_text(json.dumps(data))
 
 

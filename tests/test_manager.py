@@ -7,6 +7,7 @@ import logging
 import os
 import pickle
 import random
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from checkpoint_manager import (
     TrainState,
     UnsafeCheckpointError,
 )
+from checkpoint_manager.layout import seal_checkpoint_json
 
 
 class Ema:
@@ -283,11 +285,11 @@ def test_metadata_with_pickle_payload_is_refused_and_never_run(tmp_path: Path, m
     monkeypatch.chdir(tmp_path)
     meta = Path(res.path) / ".metadata"
     meta.write_bytes(pickle.dumps(_Boom()))
-    # keep checkpoint.json's size record right so the payload reaches the unpickler
+    # keep checkpoint.json's records (and its checksum) right so the payload reaches the unpickler
     ck = Path(res.path) / "checkpoint.json"
     data = json.loads(ck.read_text())
-    data["files"][".metadata"]["size"] = meta.stat().st_size
-    ck.write_text(json.dumps(data))
+    data["files"][".metadata"] = {"size": meta.stat().st_size, "crc32": zlib.crc32(meta.read_bytes())}
+    ck.write_text(json.dumps(seal_checkpoint_json(data)))
     model, _, _, _ = build()
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refuses to load global posix\.system"):
         DefaultCheckpointManager(cfg(tmp_path)).load(LoadContext(model=model))

@@ -45,7 +45,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--full", dest="level", action="store_const", const="full", help="sizes and CRC32s (the default)"
     )
     level.add_argument(
-        "--sizes", dest="level", action="store_const", const="sizes", help="only sizes (no file is read)"
+        "--sizes", dest="level", action="store_const", const="sizes", help="sizes, and CRC32s of the small files a load reads whole (no tensor file is read)"
     )
     p.add_argument(
         "--finite",

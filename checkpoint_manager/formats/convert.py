@@ -32,7 +32,14 @@ from checkpoint_manager.formats.publish import publish_dir, staging_dir
 from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
 from checkpoint_manager.formats.sizes import parse_size
 from checkpoint_manager.integrity import describe_files
-from checkpoint_manager.layout import CHECKPOINT_JSON, FORMAT_NAME, FORMAT_VERSION, STATE_JSON, now
+from checkpoint_manager.layout import (
+    CHECKPOINT_JSON,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    STATE_JSON,
+    now,
+    seal_checkpoint_json,
+)
 from checkpoint_manager.resolve import is_plain_dcp
 from checkpoint_manager.storage import LocalStorage
 
@@ -258,7 +265,7 @@ def write_weights_checkpoint(
             "files": files,
             "converted_from": source,
         }
-        storage.write_json(staging / CHECKPOINT_JSON, meta)
+        storage.write_json(staging / CHECKPOINT_JSON, seal_checkpoint_json(meta))
         publish_dir(staging, out, overwrite=overwrite, fsync=fsync)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
