@@ -359,10 +359,9 @@ class DefaultCheckpointManager(FinalizeOnExit):
         taken; if every one is damaged that is an error, never a silent fresh start. Explicit steps
         never fall back. Superseded checkpoints (a later run went back before them) are never picked.
         """
+        line = [info for info in self.list_checkpoints(load_dir=True) if not info.superseded]
         damaged: list[CheckpointCorruptError] = []
-        for info in reversed(self.list_checkpoints(load_dir=True)):
-            if info.superseded:
-                continue
+        for info in reversed(line):
             try:
                 self._load_storage.check_info(info, self.config.verify_on_load)
             except CheckpointCorruptError as exc:
@@ -879,10 +878,10 @@ class DefaultCheckpointManager(FinalizeOnExit):
             "bytes": job.state.nbytes,
             "lineage": lineage.to_json(),
             "parent": parent.name if parent is not None else None,
+            # how this run ranks its checkpoints: what `ckpt prune` checks a --monitor/--mode against
+            "ranking": {"monitor": self.config.monitor, "mode": self.config.mode} if self.config.monitor else None,
             "files": files,
         }
-        if self.config.monitor is not None:  # what `ckpt prune` checks a --monitor/--mode against
-            meta["ranking"] = {"monitor": self.config.monitor, "mode": self.config.mode}
         self._storage.write_json(pending / CHECKPOINT_JSON, meta)
         final = self._storage.commit(pending, job.name)  # object stores: the marker is written last
         final_name = basename(final)
