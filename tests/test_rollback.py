@@ -23,6 +23,8 @@ from typing import Any
 import fsspec
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from checkpoint_manager import (
@@ -33,7 +35,13 @@ from checkpoint_manager import (
     TrainState,
 )
 from checkpoint_manager.cli import main
-from checkpoint_manager.layout import CHECKPOINT_JSON, Lineage, order_checkpoints
+from checkpoint_manager.layout import (
+    CHECKPOINT_JSON,
+    CheckpointInfo,
+    Lineage,
+    next_lineage,
+    order_checkpoints,
+)
 from checkpoint_manager.lock import LOCK_FILE
 from checkpoint_manager.pointers import read_pointer
 
@@ -292,3 +300,37 @@ def test_a_negative_step_is_refused_before_anything_is_written(tmp_path: Path, a
     assert on_disk(tmp_path / "run") == [step_dir(0)]
     with DefaultCheckpointManager(config(tmp_path / "run")) as mgr:
         assert load(mgr)[0] == 0
+
+
+# -- random histories of saves, loads of any checkpoint and deletions --------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["save", "load", "delete"]), st.integers(0, 10**6)), max_size=40))
+def test_random_histories_mark_exactly_what_is_off_the_heads_line(ops: list[tuple[str, int]]) -> None:
+    """A model keeps each checkpoint's ancestors by name; the lineages must agree with it."""
+    infos: dict[str, CheckpointInfo] = {}
+    known: dict[str, CheckpointInfo] = {}  # a run keeps its parent's lineage even once it is deleted
+    ancestors: dict[str, set[str]] = {}
+    order: list[str] = []  # save order of what exists
+    parent: str | None = None
+    counter = 0
+    for op, pick in ops:
+        if op == "save":
+            counter += 1
+            name = f"c{counter}"
+            lineage = next_lineage(known[parent] if parent else None, infos.values())
+            infos[name] = known[name] = CheckpointInfo(name=name, path=Path(name), step=pick % 50, created=float(counter),
+                                         meta={"lineage": lineage.to_json()})
+            ancestors[name] = (ancestors[parent] | {parent}) if parent else set()
+            order.append(name)
+            parent = name
+        elif op == "load" and order:
+            parent = order[pick % len(order)]
+        elif op == "delete" and len(order) > 1:
+            victim = order[pick % (len(order) - 1)]  # never the head (retention never deletes it)
+            del infos[victim]
+            order.remove(victim)
+    ordered = order_checkpoints(infos.values())
+    assert [i.name for i in ordered] == order
+    if order:
+        line = ancestors[order[-1]] | {order[-1]}
+        assert {i.name for i in ordered if i.superseded} == set(order) - line
