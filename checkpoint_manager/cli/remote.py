@@ -82,7 +82,7 @@ class RemoteCheckpoint:
 def remote_checkpoint(url: str, options: dict[str, Any] | None, step: int | None) -> RemoteCheckpoint:
     """The checkpoint at ``url``, or (a save root) its newest one or the one of ``step``."""
     from checkpoint_manager.errors import CheckpointCorruptError
-    from checkpoint_manager.layout import info_from_meta, pick_step
+    from checkpoint_manager.layout import info_from_meta
 
     url = url.rstrip("/")
     storage = open_remote(url, options)
@@ -90,10 +90,10 @@ def remote_checkpoint(url: str, options: dict[str, Any] | None, step: int | None
     if infos:
         if step is None:
             return RemoteCheckpoint(storage, infos[-1], f"newest in {url}")
-        match = pick_step(infos, step)  # the current line's when a superseded one has the same step
-        if match is not None:
-            return RemoteCheckpoint(storage, match, f"step {step} of {url}")
-        steps = ", ".join(str(s) for s in sorted({i.step for i in infos}))
+        for info in infos:
+            if info.step == step:
+                return RemoteCheckpoint(storage, info, f"step {step} of {url}")
+        steps = ", ".join(str(i.step) for i in infos)
         raise CliError(ExitCode.NOT_FOUND, f"{url}: no checkpoint at step {step} (steps here: {steps})")
     parent_url, _, _name = url.rpartition("/")
     parent = open_remote(parent_url, options) if "://" in parent_url and not parent_url.endswith(":/") else None

@@ -79,7 +79,7 @@ def resolve_checkpoint(text: str, *, step: int | None = None, args: argparse.Nam
     if is_url(text):
         return _download(text, step, args)
     from checkpoint_manager.formats.bundle import is_bundle, resolve_checkpoint_path
-    from checkpoint_manager.layout import CHECKPOINT_JSON, pick_step, read_checkpoint_json, scan_checkpoints
+    from checkpoint_manager.layout import CHECKPOINT_JSON, read_checkpoint_json, scan_checkpoints
     from checkpoint_manager.storage.local import LocalStorage
 
     path = existing(text)
@@ -102,10 +102,10 @@ def resolve_checkpoint(text: str, *, step: int | None = None, args: argparse.Nam
     if step is None:
         info = infos[-1]
         return Checkpoint(text, info.path, dict(info.meta), via=f"newest in {text}")
-    match = pick_step(infos, step)  # the current line's when a superseded one has the same step
-    if match is not None:
-        return Checkpoint(text, match.path, dict(match.meta), via=f"step {step} of {text}")
-    steps = ", ".join(str(s) for s in sorted({i.step for i in infos}))
+    for info in infos:
+        if info.step == step:
+            return Checkpoint(text, info.path, dict(info.meta), via=f"step {step} of {text}")
+    steps = ", ".join(str(i.step) for i in infos)
     raise CliError(ExitCode.NOT_FOUND, f"{text}: no checkpoint at step {step} (steps here: {steps})")
 
 
