@@ -42,7 +42,7 @@ if TYPE_CHECKING:
         pack_bundle,
     )
     from checkpoint_manager.integrity import verify
-    from checkpoint_manager.layout import CheckpointInfo
+    from checkpoint_manager.layout import CheckpointInfo, Lineage
     from checkpoint_manager.lock import CheckpointLockError, WriterLock
     from checkpoint_manager.manager import DefaultCheckpointManager
     from checkpoint_manager.naming import format_name, parse_name
@@ -122,6 +122,7 @@ _EXPORTS: dict[str, str] = {
     "KeepEveryNSteps": "checkpoint_manager.retention",
     "KeepLast": "checkpoint_manager.retention",
     "KeepUnranked": "checkpoint_manager.retention",
+    "Lineage": "checkpoint_manager.layout",
     "LoadContext": "checkpoint_manager.protocol",
     "LoadMode": "checkpoint_manager.config",
     "LoadResult": "checkpoint_manager.protocol",
@@ -200,6 +201,7 @@ __all__ = [
     "KeepEveryNSteps",
     "KeepLast",
     "KeepUnranked",
+    "Lineage",
     "LoadContext",
     "LoadMode",
     "LoadResult",

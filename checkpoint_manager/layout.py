@@ -6,6 +6,7 @@ a directory without a valid one is not a checkpoint. Names are for people; steps
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -13,9 +14,10 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -27,8 +29,10 @@ __all__ = [
     "CHECKPOINT_JSON",
     "FORMAT_VERSION",
     "CheckpointInfo",
+    "Lineage",
     "canonical_digest",
     "format_name",
+    "order_checkpoints",
     "parse_checkpoint_json",
     "read_checkpoint_json",
     "scan_checkpoints",
@@ -61,6 +65,8 @@ class CheckpointInfo:
     meta: dict[str, Any] = field(default_factory=dict)
     #: the checkpoint's URL in an object store (then ``path`` is its key there, not a local path)
     url: str | None = None
+    #: written on a line a later run abandoned (it went back to an older checkpoint): never auto-loaded
+    superseded: bool = False
 
     @property
     def location(self) -> str:
@@ -68,8 +74,117 @@ class CheckpointInfo:
         return self.url if self.url is not None else str(self.path)
 
     @property
-    def sort_key(self) -> tuple[int, float, str]:
-        return (self.step, self.created, self.name)
+    def lineage(self) -> Lineage | None:
+        """Its place in the directory's save order and history (None: written without one)."""
+        return Lineage.from_meta(self.meta)
+
+    @property
+    def sort_key(self) -> tuple[int, int, int, float, str]:
+        """Save order: checkpoints without a lineage first (by step), then by sequence number."""
+        lineage = self.lineage
+        if lineage is None:
+            return (0, 0, self.step, self.created, self.name)
+        return (1, lineage.seq, self.step, self.created, self.name)
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Where a checkpoint sits in its directory's history (``checkpoint.json``'s ``lineage``).
+
+    ``seq`` numbers the directory's saves in the order they were committed; ``line`` holds the
+    sequence numbers (as inclusive ranges) of every checkpoint its training state descends from,
+    its own included. A run that goes back to an older checkpoint and saves starts a line that
+    leaves out the checkpoints written after that one: they are superseded. ``legacy_step``: the
+    newest step, among checkpoints written without a lineage, that the line passes through.
+    """
+
+    seq: int
+    line: tuple[tuple[int, int], ...]
+    legacy_step: int | None = None
+
+    def __contains__(self, seq: object) -> bool:
+        return isinstance(seq, int) and any(lo <= seq <= hi for lo, hi in self.line)
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> Lineage | None:
+        """The recorded lineage, or None when absent or malformed (then nothing is judged by it)."""
+        raw = meta.get("lineage")
+        if not isinstance(raw, dict):
+            return None
+        seq, line, legacy = raw.get("seq"), raw.get("line"), raw.get("legacy_step")
+        if not _is_count(seq) or not isinstance(line, list):
+            return None
+        ranges: list[tuple[int, int]] = []
+        for item in line:
+            if not (isinstance(item, list) and len(item) == 2 and _is_count(item[0]) and _is_count(item[1])):
+                return None
+            ranges.append((item[0], item[1]))
+        if legacy is not None and not (_is_count(legacy) or (legacy == 0 and type(legacy) is int)):
+            return None
+        lineage = cls(seq, tuple(ranges), legacy)
+        return lineage if seq in lineage else None
+
+    def child(self, seq: int) -> Lineage:
+        """The lineage of a save numbered ``seq`` whose state descends from this checkpoint."""
+        ranges = list(self.line)
+        if ranges and ranges[-1][1] == seq - 1:
+            ranges[-1] = (ranges[-1][0], seq)
+        else:
+            ranges.append((seq, seq))
+        return Lineage(seq, tuple(ranges), self.legacy_step)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"seq": self.seq, "line": [list(r) for r in self.line]}
+        if self.legacy_step is not None:
+            out["legacy_step"] = self.legacy_step
+        return out
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def next_lineage(parent: CheckpointInfo | None, infos: Iterable[CheckpointInfo]) -> Lineage:
+    """The lineage of a new save into the directory holding ``infos``, descending from ``parent``.
+
+    Its number is one more than any there; without a parent (a fresh start) its line is its own.
+    """
+    seq = 1 + max((lin.seq for i in infos if (lin := i.lineage) is not None), default=0)
+    if parent is None:
+        return Lineage(seq, ((seq, seq),))
+    lineage = parent.lineage
+    if lineage is None:  # descends from a checkpoint written before lineages were recorded
+        return Lineage(seq, ((seq, seq),), parent.step)
+    return lineage.child(seq)
+
+
+def order_checkpoints(infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
+    """Committed checkpoints in save order (the head, the newest save, last), abandoned ones marked.
+
+    The head's lineage decides: a checkpoint with a lineage is on the current line if its number is
+    in the head's line, one without is if its step is at most the line's ``legacy_step``; any
+    other is ``superseded``. Without a head lineage nothing is judged.
+    """
+    ordered = sorted(infos, key=lambda i: i.sort_key)
+    head = ordered[-1].lineage if ordered else None
+    if head is None:
+        return [dataclasses.replace(i, superseded=False) if i.superseded else i for i in ordered]
+    out: list[CheckpointInfo] = []
+    for info in ordered:
+        lineage = info.lineage
+        if lineage is not None:
+            superseded = lineage.seq not in head
+        else:
+            superseded = head.legacy_step is not None and info.step > head.legacy_step
+        out.append(info if info.superseded == superseded else dataclasses.replace(info, superseded=superseded))
+    return out
+
+
+def pick_step(infos: Iterable[CheckpointInfo], step: int) -> CheckpointInfo | None:
+    """The checkpoint of ``step``: the current line's when both lines hold one, else the newest save."""
+    matches = [i for i in infos if i.step == step]
+    current = [i for i in matches if not i.superseded]
+    return (current or matches)[-1] if matches else None
 
 
 def rank_file(rank: int) -> str:
@@ -294,7 +409,7 @@ _scan_cache_lock = threading.Lock()
 
 
 def scan_checkpoints(root: Path, names: list[str]) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
-    """Committed checkpoints sorted oldest → newest by step, and the (name, problem) of broken ones.
+    """Committed checkpoints in save order (see :func:`order_checkpoints`), and the broken ones' (name, problem).
 
     Every call looks at the files on disk; the returned infos may be shared between calls, so treat
     them (and their ``meta``) as read-only.
@@ -333,8 +448,7 @@ def scan_checkpoints(root: Path, names: list[str]) -> tuple[list[CheckpointInfo]
             current[name] = (key, info)
     with _scan_cache_lock:
         _scan_cache[root_s] = current
-    good.sort(key=lambda i: i.sort_key)
-    return good, bad
+    return order_checkpoints(good), bad
 
 
 def metric_value(value: Any) -> float | None:

@@ -60,9 +60,12 @@ from checkpoint_manager.layout import (
     STATE_JSON,
     STATE_JSON_LIMIT,
     CheckpointInfo,
+    Lineage,
     format_name,
     info_from_meta,
+    next_lineage,
     now,
+    pick_step,
     rank_file,
     read_checkpoint_json,
     seal_checkpoint_json,
@@ -377,6 +380,10 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._pruner = Pruner.from_config(config, self._storage)
         self._resumed_from: str | None = None  # protected from retention while this run lives
         self._pid = os.getpid()  # a forked child's copy of this manager neither saves nor prunes
+        # what the next save descends from (its lineage): the last checkpoint of save_dir this run
+        # saved or loaded; unknown until then, and a run that loaded none continues the newest save
+        self._parent: CheckpointInfo | None = None
+        self._parent_known = False
         self._writer_lock: AnyWriterLock | None = None
         if config.writer_lock:  # before the sweep: the sweep must never touch another run's saves
             self._dist.on_coordinator(self._take_writer_lock, "start: writer lock")
@@ -456,8 +463,9 @@ class DefaultCheckpointManager(FinalizeOnExit):
 
     # -- discovery --------------------------------------------------------------------------------
     def list_checkpoints(self, *, load_dir: bool = False) -> list[CheckpointInfo]:
-        """Committed checkpoints, oldest → newest by step, as this process sees them (not collective:
-        the manager's own decisions list on rank 0 and share the answer)."""
+        """Committed checkpoints in save order, the newest save last, as this process sees them (not
+        collective: the manager's own decisions list on rank 0 and share the answer). Those a run
+        abandoned by going back to an older checkpoint are listed with ``superseded=True``."""
         storage = self._load_storage if load_dir else self._storage
         infos, bad = storage.scan()
         for name, problem in bad:
@@ -496,15 +504,17 @@ class DefaultCheckpointManager(FinalizeOnExit):
                 return single, False
         if step is not None:
             infos = self.list_checkpoints(load_dir=True)
-            matches = [i for i in infos if i.step == step]
-            if not matches:
+            match = pick_step(infos, step)
+            if match is None:
                 _, bad = self._load_storage.scan()  # a damaged checkpoint.json hides its step too
                 damaged = f"; damaged (step unknown): {', '.join(sorted(n for n, _ in bad))}" if bad else ""
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint at step {step} in {self.config.resolved_load_dir}; "
-                    f"available steps: {[i.step for i in infos]}{damaged}"
+                    f"available steps: {sorted(i.step for i in infos)}{damaged}"
                 )
-            return matches[-1].location, False
+            if match.superseded:
+                log.warning("loading %s (step %d), which a later run superseded, as asked", match.location, step)
+            return match.location, False
         if self.config.load_mode == "never":
             return None, False
         good = self._newest_intact()
@@ -535,16 +545,16 @@ class DefaultCheckpointManager(FinalizeOnExit):
         return None
 
     def _newest_intact(self) -> CheckpointInfo | None:
-        """Auto-resume's pick: the newest checkpoint that passes ``verify_on_load``.
+        """Auto-resume's pick: the newest checkpoint of the current line that passes ``verify_on_load``.
 
         A damaged newest checkpoint is skipped with a warning naming its problem and an older one is
         taken; if every one is damaged that is an error, never a silent fresh start. Explicit steps
-        never fall back.
+        never fall back. Superseded checkpoints (a later run went back before them) are never picked.
         """
         damaged: list[CheckpointCorruptError] = []
         for _ in range(_GONE_RETRIES + 1):
             gone = 0
-            for info in reversed(self.list_checkpoints(load_dir=True)):
+            for info in reversed([i for i in self.list_checkpoints(load_dir=True) if not i.superseded]):
                 finite = info.meta.get("finite")
                 if isinstance(finite, dict) and finite.get("ok") is False:
                     log.warning("skipping checkpoint %s (step %d): it records non-finite values", info.path, info.step)
@@ -684,6 +694,9 @@ class DefaultCheckpointManager(FinalizeOnExit):
             self._last_saved_known = True
             if self._in_save_dir(source):
                 self._resumed_from = basename(source)
+                self._parent, self._parent_known = info_from_meta(Path(basename(source)), meta), True
+            else:  # the next save continues save_dir's newest line
+                self._parent, self._parent_known = None, False
             if not self._prepared:  # the first save after a resume is warm too
                 # a load of every part filled the very tensors a save gathers (same keys and shapes):
                 # gathering them again cost 0.06 s at 26,664 small tensors
@@ -801,6 +814,10 @@ class DefaultCheckpointManager(FinalizeOnExit):
         if ctx.train_state is None:
             raise ValueError("SaveContext.train_state is required: it carries the step being saved")
         step = ctx.train_state.step
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"cannot save step {step!r}: TrainState.step must be an int, got {type(step).__name__}")
+        if step < 0:
+            raise ValueError(f"cannot save step {step}: a checkpoint's step must be 0 or more")
         preempting = self._preemption is not None and self._dist.any_true(
             self._preemption.requested, "preemption"
         )
@@ -1179,6 +1196,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         if export_consolidated(self.config, pending, final=job.final):  # inside: committed with the rest
             job.timings["export"] = time.perf_counter() - t_export
         files = self._storage.describe_files(pending, self._checksums_from_ranks(pending))
+        parent, lineage = self._lineage()
         created_unix, created = now()
         meta = {
             "format": FORMAT_NAME,
@@ -1195,6 +1213,10 @@ class DefaultCheckpointManager(FinalizeOnExit):
             "train_state": job.state.train_state,
             "metrics": encode(job.metrics),
             "bytes": job.state.nbytes,
+            "lineage": lineage.to_json(),
+            "parent": parent.name if parent is not None else None,
+            # how this run ranks its checkpoints: what `ckpt prune` checks a --monitor/--mode against
+            "ranking": {"monitor": self.config.monitor, "mode": self.config.mode} if self.config.monitor else None,
             "files": files,
         }
         if job.finite_checked:
@@ -1206,11 +1228,17 @@ class DefaultCheckpointManager(FinalizeOnExit):
             self._storage.write_pointer(LATEST_POINTER, {"name": final_name, "step": job.step})
         except Exception as exc:  # committed already: say so, rather than "the save failed"
             raise PostCommitError(str(final), f"moving the {LATEST_POINTER!r} pointer", exc) from exc
-        info_from_meta(Path(final_name), meta)
+        self._parent, self._parent_known = info_from_meta(Path(final_name), meta), True
         t_prune = time.perf_counter()
         if self._retain(final_name):
             job.timings["prune"] = time.perf_counter() - t_prune
         return str(final)
+
+    def _lineage(self) -> tuple[CheckpointInfo | None, Lineage]:
+        """Rank 0, at commit: the save's parent and lineage (numbered after every save on disk)."""
+        infos = self.list_checkpoints()
+        parent = self._parent if self._parent_known else (infos[-1] if infos else None)
+        return parent, next_lineage(parent, infos)
 
     def _retain(self, committed: str) -> bool:
         """``best`` pointer, then retention: only now that the new checkpoint is durable, never fatal."""

@@ -107,10 +107,14 @@ def update_pointers(
 ) -> CheckpointInfo | None:
     """Move ``best`` (when a metric is monitored) and the symlinks to what is committed; return the best.
 
-    ``latest`` is written by the commit itself; this only refreshes its symlink. Symlinks exist only
-    on local storage (object stores have none).
+    ``best`` ranks the current line (superseded checkpoints never become best). While nothing ranks
+    it stays where it is (a metric not logged yet must not unprotect the last best), unless the
+    checkpoint it names is gone. ``latest`` is written by the commit itself; this only refreshes its
+    symlink. Symlinks exist only on local storage (object stores have none).
     """
-    best = best_checkpoint(checkpoints, monitor, mode) if monitor else None
+    line = [c for c in checkpoints if not c.superseded]
+    best = best_checkpoint(line, monitor, mode) if monitor else None
+    kept_name: str | None = None
     if best is not None:
         pointer = {
             "name": best.name,
@@ -121,13 +125,16 @@ def update_pointers(
         }
         if storage.read_pointer(BEST_POINTER) != pointer:
             storage.write_pointer(BEST_POINTER, pointer)
-    elif monitor and storage.read_pointer(BEST_POINTER) is not None:
-        storage.remove_pointer(BEST_POINTER)  # nothing ranks any more (e.g. the monitored metric changed)
+    elif monitor and (on_disk := storage.read_pointer(BEST_POINTER)) is not None:
+        if on_disk["name"] in {c.name for c in checkpoints}:
+            kept_name = on_disk["name"]
+        else:
+            storage.remove_pointer(BEST_POINTER)  # it names a checkpoint that is gone
     if symlinks and isinstance(storage, LocalStorage):
         root = storage.root
         latest = checkpoints[-1].name if checkpoints else None
         update_symlink(root, LATEST_LINK, latest)
-        update_symlink(root, BEST_LINK, best.name if best is not None else None)
+        update_symlink(root, BEST_LINK, best.name if best is not None else kept_name)
         if storage.fsync:
             fsync_dir(root)
     return best

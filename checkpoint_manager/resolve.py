@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
+from checkpoint_manager.layout import pick_step
 
 if TYPE_CHECKING:
     from checkpoint_manager.layout import CheckpointInfo
@@ -185,9 +186,9 @@ def _resolve_dir(given: str, path: Path, step: int | None) -> ResolvedCheckpoint
             newest = newest_committed(storage)
             assert newest is not None
             return _from_info(given, newest, f"newest in {given}")
-        for info in infos:
-            if info.step == step:
-                return _from_info(given, info, f"step {step} of {given}")
+        match = pick_step(infos, step)  # the current line's when a superseded one has the same step
+        if match is not None:
+            return _from_info(given, match, f"step {step} of {given}")
         steps = ", ".join(str(i.step) for i in infos)
         raise CheckpointNotFoundError(f"{given}: no checkpoint at step {step} (steps here: {steps})")
     if bad:
@@ -225,9 +226,9 @@ def _resolve_remote(
             newest = newest_committed(storage)
             assert newest is not None
             return _from_remote(url, newest, f"newest in {url}"), storage
-        for info in infos:
-            if info.step == step:
-                return _from_remote(url, info, f"step {step} of {url}"), storage
+        match = pick_step(infos, step)  # the current line's when a superseded one has the same step
+        if match is not None:
+            return _from_remote(url, match, f"step {step} of {url}"), storage
         steps = ", ".join(str(i.step) for i in infos)
         raise CheckpointNotFoundError(f"{url}: no checkpoint at step {step} (steps here: {steps})")
     parent_url, _, name = url.rpartition("/")

@@ -2,9 +2,12 @@
 
 A checkpoint survives if any rule keeps it; the newest, the best, whatever the pointers name and
 whatever the caller protects (the checkpoint resumed from, saves in flight) survive regardless.
-Rankings are rebuilt from the ``checkpoint.json`` files on disk at every prune, never from memory,
-so top-k stays right across resumes and config changes. Pruning is only ever called after a commit
-is durable, and a failed deletion is logged and retried at the next prune, never fatal.
+Rules rank the current line only: checkpoints a run abandoned by going back to an older one
+(``superseded``) are kept by no rule. Rankings are rebuilt from the ``checkpoint.json`` files on
+disk at every prune, never from memory, so top-k stays right across resumes and config changes.
+Pruning is only ever called after a commit is durable, and a failed deletion is logged and retried
+at the next prune, never fatal. Outside a run (:func:`prune`, ``ckpt prune``) the rules are checked
+against the directory first: a metric no checkpoint logged, or a mode against the run's, is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from checkpoint_manager.config import CheckpointConfig, MonitorMode
-from checkpoint_manager.layout import CheckpointInfo, metric_value
+from checkpoint_manager.layout import CheckpointInfo, metric_value, order_checkpoints
 from checkpoint_manager.lock import writer_lock_for
 from checkpoint_manager.pointers import (
     BEST_POINTER,
@@ -75,7 +78,11 @@ class KeepLast:
 
 @dataclass(frozen=True)
 class KeepBest:
-    """The ``n`` best by ``monitor``; NaN or missing values never rank."""
+    """The ``n`` best by ``monitor``; NaN or missing values never rank.
+
+    While no checkpoint ranks (the metric is not logged yet, or is misspelled) it keeps every one:
+    a ranking that does not exist must not leave everything to be deleted.
+    """
 
     n: int
     monitor: str
@@ -88,7 +95,10 @@ class KeepBest:
             raise ValueError(f"KeepBest.mode must be 'min' or 'max', got {self.mode!r}")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
-        return {c.name for c in rank_by_metric(list(checkpoints), self.monitor, self.mode)[: self.n]}
+        ranked = rank_by_metric(list(checkpoints), self.monitor, self.mode)
+        if not ranked:
+            return {c.name for c in checkpoints}
+        return {c.name for c in ranked[: self.n]}
 
 
 @dataclass(frozen=True)
@@ -196,13 +206,16 @@ def plan_retention(
     """Decide, without touching the disk, which checkpoints a retention pass deletes.
 
     Protected whatever the policy: the newest, the best by ``monitor`` and the names in ``protected``.
+    The rules rank the current line (save order); a superseded checkpoint survives only if protected
+    (or when there is no policy: then nothing is deleted).
     """
-    ordered = sorted(checkpoints, key=lambda c: c.sort_key)
+    ordered = order_checkpoints(checkpoints)
+    line = [c for c in ordered if not c.superseded]
     reasons: dict[str, list[str]] = {c.name: [] for c in ordered}
-    if ordered:
-        reasons[ordered[-1].name].append("newest")
+    if line:
+        reasons[line[-1].name].append("newest")
     if monitor is not None:
-        best = best_checkpoint(ordered, monitor, mode)
+        best = best_checkpoint(line, monitor, mode)
         if best is not None:
             reasons[best.name].append(f"best {monitor}")
     for name in protected:
@@ -210,13 +223,13 @@ def plan_retention(
             reasons[name].append("protected")
     rules: Sequence[RetentionPolicy]
     if policy is None:
-        rules = [KeepAll()]
+        rules, line = [KeepAll()], ordered
     elif isinstance(policy, KeepAny):
         rules = policy.policies
     else:
         rules = [policy]
     for rule in rules:
-        for name in rule.keep(ordered):
+        for name in rule.keep(line):
             reasons[name].append(repr(rule))
     keep = [c for c in ordered if reasons[c.name]]
     delete = [c for c in ordered if not reasons[c.name]]
@@ -235,13 +248,21 @@ class Pruner:
         mode: MonitorMode = "min",
         background: bool = False,
         pointer_symlinks: bool = False,
+        owns_pointers: bool = True,
+        force: bool = False,
     ) -> None:
+        """``owns_pointers=False``: a pass from outside the run (``prune``, ``ckpt prune``) leaves the
+        pointers as the run wrote them and first checks its rules against the directory
+        (:meth:`check_rules`; ``force`` lets a mode that disagrees with the run's through)."""
         self.storage = storage
         self.policy = policy
         self.monitor = monitor
         self.mode: MonitorMode = mode
         self.background = background
         self.pointer_symlinks = pointer_symlinks
+        self.owns_pointers = owns_pointers
+        self.force = force
+        self._warned_unlogged = False
         self._executor: ThreadPoolExecutor | None = None
         # background removals queued by this pass and by the one before it: a pass first waits for
         # older ones, so deletion that falls behind slows saves rather than filling the disk
@@ -275,14 +296,65 @@ class Pruner:
         return infos
 
     def _pointer_targets(self) -> set[str]:
-        """``latest`` may lag the newest after a crash; ``best`` is trusted only when we cannot rank."""
+        """What ``latest`` and ``best`` name on disk now (in a run: after this pass moved them)."""
         names: set[str] = set()
-        kinds = [LATEST_POINTER] if self.monitor is not None else [LATEST_POINTER, BEST_POINTER]
-        for kind in kinds:
+        for kind in (LATEST_POINTER, BEST_POINTER):
             pointer = self.storage.read_pointer(kind)
             if pointer is not None:
                 names.add(pointer["name"])
         return names
+
+    def check_rules(self, infos: Sequence[CheckpointInfo]) -> None:
+        """Refuse rules that do not fit the directory (a pass from outside the run).
+
+        ``monitor`` must be a metric some checkpoint logged (a misspelled one ranks nothing); a
+        ``mode`` that ranks the run's own ``monitor`` the other way needs ``force``.
+        """
+        if self.monitor is None or not infos:
+            return
+        logged = sorted({key for info in infos for key in info.metrics})
+        if self.monitor not in logged:
+            there = ", ".join(repr(k) for k in logged) if logged else "none (no checkpoint logged a metric)"
+            raise ValueError(
+                f"{self.storage.url}: no checkpoint logged the metric {self.monitor!r}, so it ranks nothing; "
+                f"the metrics logged there: {there}"
+            )
+        if self.force:
+            return
+        for where, recorded in self._recorded_rankings(infos):
+            other = recorded.get("mode") in ("min", "max") and recorded.get("mode") != self.mode
+            if recorded.get("monitor") == self.monitor and other:
+                raise ValueError(
+                    f"{self.storage.url}: mode {self.mode!r} ranks {self.monitor!r} the other way from the "
+                    f"run, which ranked it with mode {recorded['mode']!r} ({where}); pass force to rank "
+                    f"with mode {self.mode!r} anyway (ckpt prune --force)"
+                )
+
+    def _recorded_rankings(self, infos: Sequence[CheckpointInfo]) -> list[tuple[str, dict[str, Any]]]:
+        """The run's ``monitor``/``mode``: as the newest save recorded them, and as ``best`` names them."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        ranking = infos[-1].meta.get("ranking")
+        if isinstance(ranking, dict):
+            found.append((f"recorded in {infos[-1].name}/checkpoint.json", ranking))
+        pointer = self.storage.read_pointer(BEST_POINTER)
+        if pointer is not None:
+            found.append(("recorded in the best pointer", pointer))
+        return found
+
+    def _warn_if_unlogged(self, infos: Sequence[CheckpointInfo]) -> None:
+        """Once per run: a monitored metric that no checkpoint carries is most likely misspelled."""
+        if self.monitor is None or not infos or self._warned_unlogged:
+            return
+        logged = sorted({key for info in infos for key in info.metrics})
+        if self.monitor in logged:
+            return
+        self._warned_unlogged = True
+        log.warning(
+            "monitor %r is in no checkpoint's metrics (logged: %s): nothing ranks, so no checkpoint is "
+            "deleted for its rank and 'best' is not moved",
+            self.monitor,
+            ", ".join(logged) or "none",
+        )
 
     # -- the pass ---------------------------------------------------------------------------------
     def after_commit(self, protected: Iterable[str] = ()) -> RetentionPlan:
@@ -290,9 +362,12 @@ class Pruner:
         return self.prune(protected)
 
     def prune(self, protected: Iterable[str] = (), *, dry_run: bool = False) -> RetentionPlan:
-        """One retention pass over what is on disk now (pointers first); ``dry_run`` only plans."""
+        """One retention pass over what is on disk now (a run's pointers first); ``dry_run`` only plans."""
         infos = self.scan()
-        if not dry_run:
+        if not self.owns_pointers:
+            self.check_rules(infos)
+        elif not dry_run:
+            self._warn_if_unlogged(infos)
             update_pointers(
                 self.storage, infos, monitor=self.monitor, mode=self.mode, symlinks=self.pointer_symlinks
             )
@@ -437,6 +512,7 @@ def prune(
     keep_every_n_steps: int | None = None,
     protected: Iterable[str] = (),
     dry_run: bool = True,
+    force: bool = False,
     fsync: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> list[CheckpointInfo]:
@@ -444,7 +520,9 @@ def prune(
 
     ``dry_run`` (the default) only reports. A real pass takes the directory's writer lock, so it
     refuses to run while a training run writes there. ``directory`` may be an fsspec URL
-    (``s3://bucket/prefix``; ``storage_options`` go to fsspec).
+    (``s3://bucket/prefix``; ``storage_options`` go to fsspec). The pointers are left as the run
+    wrote them and their targets are never deleted. ValueError: ``monitor`` is a metric no
+    checkpoint logged, or ``mode`` disagrees with the mode the run recorded for it (unless ``force``).
     """
     policy = build_retention_policy(
         keep_last=keep_last,
@@ -459,7 +537,7 @@ def prune(
     storage = open_storage(directory, storage_options, fsync=fsync)
     if isinstance(storage, LocalStorage) and not storage.root.is_dir():
         raise FileNotFoundError(f"prune: {str(directory)!r} is not a directory")
-    pruner = Pruner(storage, policy, monitor=monitor, mode=mode)
+    pruner = Pruner(storage, policy, monitor=monitor, mode=mode, owns_pointers=False, force=force)
     if dry_run:
         return pruner.prune(protected, dry_run=True).delete
     with writer_lock_for(storage):

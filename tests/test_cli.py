@@ -481,13 +481,15 @@ def test_prune_dry_run_then_real(children: Children, capsys: pytest.CaptureFixtu
     assert kept == {"step_00000020": ["best pointer"], "step_00000040": ["newest", "latest pointer", "keep-last 1"]}
     assert sorted(p.name for p in root.glob("step_*")) == [f"step_{s:08d}" for s in STEPS]  # nothing deleted
 
-    assert main(["prune", str(root), "--keep-last", "1", "--keep-best", "1", "--monitor", "loss", "--mode", "max"]) == 0
+    rules = ["--keep-last", "1", "--keep-best", "1", "--monitor", "loss", "--mode", "max"]
+    assert main(["prune", str(root), *rules]) == 2  # the run ranked loss with mode min
+    assert "pass force to rank with mode 'max' anyway (ckpt prune --force)" in capsys.readouterr().err
+    assert main(["prune", str(root), *rules, "--force"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    # by max(loss) the best is step 10; the min-best pointer (step 20) is not shielded once --monitor ranks
-    assert lines[0].startswith("deleted step_00000020 (step 20, ")
-    assert lines[1].startswith("deleted step_00000030 (step 30, ")
-    assert lines[-1].startswith("deleted 2 checkpoint(s), ") and lines[-1].endswith("; kept 2")
-    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000010", "step_00000040"]
+    # by max(loss) the best is step 10; the run's best pointer (step 20) stays protected
+    assert lines[0].startswith("deleted step_00000030 (step 30, ")
+    assert lines[-1].startswith("deleted 1 checkpoint(s), ") and lines[-1].endswith("; kept 3")
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000010", "step_00000020", "step_00000040"]
 
 
 def test_prune_usage_errors(run: Run, capsys: pytest.CaptureFixture[str]) -> None:

@@ -363,8 +363,8 @@ def oracle_keep(infos: list[CheckpointInfo], cfg: dict[str, Any], protected: set
     keep: set[str] = set() if any(r is not None for r in rules) else {i.name for i in order}
     if cfg["keep_last"]:
         keep |= {i.name for i in order[-cfg["keep_last"] :]}
-    if cfg["keep_best"]:
-        keep |= {i.name for i in ranked[: cfg["keep_best"]]}
+    if cfg["keep_best"]:  # while nothing ranks, keep_best keeps every checkpoint
+        keep |= {i.name for i in ranked[: cfg["keep_best"]]} if ranked else {i.name for i in order}
     if cfg["keep_unranked"]:
         keep |= {i.name for i in order if i not in ranked}
     if cfg["keep_every_n_steps"]:
@@ -426,9 +426,10 @@ class RetentionHistory(RuleBasedStateMachine):
             newest = max(before, key=lambda i: (i.step, i.created, i.name))
             assert newest.name in after
         bound = sum(v or 0 for v in (self.cfg["keep_last"], self.cfg["keep_best"])) + 3
+        nothing_ranks = not any(math.isfinite(i.metrics.get("loss", math.nan)) for i in before)
         unbounded = self.cfg["keep_unranked"] or self.cfg["keep_every_n_steps"] or not (
             self.cfg["keep_last"] or self.cfg["keep_best"]
-        )
+        ) or (self.cfg["keep_best"] and nothing_ranks)
         if not unbounded:
             assert len(after) <= bound
 
@@ -544,8 +545,9 @@ def test_manager_protects_the_checkpoint_it_resumed_from(tmp_path: Path) -> None
         assert mgr.load(LoadContext(model=nn.Linear(2, 2), train_state=state)).step == 10
         for step in (11, 12):
             _save(mgr, step)
-            # newest by step is still 30 (another branch); 10 is in use; the save just made is kept
-            assert listed(tmp_path) == ["step_00000010", f"step_{step:08d}", "step_00000030"]
+            # 10 is in use and the save just made is the newest; 20 and 30 were superseded (this run
+            # went back before them), so no rule keeps them
+            assert listed(tmp_path) == ["step_00000010", f"step_{step:08d}"]
     with DefaultCheckpointManager(_manager_cfg(tmp_path, keep_last=1)) as mgr:
         _save(mgr, 40)  # a new run that resumed nothing: only the newest stays
     assert listed(tmp_path) == ["step_00000040"]

@@ -2,6 +2,7 @@
 
 Committed checkpoints come from the library's own discovery (``scan_checkpoints``); what discovery
 skips is shown too, because that is what people are looking for when something went wrong:
+committed checkpoints a later run abandoned by going back to an older one (``superseded``),
 directories whose ``checkpoint.json`` is damaged or missing (``corrupt``), saves still in
 ``.pending/`` (``pending``) and deletions under way (``deleting``). With ``--verify``, a checkpoint
 deleted while it was being verified (a running job's retention) is ``gone``, not ``corrupt``.
@@ -88,7 +89,8 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
     infos, bad = scan_checkpoints(root, names)
     rows: list[dict[str, Any]] = []
     for info in infos:
-        rows.append(_row(info.name, info.path, "committed", step=info.step, meta=dict(info.meta)))
+        state = "superseded" if info.superseded else "committed"
+        rows.append(_row(info.name, info.path, state, step=info.step, meta=dict(info.meta)))
     for name, problem in bad:
         row = _row(name, root / name, "corrupt")
         row["problems"].append(problem)
@@ -137,7 +139,8 @@ def collect_remote(url: str, options: dict[str, Any] | None, verify_level: str |
         raise CliError(ExitCode.NOT_FOUND, f"{url}: nothing stored there")
     by_name: dict[str, CheckpointInfo] = {i.name: i for i in infos}
     rows = [
-        _row(i.name, i.location, "committed", step=i.step, meta=dict(i.meta), size=remote_size(storage, i.name))
+        _row(i.name, i.location, "superseded" if i.superseded else "committed", step=i.step, meta=dict(i.meta),
+             size=remote_size(storage, i.name))
         for i in infos
     ]
     for name, problem in bad:
@@ -147,6 +150,9 @@ def collect_remote(url: str, options: dict[str, Any] | None, verify_level: str |
 
     return _finish(url, rows, storage.read_pointer(LATEST_POINTER), storage.read_pointer(BEST_POINTER),
                    verify_level, out, lambda row, level: verify_remote(storage, by_name[row["name"]], level))
+
+
+_COMMITTED = ("committed", "superseded")  # both are listed by discovery; superseded ones are never auto-loaded
 
 
 def _finish(
@@ -160,7 +166,7 @@ def _finish(
 ) -> dict[str, Any]:
     """Pointers marked, verification done if asked, rows ordered: the document ``--json`` prints."""
     for row in rows:
-        if row["state"] != "committed":
+        if row["state"] not in _COMMITTED:
             continue
         if latest is not None and latest["name"] == row["name"]:
             row["pointers"].append("latest")
@@ -170,7 +176,7 @@ def _finish(
     if verify_level is not None:
         from checkpoint_manager.errors import CheckpointNotFoundError
 
-        committed = [r for r in rows if r["state"] == "committed"]
+        committed = [r for r in rows if r["state"] in _COMMITTED]
         progress = out.progress("verifying", len(committed))
         meter = io_meter("read")
         if verify_level == "full" and not is_url(where) and meter is not None:  # every byte read: bytes, ETA
@@ -189,14 +195,14 @@ def _finish(
                     row["problems"].extend(problems)
                 advance(1)
 
-    order = {"committed": 0, "corrupt": 0, "pending": 1, "deleting": 2, "gone": 2}
+    order = {"committed": 0, "superseded": 0, "corrupt": 0, "pending": 1, "deleting": 2, "gone": 2}
     rows.sort(key=lambda r: (order[r["state"]], r["step"] if r["step"] is not None else -1, r["name"]))
     return {
         "directory": where,
         "checkpoints": rows,
         "latest": latest,
         "best": best,
-        "committed": sum(r["state"] == "committed" for r in rows),
+        "committed": sum(r["state"] in _COMMITTED for r in rows),
         "total_bytes": sum(r["size_bytes"] for r in rows),
         "verified": verify_level,
     }

@@ -2,8 +2,10 @@
 
 The plan comes from the library's retention module (the same rules a run applies after each
 commit): the newest checkpoint, the best by ``--monitor`` and whatever the ``latest``/``best``
-pointers name are never deleted. A real pass takes the directory's writer lock, so it refuses to
-run while a training job writes there. ``--dry-run`` only prints the plan.
+pointers name are never deleted, and the pointers are left as the run wrote them. A ``--monitor``
+no checkpoint logged is refused, and so is a ``--mode`` against the run's own (unless ``--force``).
+A real pass takes the directory's writer lock, so it refuses to run while a training job writes
+there. ``--dry-run`` only prints the plan.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ examples:
   ckpt prune runs/exp1 --keep-last 2 --keep-best 2 --monitor val_loss --mode min
   ckpt prune runs/exp1 --keep-every 1000 --keep-last 1 --json
   ckpt prune s3://bucket/exp1 --keep-last 5 -o profile=training
-the newest checkpoint and the best one (by --monitor, else the 'best' pointer) are always kept.
+the newest checkpoint, the best one by --monitor and the targets of the 'latest' and 'best'
+pointers are always kept. Checkpoints a run abandoned by going back to an older one (superseded)
+are kept by no rule. A --monitor that no checkpoint logged is refused (exit 2), and so is a --mode
+that ranks the run's own metric the other way, unless --force.
 """
 
 
@@ -52,6 +57,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--keep-unranked", action="store_true", help="keep checkpoints whose --monitor is missing or NaN"
     )
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    p.add_argument(
+        "--force", action="store_true", help="rank with a --mode that disagrees with the one the run recorded"
+    )
     p.set_defaults(run=run)
 
 
@@ -102,25 +110,29 @@ def run(args: argparse.Namespace, out: Output) -> int:
         "keep_every_n_steps": args.keep_every,
     }
     policy = build_retention_policy(**rules)
-    plan = Pruner(storage, policy, monitor=args.monitor, mode=args.mode).prune(dry_run=True)
+    pruner = Pruner(storage, policy, monitor=args.monitor, mode=args.mode, owns_pointers=False, force=args.force)
+    plan = pruner.prune(dry_run=True)  # refuses rules that do not fit the directory
     sizes = {c.name: size_of(c) for c in plan.delete}
     if args.dry_run:
         deleted_names = [c.name for c in plan.delete]
         failed: list[str] = []
     else:
         with out.progress("pruning", None):
-            done = prune(args.directory, **rules, dry_run=False, storage_options=options)
+            done = prune(args.directory, **rules, dry_run=False, force=args.force, storage_options=options)
         deleted_names = [c.name for c in done]
         remaining = {c.name for c in storage.scan()[0]}
         failed = [c.name for c in plan.delete if c.name not in deleted_names and c.name in remaining]
     steps = {c.name: c.step for c in [*plan.keep, *plan.delete]}
+    superseded = {c.name for c in [*plan.keep, *plan.delete] if c.superseded}
     pointed = _pointer_names(storage)
     doc: dict[str, Any] = {
         "directory": where,
         "dry_run": bool(args.dry_run),
         "rules": {k: v for k, v in rules.items() if v not in (None, False)},
-        "kept": [{"name": c.name, "step": c.step, "reasons": _reasons(plan.reasons.get(c.name, []), pointed.get(c.name, []))} for c in plan.keep],
-        "deleted": [{"name": n, "step": steps.get(n), "bytes": sizes.get(n, 0)} for n in deleted_names],
+        "kept": [{"name": c.name, "step": c.step, "superseded": c.superseded,
+                  "reasons": _reasons(plan.reasons.get(c.name, []), pointed.get(c.name, []))} for c in plan.keep],
+        "deleted": [{"name": n, "step": steps.get(n), "superseded": n in superseded, "bytes": sizes.get(n, 0)}
+                    for n in deleted_names],
         "failed": failed,
         "freed_bytes": sum(sizes.get(n, 0) for n in deleted_names),
     }
@@ -129,9 +141,11 @@ def run(args: argparse.Namespace, out: Output) -> int:
     else:
         verb = "would delete" if args.dry_run else "deleted"
         for d in doc["deleted"]:
-            out.line(f"{verb} {d['name']} (step {d['step']}, {human_bytes(d['bytes'])})")
+            note = ", superseded" if d["superseded"] else ""
+            out.line(f"{verb} {d['name']} (step {d['step']}{note}, {human_bytes(d['bytes'])})")
         for k in doc["kept"]:
-            out.line(f"keep   {k['name']} (step {k['step']}: {', '.join(k['reasons'])})")
+            note = "superseded; " if k["superseded"] else ""
+            out.line(f"keep   {k['name']} (step {k['step']}: {note}{', '.join(k['reasons'])})")
         for name in failed:
             out.line(f"FAILED to delete {name} (see the log; retried at the next prune)")
         out.line(

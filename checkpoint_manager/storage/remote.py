@@ -33,6 +33,7 @@ from checkpoint_manager.layout import (
     CHECKPOINT_JSON,
     CheckpointInfo,
     info_from_meta,
+    order_checkpoints,
     parse_checkpoint_json,
     rank_file,
 )
@@ -196,8 +197,7 @@ class FsspecStorage:
                 good.append(info)
                 current[name] = (stamp, info)
         self._scan_cache = current
-        good.sort(key=lambda i: i.sort_key)
-        return good, bad
+        return order_checkpoints(good), bad
 
     def read_pointer(self, kind: str) -> dict[str, Any] | None:
         try:
