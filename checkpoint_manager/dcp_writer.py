@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import (
     _StorageInfo,
     _StoragePrefix,
 )
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -65,9 +65,31 @@ class CheckpointWriter(FileSystemWriter):
         self.fsync_seconds = 0.0  # the fsync part of write_data, reported as its own phase
         self.in_place_bytes = 0  # tensor bytes sent to disk without the bounce copy (aligned staging)
         self._entry: _PlanEntry | None = None  # the cached plan whose layout this save reused
+        #: non-tensor entries (key -> torch.save record, see dcp_objects), written by the coordinator
+        #: after its tensors, so that plain dcp.load finds every key dcp.save would have written
+        self.objects: dict[str, bytes] = {}
+        self._objects_written: list[tuple[str, _StorageInfo]] = []
+        self._coordinator = True
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._coordinator = is_coordinator
+
+    def _object_records(self, file_name: str, start: int) -> bytes:
+        """The coordinator's object records, back to back from ``start`` in ``file_name`` (noted for
+        :meth:`finish`); nothing on other ranks."""
+        self._objects_written = []
+        if not self.objects or not self._coordinator:
+            return b""
+        offset = start
+        for key, record in self.objects.items():
+            self._objects_written.append((key, _StorageInfo(file_name, offset, len(record))))
+            offset += len(record)
+        return b"".join(self.objects.values())
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         entry = self._entry
+        objects = self._objects_written
         if (
             entry is None
             or entry.layout is None
@@ -76,22 +98,44 @@ class CheckpointWriter(FileSystemWriter):
             or results[0] is not entry.layout[2]
             or not (self.use_collectives or self.rank is None)
         ):
+            if objects:  # new dicts: a cached plan's own stay as they are
+                paths = _object_paths(objects, metadata.planner_data)
+                metadata.state_dict_metadata = {
+                    **metadata.state_dict_metadata,
+                    **{key: BytesStorageMetadata() for key, _ in objects},
+                }
+                metadata.planner_data = {**(metadata.planner_data or {}), **paths}
+                results = [
+                    *results,
+                    [WriteResult(MetadataIndex(key), info.length, info) for key, info in objects],
+                ]
             with paused_gc():  # pickling one metadata entry per tensor
                 super().finish(metadata, results)
             return
-        # The reused plan's .metadata: all of it but storage_meta (this save's path and id) is the
-        # same as the last one's, so its pickle is too (see _metadata_prefix).
+        # The reused plan's .metadata: all of it but storage_meta (this save's path and id) and the
+        # object entries is the same as the last one's, so its pickle is too (see _metadata_prefix).
         assert entry.storage_md is not None  # set with every layout (prime_layout, _write_plan)
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = entry.storage_md
         metadata.storage_meta = self.storage_meta()
-        prefix = entry.metadata_prefix
-        if prefix is None:
+        if entry.metadata_prefix is None:
             with paused_gc():
-                data = pickle.dumps(metadata)  # what DCP's finish writes
+                data, memo = _pickled(metadata)  # what DCP's finish writes
             entry.metadata_prefix = _metadata_prefix(data, metadata)
-        else:
-            data = prefix + _metadata_tail(metadata)
+            entry.metadata_memo = memo
+        prefix, memo = entry.metadata_prefix, entry.metadata_memo
+        if prefix is not None and (memo is not None or not objects):
+            data = prefix + _objects_tail(objects, memo) + _metadata_tail(metadata)
+        else:  # a pickle laid out otherwise: the whole of it, objects included
+            if objects:
+                metadata.state_dict_metadata = {
+                    **metadata.state_dict_metadata,
+                    **{key: BytesStorageMetadata() for key, _ in objects},
+                }
+                metadata.planner_data = {**metadata.planner_data, **_object_paths(objects, metadata.planner_data)}
+                metadata.storage_data = {**metadata.storage_data, **{MetadataIndex(k): i for k, i in objects}}
+            with paused_gc():
+                data = pickle.dumps(metadata)
         self._write_metadata(data)
 
     def _write_metadata(self, data: bytes) -> None:
@@ -145,6 +189,9 @@ class CheckpointWriter(FileSystemWriter):
                     results = _Results(entry.storage_md)  # what later saves return: see _Results
                     entry.layout = (file_name, out.position, results)
                     self._entry = entry
+            tail = self._object_records(file_name, out.position)
+            if tail:
+                out.write_bytes(tail)
             size = out.close()
             self.fsync_seconds += out.fsync_seconds
             self.in_place_bytes += out.in_place_bytes
@@ -414,9 +461,10 @@ def prime_layout(cache: SavePlanCache, tensors: dict[str, torch.Tensor]) -> None
     metadata.storage_data = storage_md
     metadata.storage_meta = StorageMeta()  # cut off: each save appends its own
     with paused_gc():
-        data = pickle.dumps(metadata)
+        data, memo = _pickled(metadata)
     entry.storage_md = storage_md
     entry.metadata_prefix = _metadata_prefix(data, metadata)
+    entry.metadata_memo = memo
     _records(entry)
     entry.layout = (file_name, offset, _Results(storage_md))
 
@@ -449,6 +497,45 @@ def _metadata_prefix(data: bytes, metadata: Metadata) -> bytes | None:
             break
         pos = end
     return data[: pos + 1] + (cut - pos - 9).to_bytes(8, "little") + data[pos + 9 : cut]
+
+
+def _pickled(metadata: Metadata) -> tuple[bytes, tuple[int, int, int] | None]:
+    """``pickle.dumps(metadata)``, and the memo numbers its pickle gave the three dicts that
+    object entries extend (state_dict_metadata, planner_data, storage_data; see :func:`_objects_tail`)."""
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf)
+    pickler.dump(metadata)
+    memo = pickler.memo.copy()  # id -> (number, object)
+    found = [memo.get(id(d)) for d in (metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data)]
+    numbers = [f[0] for f in found if f is not None and type(f[1]) is dict]
+    return buf.getvalue(), ((numbers[0], numbers[1], numbers[2]) if len(numbers) == 3 else None)
+
+
+def _objects_tail(objects: list[tuple[str, _StorageInfo]], memo: tuple[int, int, int] | None) -> bytes:
+    """Pickle opcodes that add the object entries to a metadata pickle cut by :func:`_metadata_prefix`
+    (the dicts are complete by then): for each dict, fetch it from the memo (LONG_BINGET), set the
+    items (a pickled dict's own opcodes after its EMPTY_DICT: SETITEM(S) act on the dict below), POP."""
+    if not objects:
+        return b""
+    assert memo is not None
+    parts = (
+        {key: BytesStorageMetadata() for key, _ in objects},
+        {key: (key,) for key, _ in objects},  # a cached plan's mappings are flat: each key to itself
+        {MetadataIndex(key): info for key, info in objects},
+    )
+    out: list[bytes] = []
+    for number, items in zip(memo, parts, strict=True):
+        body = _fast_pickle_body(items)
+        assert body[:1] == b"}"  # EMPTY_DICT
+        out += [b"j", number.to_bytes(4, "little"), body[1:], b"0"]
+    return b"".join(out)
+
+
+def _object_paths(objects: list[tuple[str, _StorageInfo]], planner_data: Any) -> dict[str, tuple[str, ...]]:
+    """The planner_data (flat key -> path in the saved state dict) of the object entries, in the form
+    the tensors' mappings have: flat (our planner) or one level of nesting (DCP's, see planner.nest)."""
+    nested = isinstance(planner_data, dict) and any(len(path) > 1 for path in planner_data.values())
+    return {key: (tuple(key.split(".", 1)) if nested else (key,)) for key, _ in objects}
 
 
 def _fast_pickle_body(obj: Any) -> bytes:
