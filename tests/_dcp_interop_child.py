@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState  # noqa: E402
-from tests.test_dcp_interop import build, train  # noqa: E402
+from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
+from tests.test_dcp_interop import build, train
 
 warnings.filterwarnings("ignore")
 

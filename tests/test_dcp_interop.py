@@ -23,12 +23,18 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException
 from torch import nn
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, LoadContext, SaveContext, TrainState
+from checkpoint_manager import (
+    CheckpointConfig,
+    DefaultCheckpointManager,
+    LoadContext,
+    SaveContext,
+    TrainState,
+)
 from checkpoint_manager.dcp_io import read_dcp_metadata
 from checkpoint_manager.dcp_objects import plain_entries, render
 from checkpoint_manager.state import gather_state
@@ -300,7 +306,7 @@ def test_values_weights_only_refuses_are_left_out_and_still_restored_by_our_load
     np.testing.assert_array_equal(back.state["arr"], odd.state["arr"])
     assert back.state["raw"] == b"\x00\x01" and back.state["dtype"] is torch.bfloat16 and back.state["ok"] == 3
     assert torch.equal(back.state["pair"][0], torch.ones(2))
-    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: extra.odd.raw"):
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: extra\.odd\.raw"):
         dcp.load({"extra": {"odd": {"raw": b""}}}, checkpoint_id=str(path), no_dist=True)
 
 
@@ -373,7 +379,7 @@ def test_checkpoint_without_entries_still_loads(tmp_path: Path) -> None:
     assert_same(tensors, dict(model.state_dict()))
     assert [g["lr"] for g in opt.param_groups] == [0.0025] and sched.last_epoch == 2
     assert all(float(s["step"]) == 2.0 for s in opt.state.values()) and len(opt.state) == 4
-    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: optim.param_groups.0.lr"):
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\.param_groups\.0\.lr"):
         plain_load(src, *_tiny())
 
 
