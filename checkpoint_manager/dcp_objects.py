@@ -56,6 +56,8 @@ def _expand(key: str, value: Any, out: dict[str, Any]) -> None:
 def _terminal(items: list[Any]) -> bool:
     """torch's ``traverse_state_dict``: a list is one value unless it holds a tensor, a mapping, or
     such a list."""
+    if set(map(type, items)) <= _ATOMS:  # in one pass: a group's "params" holds a name per parameter
+        return True
     for v in items:
         if isinstance(v, (torch.Tensor, Mapping)):
             return False
@@ -71,7 +73,7 @@ def _plain(value: Any) -> bool:
     if kind in _ATOMS:
         return True
     if kind is list or kind is tuple:
-        return all(_plain(v) for v in value)
+        return set(map(type, value)) <= _ATOMS or all(_plain(v) for v in value)
     if kind is dict:
         return all(type(k) in _ATOMS and _plain(v) for k, v in value.items())
     return False

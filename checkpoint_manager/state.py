@@ -355,7 +355,7 @@ class StateLoader:
         saved = {k for k in available if k.startswith(dotted) or k == key}
         if strict and saved != live.keys():
             # the non-tensor entries written for plain DCP (dcp_objects): their values come from state.json
-            saved = {k for k in saved if type(available[k]) is not BytesStorageMetadata}
+            saved -= {k for k in saved - live.keys() if type(available[k]) is BytesStorageMetadata}
         if strict and saved != live.keys():  # the lists are built only for the error
             missing = sorted(set(live) - saved)
             unexpected = sorted(saved - set(live))
