@@ -442,3 +442,29 @@ def test_two_rank_ddp_save_loads_through_the_plain_recipe(tmp_path: Path) -> Non
     plain_load(report["path"], fresh, fresh_opt, fresh_sched)
     model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
     assert_same(expected, {"model": model_sd, "optim": optim_sd, "sched": fresh_sched.state_dict()})
+
+
+@pytest.mark.parametrize("upload_mode", ["stream", "staged"])
+def test_s3_upload_holds_the_entries(tmp_path: Path, upload_mode: str) -> None:
+    """Saved to S3 (moto on loopback), streamed from memory or staged: the downloaded checkpoint
+    loads through the plain recipe."""
+    from tests.s3_server import MotoS3, storage_options
+
+    model, opt, sched = build("adamw")
+    train(model, opt, sched, 2)
+    with MotoS3() as s3:
+        url = f"s3://{s3.make_bucket()}/runs"
+        options = storage_options(s3.endpoint)
+        config = CheckpointConfig(save_dir=url, storage_options=options, staging_dir=str(tmp_path / "staging"),
+                                  upload_mode=upload_mode, fsync=False)
+        with DefaultCheckpointManager(config) as mgr:
+            remote = mgr.save(SaveContext(model=model, optimizer=opt, scheduler=sched,
+                                          train_state=TrainState(step=2), force=True)).path
+        import fsspec
+
+        fs = fsspec.filesystem("s3", **options)
+        local = tmp_path / "downloaded"
+        fs.get(remote.removeprefix("s3://"), str(local), recursive=True)
+    fresh, fresh_opt, fresh_sched = build("adamw", seed=6)
+    plain_load(local, fresh, fresh_opt, fresh_sched)
+    assert_same(snapshot(model, opt, sched), snapshot(fresh, fresh_opt, fresh_sched))
