@@ -120,12 +120,16 @@ class CheckpointWriter(FileSystemWriter):
         metadata.storage_meta = self.storage_meta()
         if entry.metadata_prefix is None:
             with paused_gc():
-                data, memo = _pickled(metadata)  # what DCP's finish writes
-            entry.metadata_prefix = _metadata_prefix(data, metadata)
-            entry.metadata_memo = memo
-        prefix, memo = entry.metadata_prefix, entry.metadata_memo
-        if prefix is not None and (memo is not None or not objects):
-            data = prefix + _objects_tail(objects, memo) + _metadata_tail(metadata)
+                data = pickle.dumps(metadata)  # what DCP's finish writes
+            _set_prefix(entry, data, metadata)
+        prefix, cuts = entry.metadata_prefix, entry.metadata_cuts
+        if prefix is not None and not objects:
+            data = prefix + _metadata_tail(metadata)
+        elif prefix is not None and cuts is not None:
+            sdm, pd, sd = _objects_inserts(objects)
+            view = memoryview(prefix)
+            a, b = cuts
+            data = b"".join((view[:a], sdm, view[a:b], pd, view[b:], sd, _metadata_tail(metadata)))
         else:  # a pickle laid out otherwise: the whole of it, objects included
             if objects:
                 metadata.state_dict_metadata = {
@@ -461,80 +465,105 @@ def prime_layout(cache: SavePlanCache, tensors: dict[str, torch.Tensor]) -> None
     metadata.storage_data = storage_md
     metadata.storage_meta = StorageMeta()  # cut off: each save appends its own
     with paused_gc():
-        data, memo = _pickled(metadata)
+        data = pickle.dumps(metadata)
     entry.storage_md = storage_md
-    entry.metadata_prefix = _metadata_prefix(data, metadata)
-    entry.metadata_memo = memo
+    _set_prefix(entry, data, metadata)
     _records(entry)
     entry.layout = (file_name, offset, _Results(storage_md))
 
 
-# The pickle of Metadata's state dict, at its fourth key: SHORT_BINUNICODE "storage_meta", MEMOIZE.
+# The pickle of Metadata's state dict, at its fourth key: SHORT_BINUNICODE "storage_meta", MEMOIZE;
+# and at its second and third keys, where the dicts before them end.
 _STORAGE_META_KEY = b"\x8c\x0cstorage_meta\x94"
+_PLANNER_DATA_KEY = b"\x8c\x0cplanner_data\x94"
+_STORAGE_DATA_KEY = b"\x8c\x0cstorage_data\x94"
 _METADATA_FIELDS = ["state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"]
 
 
-def _metadata_prefix(data: bytes, metadata: Metadata) -> bytes | None:
+def _metadata_prefix(data: bytes, metadata: Metadata) -> tuple[bytes, tuple[int, int] | None] | None:
     """``data`` (``pickle.dumps(metadata)``) cut before its ``storage_meta`` entry, the frame it
-    ends in shortened to end there; None where the pickle is not laid out as expected.
+    ends in shortened to end there; None where the pickle is not laid out as expected. With it, the
+    two places in the prefix where ``state_dict_metadata`` and ``planner_data`` end (the frames
+    re-cut there; None if they cannot be found), where :func:`_objects_inserts` go.
 
     Everything before that entry (the class, the per-tensor metadata, the storage data) depends on
     the plan and layout only: a later save of the same cached plan appends :func:`_metadata_tail`
     instead of pickling ~26,000 entries again (~3.5 us each). Framing is optional in protocol 4+:
-    the tail follows the last frame unframed, which every unpickler reads.
+    what is inserted between frames, and the tail after the last one, are read unframed by every
+    unpickler.
     """
     if list(vars(metadata)) != _METADATA_FIELDS or data[:1] != b"\x80" or data[1] < 4:
         return None
-    cut = data.rfind(_STORAGE_META_KEY)
-    if cut < 0 or data.find(_STORAGE_META_KEY, cut + 1) >= 0:
+    cut = _unique(data, _STORAGE_META_KEY)
+    if cut is None:
         return None
-    pos = 2
-    while True:  # walk the frames to the one holding the cut
+    inner = [_unique(data, _PLANNER_DATA_KEY), _unique(data, _STORAGE_DATA_KEY)]
+    cuts = [c for c in inner if c is not None]
+    if len(cuts) != 2 or not cuts[0] < cuts[1] < cut or type(metadata.planner_data) is not dict:
+        cuts = []
+    points = [*cuts, cut]
+    out: list[bytes] = [data[:2]]  # PROTO
+    places: list[int] = []  # where each inner cut lands in the re-framed prefix
+    length = 2
+    pos, k = 2, 0
+    while True:  # walk the frames, re-cutting them at each point; nothing after the last is kept
         if data[pos] != 0x95:  # FRAME: only frames lie before the cut in a metadata pickle
             return None
-        end = pos + 9 + int.from_bytes(data[pos + 1 : pos + 9], "little")
-        if end > cut:
+        start = pos + 9
+        end = start + int.from_bytes(data[pos + 1 : start], "little")
+        lo = start
+        while k < len(points) and points[k] <= end:
+            c = points[k]
+            if c < lo:
+                return None
+            if c > lo:
+                out.append(b"\x95" + (c - lo).to_bytes(8, "little") + data[lo:c])
+                length += 9 + c - lo
+            lo = c
+            if k < len(cuts):
+                places.append(length)
+            k += 1
+        if k == len(points):
             break
+        if end > lo:
+            out.append(b"\x95" + (end - lo).to_bytes(8, "little") + data[lo:end])
+            length += 9 + end - lo
         pos = end
-    return data[: pos + 1] + (cut - pos - 9).to_bytes(8, "little") + data[pos + 9 : cut]
+    return b"".join(out), ((places[0], places[1]) if places else None)
 
 
-def _pickled(metadata: Metadata) -> tuple[bytes, tuple[int, int, int] | None]:
-    """``pickle.dumps(metadata)``, and the memo numbers its pickle gave the three dicts that
-    object entries extend (state_dict_metadata, planner_data, storage_data; see :func:`_objects_tail`)."""
-    buf = io.BytesIO()
-    pickler = pickle.Pickler(buf)
-    pickler.dump(metadata)
-    memo = pickler.memo.copy()  # id -> (number, object)
-    found = [memo.get(id(d)) for d in (metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data)]
-    numbers = [f[0] for f in found if f is not None and type(f[1]) is dict]
-    return buf.getvalue(), ((numbers[0], numbers[1], numbers[2]) if len(numbers) == 3 else None)
+def _set_prefix(entry: _PlanEntry, data: bytes, metadata: Metadata) -> None:
+    found = _metadata_prefix(data, metadata)
+    entry.metadata_prefix, entry.metadata_cuts = found if found is not None else (None, None)
 
 
-def _objects_tail(objects: list[tuple[str, _StorageInfo]], memo: tuple[int, int, int] | None) -> bytes:
-    """Pickle opcodes that add the object entries to a metadata pickle cut by :func:`_metadata_prefix`
-    (the dicts are complete by then): for each dict, fetch it from the memo (LONG_BINGET), set the
-    items (a pickled dict's own opcodes after its EMPTY_DICT: SETITEM(S) act on the dict below), POP."""
-    if not objects:
-        return b""
-    assert memo is not None
+def _unique(data: bytes, needle: bytes) -> int | None:
+    at = data.rfind(needle)
+    return None if at < 0 or data.find(needle, at + 1) >= 0 else at
+
+
+def _objects_inserts(objects: list[tuple[str, _StorageInfo]]) -> tuple[bytes, bytes, bytes]:
+    """Pickle opcodes that add the object entries to the three dicts of a metadata pickle, each put
+    right where its dict ends (it is then on top of the stack): a pickled dict's own opcodes after
+    its EMPTY_DICT (MARK ... SETITEMS, or SETITEM), which set items of the dict below them."""
     parts = (
         {key: BytesStorageMetadata() for key, _ in objects},
         {key: (key,) for key, _ in objects},  # a cached plan's mappings are flat: each key to itself
         {MetadataIndex(key): info for key, info in objects},
     )
     out: list[bytes] = []
-    for number, items in zip(memo, parts, strict=True):
+    for items in parts:
         body = _fast_pickle_body(items)
         assert body[:1] == b"}"  # EMPTY_DICT
-        out += [b"j", number.to_bytes(4, "little"), body[1:], b"0"]
-    return b"".join(out)
+        out.append(body[1:])
+    return out[0], out[1], out[2]
 
 
 def _object_paths(objects: list[tuple[str, _StorageInfo]], planner_data: Any) -> dict[str, tuple[str, ...]]:
     """The planner_data (flat key -> path in the saved state dict) of the object entries, in the form
     the tensors' mappings have: flat (our planner) or one level of nesting (DCP's, see planner.nest)."""
-    nested = isinstance(planner_data, dict) and any(len(path) > 1 for path in planner_data.values())
+    first = next(iter(planner_data.values()), ()) if isinstance(planner_data, dict) else ()
+    nested = len(first) > 1  # one entry tells: a planner maps every key alike
     return {key: (tuple(key.split(".", 1)) if nested else (key,)) for key, _ in objects}
 
 

@@ -201,7 +201,7 @@ class _PlanEntry:
         "items",
         "layout",
         "mappings",
-        "metadata_memo",
+        "metadata_cuts",
         "metadata_prefix",
         "records",
         "signature",
@@ -224,7 +224,7 @@ class _PlanEntry:
         # with a layout: .metadata's storage_data, and its pickle up to storage_meta (see dcp_writer)
         self.storage_md: dict[Any, Any] | None = None
         self.metadata_prefix: bytes | None = None
-        self.metadata_memo: tuple[int, int, int] | None = None  # memo numbers of its dicts (dcp_writer._pickled)
+        self.metadata_cuts: tuple[int, int] | None = None  # where its dicts end in the prefix (dcp_writer)
         # with a layout: each record's envelope pieces around its bytes and CRCs (see dcp_writer)
         self.records: list[tuple[bytes, bytes, bytes, bytes, int]] | None = None
 

@@ -468,3 +468,35 @@ def test_s3_upload_holds_the_entries(tmp_path: Path, upload_mode: str) -> None:
     fresh, fresh_opt, fresh_sched = build("adamw", seed=6)
     plain_load(local, fresh, fresh_opt, fresh_sched)
     assert_same(snapshot(model, opt, sched), snapshot(fresh, fresh_opt, fresh_sched))
+
+
+def test_cached_metadata_of_many_tensors_holds_the_entries(tmp_path: Path) -> None:
+    """A state whose .metadata spans many pickle frames: the plan made ahead (should_load) and
+    reused by later saves gets the entries inserted where its dicts end, and plain DCP reads them."""
+
+    def make(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(400)])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
+
+    model, opt, sched = make(0)
+    train_many = nn.Sequential(model)
+    train_many(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    with manager(tmp_path / "run") as mgr:
+        mgr.should_load(LoadContext(model=model, optimizer=opt, scheduler=sched))
+        mgr.finalize_async_saves(blocking=True)
+        entry = mgr._plans.entry
+        assert entry is not None and entry.metadata_prefix is not None and entry.metadata_cuts is not None
+        assert len(entry.metadata_prefix) > 4 * (64 << 10)  # several frames
+        for step in (1, 2):
+            opt.step()
+            sched.step()
+            path = mgr.save(SaveContext(model=model, optimizer=opt, scheduler=sched,
+                                        train_state=TrainState(step=step), force=True)).path
+        assert mgr._plans.entry is entry  # the primed plan, reused
+    fresh, fresh_opt, fresh_sched = make(3)
+    plain_load(path, fresh, fresh_opt, fresh_sched)
+    assert_same(snapshot(model, opt, sched), snapshot(fresh, fresh_opt, fresh_sched))
