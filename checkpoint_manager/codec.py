@@ -238,8 +238,15 @@ def check_placeholder(node: dict[str, Any]) -> None:
     _shape(node.get("shape"), f"tensor placeholder {node['key']!r}")
 
 
-def split_tensors(tree: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]:
-    """Pull every tensor out of ``tree`` into a flat dict keyed ``prefix.path``; leave JSON placeholders."""
+def split_tensors(
+    tree: Any, prefix: str, *, leaves: list[tuple[str, Any]] | None = None
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Pull every tensor out of ``tree`` into a flat dict keyed ``prefix.path``; leave JSON placeholders.
+
+    ``leaves`` receives ``(prefix.path, value)`` for each value of a string-keyed dict that is
+    neither a tensor nor such a dict (and each dict with other keys), found on the same walk: the
+    non-tensor state, without another pass over the tensors.
+    """
     tensors: dict[str, torch.Tensor] = {}
 
     def place(key: str, t: torch.Tensor) -> dict[str, Any]:
@@ -264,8 +271,12 @@ def split_tensors(tree: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]
                 elif isinstance(v, dict):
                     out[k] = walk(v, f"{path}.{k}" if path else k)
                 else:
+                    if leaves is not None:
+                        leaves.append((base + k, v))
                     out[k] = encode(v, tensor_hook=hook, path=f"{path}.{k}" if path else k)
             return out
+        if leaves is not None:
+            leaves.append((_join(prefix, path), obj))
         return encode(obj, tensor_hook=hook, path=path)
 
     return tensors, walk(tree, "")

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import (
     _StorageInfo,
     _StoragePrefix,
 )
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -66,9 +66,31 @@ class CheckpointWriter(FileSystemWriter):
         self.fsync_seconds = 0.0  # the fsync part of write_data, reported as its own phase
         self.in_place_bytes = 0  # tensor bytes sent to disk without the bounce copy (aligned staging)
         self._entry: _PlanEntry | None = None  # the cached plan whose layout this save reused
+        #: non-tensor entries (key -> torch.save record, see dcp_objects), written by the coordinator
+        #: after its tensors, so that plain dcp.load finds every key dcp.save would have written
+        self.objects: dict[str, bytes] = {}
+        self._objects_written: list[tuple[str, _StorageInfo]] = []
+        self._coordinator = True
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._coordinator = is_coordinator
+
+    def _object_records(self, file_name: str, start: int) -> bytes:
+        """The coordinator's object records, back to back from ``start`` in ``file_name`` (noted for
+        :meth:`finish`); nothing on other ranks."""
+        self._objects_written = []
+        if not self.objects or not self._coordinator:
+            return b""
+        offset = start
+        for key, record in self.objects.items():
+            self._objects_written.append((key, _StorageInfo(file_name, offset, len(record))))
+            offset += len(record)
+        return b"".join(self.objects.values())
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         entry = self._entry
+        objects = self._objects_written
         if (
             entry is None
             or entry.layout is None
@@ -77,22 +99,48 @@ class CheckpointWriter(FileSystemWriter):
             or results[0] is not entry.layout[2]
             or not (self.use_collectives or self.rank is None)
         ):
+            if objects:  # new dicts: a cached plan's own stay as they are
+                paths = _object_paths(objects, metadata.planner_data)
+                metadata.state_dict_metadata = {
+                    **metadata.state_dict_metadata,
+                    **{key: BytesStorageMetadata() for key, _ in objects},
+                }
+                metadata.planner_data = {**(metadata.planner_data or {}), **paths}
+                results = [
+                    *results,
+                    [WriteResult(MetadataIndex(key), info.length, info) for key, info in objects],
+                ]
             with paused_gc():  # pickling one metadata entry per tensor
                 super().finish(metadata, results)
             return
-        # The reused plan's .metadata: all of it but storage_meta (this save's path and id) is the
-        # same as the last one's, so its pickle is too (see _metadata_prefix).
+        # The reused plan's .metadata: all of it but storage_meta (this save's path and id) and the
+        # object entries is the same as the last one's, so its pickle is too (see _metadata_prefix).
         assert entry.storage_md is not None  # set with every layout (prime_layout, _write_plan)
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = entry.storage_md
         metadata.storage_meta = self.storage_meta()
-        prefix = entry.metadata_prefix
-        if prefix is None:
+        if entry.metadata_prefix is None:
             with paused_gc():
                 data = pickle.dumps(metadata)  # what DCP's finish writes
-            entry.metadata_prefix = _metadata_prefix(data, metadata)
-        else:
+            _set_prefix(entry, data, metadata)
+        prefix, cuts = entry.metadata_prefix, entry.metadata_cuts
+        if prefix is not None and not objects:
             data = prefix + _metadata_tail(metadata)
+        elif prefix is not None and cuts is not None:
+            sdm, pd, sd = _objects_inserts(objects)
+            view = memoryview(prefix)
+            a, b = cuts
+            data = b"".join((view[:a], sdm, view[a:b], pd, view[b:], sd, _metadata_tail(metadata)))
+        else:  # a pickle laid out otherwise: the whole of it, objects included
+            if objects:
+                metadata.state_dict_metadata = {
+                    **metadata.state_dict_metadata,
+                    **{key: BytesStorageMetadata() for key, _ in objects},
+                }
+                metadata.planner_data = {**metadata.planner_data, **_object_paths(objects, metadata.planner_data)}
+                metadata.storage_data = {**metadata.storage_data, **{MetadataIndex(k): i for k, i in objects}}
+            with paused_gc():
+                data = pickle.dumps(metadata)
         self._write_metadata(data)
 
     def _write_metadata(self, data: bytes) -> None:
@@ -146,6 +194,9 @@ class CheckpointWriter(FileSystemWriter):
                     results = _Results(entry.storage_md)  # what later saves return: see _Results
                     entry.layout = (file_name, out.position, results)
                     self._entry = entry
+            tail = self._object_records(file_name, out.position)
+            if tail:
+                out.write_bytes(tail)
             size = out.close()
             self.fsync_seconds += out.fsync_seconds
             self.in_place_bytes += out.in_place_bytes
@@ -417,39 +468,104 @@ def prime_layout(cache: SavePlanCache, tensors: dict[str, torch.Tensor]) -> None
     with paused_gc():
         data = pickle.dumps(metadata)
     entry.storage_md = storage_md
-    entry.metadata_prefix = _metadata_prefix(data, metadata)
+    _set_prefix(entry, data, metadata)
     _records(entry)
     entry.layout = (file_name, offset, _Results(storage_md))
 
 
-# The pickle of Metadata's state dict, at its fourth key: SHORT_BINUNICODE "storage_meta", MEMOIZE.
+# The pickle of Metadata's state dict, at its fourth key: SHORT_BINUNICODE "storage_meta", MEMOIZE;
+# and at its second and third keys, where the dicts before them end.
 _STORAGE_META_KEY = b"\x8c\x0cstorage_meta\x94"
+_PLANNER_DATA_KEY = b"\x8c\x0cplanner_data\x94"
+_STORAGE_DATA_KEY = b"\x8c\x0cstorage_data\x94"
 _METADATA_FIELDS = ["state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"]
 
 
-def _metadata_prefix(data: bytes, metadata: Metadata) -> bytes | None:
+def _metadata_prefix(data: bytes, metadata: Metadata) -> tuple[bytes, tuple[int, int] | None] | None:
     """``data`` (``pickle.dumps(metadata)``) cut before its ``storage_meta`` entry, the frame it
-    ends in shortened to end there; None where the pickle is not laid out as expected.
+    ends in shortened to end there; None where the pickle is not laid out as expected. With it, the
+    two places in the prefix where ``state_dict_metadata`` and ``planner_data`` end (the frames
+    re-cut there; None if they cannot be found), where :func:`_objects_inserts` go.
 
     Everything before that entry (the class, the per-tensor metadata, the storage data) depends on
     the plan and layout only: a later save of the same cached plan appends :func:`_metadata_tail`
     instead of pickling ~26,000 entries again (~3.5 us each). Framing is optional in protocol 4+:
-    the tail follows the last frame unframed, which every unpickler reads.
+    what is inserted between frames, and the tail after the last one, are read unframed by every
+    unpickler.
     """
     if list(vars(metadata)) != _METADATA_FIELDS or data[:1] != b"\x80" or data[1] < 4:
         return None
-    cut = data.rfind(_STORAGE_META_KEY)
-    if cut < 0 or data.find(_STORAGE_META_KEY, cut + 1) >= 0:
+    cut = _unique(data, _STORAGE_META_KEY)
+    if cut is None:
         return None
-    pos = 2
-    while True:  # walk the frames to the one holding the cut
+    inner = [_unique(data, _PLANNER_DATA_KEY), _unique(data, _STORAGE_DATA_KEY)]
+    cuts = [c for c in inner if c is not None]
+    if len(cuts) != 2 or not cuts[0] < cuts[1] < cut or type(metadata.planner_data) is not dict:
+        cuts = []
+    points = [*cuts, cut]
+    out: list[bytes] = [data[:2]]  # PROTO
+    places: list[int] = []  # where each inner cut lands in the re-framed prefix
+    length = 2
+    pos, k = 2, 0
+    while True:  # walk the frames, re-cutting them at each point; nothing after the last is kept
         if data[pos] != 0x95:  # FRAME: only frames lie before the cut in a metadata pickle
             return None
-        end = pos + 9 + int.from_bytes(data[pos + 1 : pos + 9], "little")
-        if end > cut:
+        start = pos + 9
+        end = start + int.from_bytes(data[pos + 1 : start], "little")
+        lo = start
+        while k < len(points) and points[k] <= end:
+            c = points[k]
+            if c < lo:
+                return None
+            if c > lo:
+                out.append(b"\x95" + (c - lo).to_bytes(8, "little") + data[lo:c])
+                length += 9 + c - lo
+            lo = c
+            if k < len(cuts):
+                places.append(length)
+            k += 1
+        if k == len(points):
             break
+        if end > lo:
+            out.append(b"\x95" + (end - lo).to_bytes(8, "little") + data[lo:end])
+            length += 9 + end - lo
         pos = end
-    return data[: pos + 1] + (cut - pos - 9).to_bytes(8, "little") + data[pos + 9 : cut]
+    return b"".join(out), ((places[0], places[1]) if places else None)
+
+
+def _set_prefix(entry: _PlanEntry, data: bytes, metadata: Metadata) -> None:
+    found = _metadata_prefix(data, metadata)
+    entry.metadata_prefix, entry.metadata_cuts = found if found is not None else (None, None)
+
+
+def _unique(data: bytes, needle: bytes) -> int | None:
+    at = data.rfind(needle)
+    return None if at < 0 or data.find(needle, at + 1) >= 0 else at
+
+
+def _objects_inserts(objects: list[tuple[str, _StorageInfo]]) -> tuple[bytes, bytes, bytes]:
+    """Pickle opcodes that add the object entries to the three dicts of a metadata pickle, each put
+    right where its dict ends (it is then on top of the stack): a pickled dict's own opcodes after
+    its EMPTY_DICT (MARK ... SETITEMS, or SETITEM), which set items of the dict below them."""
+    parts = (
+        {key: BytesStorageMetadata() for key, _ in objects},
+        {key: (key,) for key, _ in objects},  # a cached plan's mappings are flat: each key to itself
+        {MetadataIndex(key): info for key, info in objects},
+    )
+    out: list[bytes] = []
+    for items in parts:
+        body = _fast_pickle_body(items)
+        assert body[:1] == b"}"  # EMPTY_DICT
+        out.append(body[1:])
+    return out[0], out[1], out[2]
+
+
+def _object_paths(objects: list[tuple[str, _StorageInfo]], planner_data: Any) -> dict[str, tuple[str, ...]]:
+    """The planner_data (flat key -> path in the saved state dict) of the object entries, in the form
+    the tensors' mappings have: flat (our planner) or one level of nesting (DCP's, see planner.nest)."""
+    first = next(iter(planner_data.values()), ()) if isinstance(planner_data, dict) else ()
+    nested = len(first) > 1  # one entry tells: a planner maps every key alike
+    return {key: (tuple(key.split(".", 1)) if nested else (key,)) for key, _ in objects}
 
 
 def _fast_pickle_body(obj: Any) -> bytes:

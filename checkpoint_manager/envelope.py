@@ -9,6 +9,7 @@ the hole straight from the tensor's memory and patch the zip's CRC fields. Reade
 from __future__ import annotations
 
 import io
+import pickle
 import struct
 import tempfile
 import zipfile
@@ -20,7 +21,7 @@ import torch
 
 from checkpoint_manager.checksum import crc32_combine
 
-__all__ = ["Envelope", "crc32_combine", "envelope_for", "locate_data"]
+__all__ = ["Envelope", "crc32_combine", "envelope_for", "locate_data", "pickle_envelope"]
 
 _DESCRIPTOR_SIG = 0x08074B50
 _CENTRAL_SIG = 0x02014B50
@@ -62,21 +63,55 @@ def envelope_for(shape: tuple[int, ...], dtype: torch.dtype) -> Envelope:
         prefix = sink.read(data_start)
         sink.seek(data_end)
         suffix = sink.read()
+    crc_offsets = _crc_fields(suffix, start_dir - data_end, member)
+    if crc_offsets is None:
+        raise RuntimeError(f"unexpected torch.save layout for {shape} {dtype}: cannot find CRC fields")
+    return Envelope(prefix, suffix, nbytes, crc_offsets)
+
+
+def pickle_envelope(value: object) -> Envelope | None:
+    """The envelope of ``torch.save(value)`` around its pickle (``data.pkl``), for a value without
+    tensors: ``prefix + pickle.dumps(v, protocol=2) + suffix`` is then ``torch.save(v)`` for every
+    ``v`` whose pickle has the same length (the zip's layout depends on the lengths only; the
+    ``.data/serialization_id`` record, an identifier nobody checks, stays the template's).
+    None when torch.save's pickle is not that one (another torch), so no template applies.
+    """
+    sink = io.BytesIO()
+    torch.save(value, sink)
+    raw = sink.getvalue()
+    zf = zipfile.ZipFile(io.BytesIO(raw))
+    members = [i for i in zf.infolist() if i.filename.endswith("/data.pkl")]
+    if len(members) != 1 or members[0].compress_type != zipfile.ZIP_STORED:
+        return None
+    info = members[0]
+    if zf.read(info) != pickle.dumps(value, protocol=2):
+        return None
+    n, x = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    data_start = info.header_offset + 30 + n + x
+    data_end = data_start + info.file_size
+    suffix = raw[data_end:]
+    crc_offsets = _crc_fields(suffix, zf.start_dir - data_end, info.filename)
+    if crc_offsets is None:
+        return None
+    return Envelope(raw[:data_start], suffix, info.file_size, crc_offsets)
+
+
+def _crc_fields(suffix: bytes, start_dir: int, member: str) -> tuple[int, ...] | None:
+    """Where ``suffix`` (a torch.save zip after ``member``'s bytes, its central directory at
+    ``start_dir``) holds that member's CRC32: its data descriptor and its directory record."""
     crc_offsets: list[int] = []
     # data descriptor right after the data: [signature] crc32 csize usize
     sig = struct.unpack_from("<I", suffix, 0)[0]
     crc_offsets.append(4 if sig == _DESCRIPTOR_SIG else 0)
     # the member's central directory record
-    pos = start_dir - data_end
+    pos = start_dir
     while pos >= 0 and struct.unpack_from("<I", suffix, pos)[0] == _CENTRAL_SIG:
         n, x, c = struct.unpack_from("<HHH", suffix, pos + 28)
         name = suffix[pos + 46 : pos + 46 + n].decode("utf-8")
         if name == member:
             crc_offsets.append(pos + 16)
         pos += 46 + n + x + c
-    if len(crc_offsets) != 2:
-        raise RuntimeError(f"unexpected torch.save layout for {shape} {dtype}: cannot find CRC fields")
-    return Envelope(prefix, suffix, nbytes, tuple(crc_offsets))
+    return tuple(crc_offsets) if len(crc_offsets) == 2 else None
 
 
 def _data_member(file: IO[bytes]) -> tuple[int, str, int]:

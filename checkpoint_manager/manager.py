@@ -1119,6 +1119,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
                 if self._storage.is_local
                 else self._storage.dcp_writer(job.pending, fsync=self.config.fsync, direct=self.config.direct_io)
             )
+            writer.objects = job.state.objects  # the non-tensor entries plain DCP loads (dcp_objects)
             with _quiet_single_process(), io.phase(f"step {job.step}: write"):
                 dcp_save(
                     job.state.tensors,

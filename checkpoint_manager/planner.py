@@ -201,6 +201,7 @@ class _PlanEntry:
         "items",
         "layout",
         "mappings",
+        "metadata_cuts",
         "metadata_prefix",
         "records",
         "signature",
@@ -223,6 +224,7 @@ class _PlanEntry:
         # with a layout: .metadata's storage_data, and its pickle up to storage_meta (see dcp_writer)
         self.storage_md: dict[Any, Any] | None = None
         self.metadata_prefix: bytes | None = None
+        self.metadata_cuts: tuple[int, int] | None = None  # where its dicts end in the prefix (dcp_writer)
         # with a layout: each record's envelope pieces around its bytes and CRCs (see dcp_writer)
         self.records: list[tuple[bytes, bytes, bytes, bytes, int]] | None = None
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -36,6 +36,7 @@ from checkpoint_manager.codec import (
     tensor_placeholders,
 )
 from checkpoint_manager.dcp_io import paused_gc
+from checkpoint_manager.dcp_objects import object_records
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
 from checkpoint_manager.layout import STATE_JSON_LIMIT, rank_file
 from checkpoint_manager.protocol import LoadContext, SaveContext, Stateful
@@ -73,6 +74,8 @@ class GatheredState:
     global_json: dict[str, Any]
     rank_json: dict[str, Any]
     train_state: dict[str, Any] | None
+    #: the non-tensor values as the torch.save records plain DCP loads them from (dcp_objects), by key
+    objects: dict[str, bytes] = field(default_factory=dict)
 
     _nbytes: tuple[tuple[int, int], int] = field(default=((-1, -1), 0), init=False, repr=False, compare=False)
 
@@ -160,37 +163,40 @@ def gather_state(ctx: SaveContext) -> GatheredState:
 def _gather_state(ctx: SaveContext) -> GatheredState:
     tensors: dict[str, torch.Tensor] = {}
     global_json: dict[str, Any] = {}
+    leaves: list[tuple[str, Any]] = []  # the non-tensor values, for plain DCP (dcp_objects)
     models = ctx.models()
     state_dicts = _state_dicts(models, ctx.optimizers(), with_optim=True)
     for key, (msd, _) in zip(_model_keys(len(models)), state_dicts, strict=True):
-        part, skeleton = split_tensors(msd, key)
+        part, skeleton = split_tensors(msd, key, leaves=leaves)
         tensors.update(part)
         global_json[key] = skeleton
     for i, (_, osd) in enumerate(sd for sd in state_dicts if sd[1] is not None):
         key = "optim" if i == 0 else f"optim_{i}"
-        part, skeleton = split_tensors(osd, key)
+        part, skeleton = split_tensors(osd, key, leaves=leaves)
         tensors.update(part)
         global_json[key] = skeleton
     for i, sched in enumerate(ctx.schedulers()):
         key = "scheduler" if i == 0 else f"scheduler_{i}"
-        part, skeleton = split_tensors(sched.state_dict(), key)
+        part, skeleton = split_tensors(sched.state_dict(), key, leaves=leaves)
         tensors.update(part)
         global_json[key] = skeleton
     extras: dict[str, Any] = {}
     for name, obj in ctx.extra.items():
         if not isinstance(obj, Stateful):
             raise TypeError(f"extra[{name!r}] has no state_dict/load_state_dict ({type(obj).__name__})")
-        part, skeleton = split_tensors(obj.state_dict(), f"extra.{name}")
+        part, skeleton = split_tensors(obj.state_dict(), f"extra.{name}", leaves=leaves)
         tensors.update(part)
         extras[name] = skeleton
     if extras:
         global_json["extra"] = extras
+    # rendered now, with the JSON: an async save writes the values of this step
+    objects = object_records(leaves, tensors)
     rank_json: dict[str, Any] = {"rng": encode(capture_rng())}
     dl = ctx.dataloader
     if dl is not None and isinstance(dl, Stateful):
         rank_json["dataloader"] = encode(dl.state_dict(), path="dataloader")
     train_state = ctx.train_state.state_dict() if ctx.train_state is not None else None
-    return GatheredState(tensors, global_json, rank_json, train_state)
+    return GatheredState(tensors, global_json, rank_json, train_state, objects)
 
 
 def read_rank_json(
@@ -502,6 +508,9 @@ class StateLoader:
     ) -> dict[str, torch.Tensor]:
         dotted = key + "."
         saved = {k for k in available if k.startswith(dotted) or k == key}
+        if strict and saved != live.keys():
+            # the non-tensor entries written for plain DCP (dcp_objects): their values come from state.json
+            saved -= {k for k in saved - live.keys() if type(available[k]) is BytesStorageMetadata}
         if strict and saved != live.keys():  # the lists are built only for the error
             missing = sorted(set(live) - saved)
             unexpected = sorted(saved - set(live))

@@ -15,8 +15,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -28,14 +34,15 @@ from checkpoint_manager import (
     TrainState,
 )
 from checkpoint_manager.dcp_io import read_dcp_metadata
-from checkpoint_manager.dcp_writer import CheckpointWriter, _metadata_tail, prime_layout
+from checkpoint_manager.dcp_writer import CheckpointWriter, _metadata_tail, _objects_inserts, prime_layout
 from checkpoint_manager.planner import FastSavePlanner, SavePlanCache, save_tensors
 from checkpoint_manager.state import gather_state
 
 
 def _check_files(path: Path, flat: dict[str, torch.Tensor]) -> None:
-    """``path`` holds exactly ``flat``: same keys, shapes and dtypes in .metadata, same values read back."""
-    md = read_dcp_metadata(path).state_dict_metadata
+    """``path`` holds exactly ``flat``: same keys, shapes and dtypes in .metadata, same values read back
+    (besides the non-tensor entries of a manager's save: tests/test_dcp_interop.py)."""
+    md = {k: v for k, v in read_dcp_metadata(path).state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     assert set(md) == set(flat)
     for key, t in flat.items():
         entry = md[key]
@@ -197,17 +204,29 @@ def test_manager_repeated_saves_and_structure_changes_round_trip(tmp_path: Path)
     manager.finalize_async_saves(blocking=True, terminate=True)
 
 
+def _unframed(data: bytes, start: int = 2) -> bytes:
+    """The opcodes of a pickle made only of frames from ``start`` (FRAME opcode, 8-byte length, body)."""
+    out, pos = [], start
+    while pos < len(data):
+        assert data[pos] == 0x95, pos
+        end = pos + 9 + int.from_bytes(data[pos + 1 : pos + 9], "little")
+        out.append(data[pos + 9 : end])
+        pos = end
+    return b"".join(out)
+
+
 @pytest.mark.parametrize("n", [5, 3000])
 def test_metadata_prefix_and_tail_unpickle_to_the_fresh_metadata(n: int) -> None:
-    """The cached .metadata bytes: the prefix is the fresh pickle's, byte for byte (its last frame
-    shortened), and prefix + tail unpickles to what the fresh pickle does, for any storage_meta."""
+    """The cached .metadata bytes: the prefix holds the fresh pickle's opcodes up to storage_meta, byte
+    for byte (only its frames re-cut, where the dicts end), and prefix + tail unpickles to what the
+    fresh pickle does, for any storage_meta; with non-tensor entries inserted at the cuts too."""
     flat = {f"model.p{i}": torch.randn(4) for i in range(n)} | {"optim.step": torch.tensor(1.0)}
     cache = SavePlanCache()
     prime_layout(cache, flat)
     entry = cache.entry
     assert entry is not None and entry.layout is not None and entry.storage_md is not None
     prefix = entry.metadata_prefix
-    assert prefix is not None
+    assert prefix is not None and entry.metadata_cuts is not None
     for meta in (
         StorageMeta(),
         StorageMeta(Path("/x/y"), "id-1"),
@@ -218,16 +237,23 @@ def test_metadata_prefix_and_tail_unpickle_to_the_fresh_metadata(n: int) -> None
         fresh = pickle.dumps(md)
         cached = prefix + _metadata_tail(md)
         assert pickle.loads(cached) == pickle.loads(fresh) == md
-        cut = len(prefix)
-        frame = 2  # walk the fresh pickle's frames (FRAME opcode, 8-byte length) to the one holding the cut
-        while frame + 9 + int.from_bytes(fresh[frame + 1 : frame + 9], "little") <= cut:
-            assert fresh[frame] == 0x95
-            frame += 9 + int.from_bytes(fresh[frame + 1 : frame + 9], "little")
-        assert fresh[frame] == 0x95 and (n < 1000 or frame > 2)  # many entries: several frames
-        assert int.from_bytes(prefix[frame + 1 : frame + 9], "little") == cut - frame - 9
-        assert prefix[: frame + 1] == fresh[: frame + 1] and prefix[frame + 9 :] == fresh[frame + 9 : cut]
+        opcodes = _unframed(prefix)
+        assert prefix[:2] == fresh[:2] and _unframed(fresh).startswith(opcodes)
+        assert (n < 1000) == (len(fresh) < 64 << 10)  # many entries: several frames
         if n == 5:
             pickletools.dis(cached, out=io.StringIO())  # a well-formed pickle, memo references included
+    info = _StorageInfo("__0_0.distcp", 10, 20)
+    inserts = _objects_inserts([("optim.param_groups.0.lr", info), ("scheduler.last_epoch", info)])
+    a, b = entry.metadata_cuts
+    with_objects = prefix[:a] + inserts[0] + prefix[a:b] + inserts[1] + prefix[b:] + inserts[2] + _metadata_tail(md)
+    got = pickle.loads(with_objects)
+    assert got.state_dict_metadata == {**md.state_dict_metadata, "optim.param_groups.0.lr": BytesStorageMetadata(),
+                                       "scheduler.last_epoch": BytesStorageMetadata()}
+    assert got.planner_data == {**md.planner_data, "optim.param_groups.0.lr": ("optim.param_groups.0.lr",),
+                                "scheduler.last_epoch": ("scheduler.last_epoch",)}
+    assert got.storage_data == {**md.storage_data, MetadataIndex("optim.param_groups.0.lr"): info,
+                                MetadataIndex("scheduler.last_epoch"): info}
+    assert pickle.loads(prefix + _metadata_tail(md)) == md  # the prefix itself is unchanged by that
 
 
 def test_cached_plan_shares_metadata_and_records_per_shape(tmp_path: Path) -> None:

@@ -103,6 +103,10 @@ class StreamingWriter(CheckpointWriter):
                         storage_data=_StorageInfo(file_name, offset, position - offset),
                     )
                 )
+            tail = self._object_records(file_name, position)  # the coordinator's non-tensor entries
+            if tail:
+                put(tail)
+                file_crc = crc32_combine(file_crc, crc32(tail), len(tail))
             out.close()  # completes the multipart upload: the object appears whole
         except BaseException:
             discard = getattr(out, "discard", None)
