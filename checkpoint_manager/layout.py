@@ -17,9 +17,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Annotated, Any, Literal, TypeGuard
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointVersionError
 from checkpoint_manager.naming import format_name, validate_template
@@ -221,6 +221,44 @@ class _TrainStateSchema(BaseModel):
     counters: dict[str, int | float] = Field(default_factory=dict)
 
 
+_Count = Annotated[int, Field(ge=1)]
+
+
+class _LineageSchema(BaseModel):
+    """``lineage`` (see :class:`Lineage`): a damaged one is damage, not a checkpoint "without a lineage"
+    (that would silently move it first in save order, where retention deletes first)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    seq: _Count
+    line: list[Annotated[list[_Count], Field(min_length=2, max_length=2)]]
+    legacy_step: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _seq_on_its_line(self) -> _LineageSchema:
+        if not any(lo <= self.seq <= hi for lo, hi in self.line):
+            raise ValueError(f"seq {self.seq} is not on its own line")
+        return self
+
+
+class _RankingSchema(BaseModel):
+    """``ranking``: the run's ``monitor`` and ``mode``, which ``ckpt prune`` checks a --monitor/--mode against."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    monitor: str
+    mode: Literal["min", "max"]
+
+
+class _FiniteSchema(BaseModel):
+    """``finite``: the groups ``check_finite`` checked, and its verdict (False: never auto-loaded)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    checked: list[str]
+    ok: bool
+
+
 class _CheckpointSchema(BaseModel):
     """Every field of ``checkpoint.json`` a reader uses, with its type.
 
@@ -243,6 +281,10 @@ class _CheckpointSchema(BaseModel):
     engine: str | None = None
     writer: str | None = None
     checksum: str | None = None
+    lineage: _LineageSchema | None = None
+    parent: str | None = None
+    ranking: _RankingSchema | None = None
+    finite: _FiniteSchema | None = None
 
 
 def canonical_digest(meta: dict[str, Any]) -> str:

@@ -532,7 +532,12 @@ class DefaultCheckpointManager(FinalizeOnExit):
     def _named(self, path: str | Path, step: int | None) -> str:
         """What a path names, by the one rule of :mod:`checkpoint_manager.resolve`: its location to load
         (a bundle stays a bundle: every rank unpacks it in load())."""
-        return resolve_checkpoint(path, step=step, storage_options=self.config.storage_options).location
+        return resolve_checkpoint(
+            path,
+            step=step,
+            storage_options=self.config.storage_options,
+            verify_checksum=self.config.verify_on_load != "off",  # as load() reads it
+        ).location
 
     def _load_dir_checkpoint(self, step: int | None) -> str | None:
         """``load_dir`` naming one checkpoint (ours, a bundle, plain DCP) rather than a save directory."""

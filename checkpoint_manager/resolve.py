@@ -102,9 +102,17 @@ def newest_committed(storage: LocalStorage | FsspecStorage) -> CheckpointInfo | 
 
 
 def resolve_checkpoint(
-    path_or_url: str | Path, *, step: int | None = None, storage_options: dict[str, Any] | None = None
+    path_or_url: str | Path,
+    *,
+    step: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    verify_checksum: bool = True,
 ) -> ResolvedCheckpoint:
     """The checkpoint ``path_or_url`` names (see the module's list); ``step`` picks one of a save directory.
+
+    ``verify_checksum=False`` (a load at ``verify_on_load="off"``) skips the ``checksum`` check of the
+    ``checkpoint.json`` of a local checkpoint named directly (a checkpoint directory, a pointer, a
+    bundle); discovery in a save directory always checks it.
 
     Raises :class:`CheckpointNotFoundError` (nothing there, no committed checkpoint, no such step),
     :class:`CheckpointCorruptError` (there, but damaged).
@@ -123,25 +131,25 @@ def resolve_checkpoint(
         what = "a symlink to nothing" if path.is_symlink() else "no such file or directory"
         raise CheckpointNotFoundError(f"{given}: {what}")
     if path.is_file():
-        return _resolve_file(given, path, step)
-    return _resolve_dir(given, path, step)
+        return _resolve_file(given, path, step, verify_checksum)
+    return _resolve_dir(given, path, step, verify_checksum)
 
 
-def _resolve_file(given: str, path: Path, step: int | None) -> ResolvedCheckpoint:
+def _resolve_file(given: str, path: Path, step: int | None, verify_checksum: bool = True) -> ResolvedCheckpoint:
     from checkpoint_manager.formats.bundle import is_bundle, open_bundle
     from checkpoint_manager.layout import read_checkpoint_json
 
     if path.name in _POINTERS:
-        return _resolve_pointer(given, path, step)
+        return _resolve_pointer(given, path, step, verify_checksum)
     if not is_bundle(path):
         raise CheckpointNotFoundError(f"{given}: a file, but not a checkpoint bundle (.tar)")
     checkpoint = open_bundle(path).checkpoint
-    meta = read_checkpoint_json(checkpoint)
+    meta = read_checkpoint_json(checkpoint, verify_checksum=verify_checksum)
     _check_step(given, int(meta["step"]), step, "a bundle")
     return ResolvedCheckpoint("bundle", checkpoint, int(meta["step"]), given, meta, via="bundle", bundle=path)
 
 
-def _resolve_pointer(given: str, path: Path, step: int | None) -> ResolvedCheckpoint:
+def _resolve_pointer(given: str, path: Path, step: int | None, verify_checksum: bool = True) -> ResolvedCheckpoint:
     """A save directory's ``latest`` / ``best`` file: the committed checkpoint it names."""
     from checkpoint_manager.safe_io import read_small
 
@@ -155,15 +163,15 @@ def _resolve_pointer(given: str, path: Path, step: int | None) -> ResolvedCheckp
     target = path.parent / name
     if not target.is_dir():
         raise CheckpointNotFoundError(f"{given}: names {name}, which is not in {path.parent} (pruned?)")
-    resolved = _resolve_dir(str(target), target, step)
+    resolved = _resolve_dir(str(target), target, step, verify_checksum)
     return dataclasses.replace(resolved, given=given, via=f"{path.name} pointer of {path.parent}")
 
 
-def _resolve_dir(given: str, path: Path, step: int | None) -> ResolvedCheckpoint:
+def _resolve_dir(given: str, path: Path, step: int | None, verify_checksum: bool = True) -> ResolvedCheckpoint:
     from checkpoint_manager.layout import CHECKPOINT_JSON, STATE_JSON, rank_file, read_checkpoint_json
 
     if (path / CHECKPOINT_JSON).exists():
-        meta = read_checkpoint_json(path)
+        meta = read_checkpoint_json(path, verify_checksum=verify_checksum)
         _check_step(given, int(meta["step"]), step, "one checkpoint")
         return ResolvedCheckpoint("committed", path, int(meta["step"]), given, meta)
     if (path / _METADATA).is_file():

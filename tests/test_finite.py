@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from checkpoint_manager import (
     TrainState,
 )
 from checkpoint_manager.finite import NonFiniteStateError, nonfinite_tensors
+from checkpoint_manager.layout import seal_checkpoint_json
 
 
 def run_model() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -98,7 +100,9 @@ def test_large_finite_values_whose_sum_overflows_are_finite() -> None:
     assert nonfinite_tensors({"model_1.w": torch.tensor([math.nan], dtype=torch.bfloat16)}, ("model",)) == ["model_1.w"]
 
 
-def test_auto_resume_skips_a_checkpoint_that_records_non_finite_values(tmp_path: Path) -> None:
+def test_auto_resume_skips_a_checkpoint_that_records_non_finite_values(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     model, _ = run_model()
     with DefaultCheckpointManager(CheckpointConfig(save_dir=str(tmp_path), check_finite=True)) as manager:
         for step in (1, 2):
@@ -107,9 +111,11 @@ def test_auto_resume_skips_a_checkpoint_that_records_non_finite_values(tmp_path:
     file = tmp_path / "step_00000002" / "checkpoint.json"
     meta = json.loads(file.read_text())
     meta["finite"] = {"checked": ["model"], "ok": False}
-    file.write_text(json.dumps(meta))
-    with DefaultCheckpointManager(CheckpointConfig(save_dir=str(tmp_path), verify_on_load="off")) as manager:
+    file.write_text(json.dumps(seal_checkpoint_json(meta)))  # sealed: intact, skipped for its verdict alone
+    config = CheckpointConfig(save_dir=str(tmp_path), verify_on_load="off")
+    with DefaultCheckpointManager(config) as manager, caplog.at_level(logging.WARNING, logger="checkpoint_manager"):
         assert manager.load(LoadContext(model=run_model()[0])).step == 1
+    assert "step_00000002 (step 2): it records non-finite values" in caplog.text
 
 
 def test_ckpt_verify_finite(tmp_path: Path) -> None:

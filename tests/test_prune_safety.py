@@ -25,7 +25,7 @@ from torch import nn
 
 from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
 from checkpoint_manager.cli import main
-from checkpoint_manager.layout import CHECKPOINT_JSON
+from checkpoint_manager.layout import CHECKPOINT_JSON, seal_checkpoint_json
 from checkpoint_manager.retention import prune
 
 LOSS = {10: 0.9, 20: 0.3, 30: 0.1, 40: 0.5, 50: 0.6, 60: 0.7}  # best (min) is 30, newest is 60
@@ -152,7 +152,7 @@ def test_a_mode_against_the_runs_needs_force(run: Path, capsys: pytest.CaptureFi
         file = run / name(step) / CHECKPOINT_JSON
         meta = json.loads(file.read_text())
         del meta["ranking"]
-        file.write_text(json.dumps(meta))
+        file.write_text(json.dumps(seal_checkpoint_json(meta)))  # an unsealed edit is damage
     assert main(["prune", str(run), "--keep-last", "1", "--monitor", "loss", "--mode", "max", "--dry-run"]) == 2
     assert "(recorded in the best pointer)" in capsys.readouterr().err
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +43,11 @@ from checkpoint_manager.layout import (
     Lineage,
     next_lineage,
     order_checkpoints,
+    seal_checkpoint_json,
 )
 from checkpoint_manager.lock import LOCK_FILE
 from checkpoint_manager.pointers import read_pointer
+from checkpoint_manager.storage import LocalStorage
 
 
 def weights_for(step: int) -> dict[str, torch.Tensor]:
@@ -87,6 +91,13 @@ def on_disk(root: Path) -> list[str]:
 
 def step_dir(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def rewrite_checkpoint_json(file: Path, change: Callable[[dict[str, Any]], Any]) -> None:
+    """Change a checkpoint.json by hand and seal it again (an unsealed edit fails its checksum)."""
+    meta = json.loads(file.read_text())
+    change(meta)
+    file.write_text(json.dumps(seal_checkpoint_json(meta)))
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -240,10 +251,7 @@ def test_checkpoints_written_without_a_lineage(tmp_path: Path) -> None:
         for step in (100, 200, 300):
             save(mgr, step)
     for step in (100, 200, 300):
-        file = tmp_path / step_dir(step) / CHECKPOINT_JSON
-        meta = json.loads(file.read_text())
-        del meta["lineage"], meta["parent"]
-        file.write_text(json.dumps(meta))
+        rewrite_checkpoint_json(tmp_path / step_dir(step) / CHECKPOINT_JSON, lambda m: [m.pop("lineage"), m.pop("parent")])
     with DefaultCheckpointManager(config(tmp_path)) as mgr:
         assert [(i.step, i.superseded, i.lineage) for i in mgr.list_checkpoints()] == [
             (100, False, None), (200, False, None), (300, False, None)
@@ -257,18 +265,29 @@ def test_checkpoints_written_without_a_lineage(tmp_path: Path) -> None:
         assert load(mgr)[0] == 210
 
 
-def test_a_malformed_lineage_judges_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("bad", "problem"),
+    [
+        ({"seq": 6, "line": [[1, 2], [4, "x"]]}, r"lineage\.line\.1\.1: input should be a valid integer"),
+        ({"seq": True, "line": [[1, 1]]}, r"lineage\.seq: input should be a valid integer"),
+        ({"seq": 7, "line": [[1, 2]]}, r"lineage: value error, seq 7 is not on its own line"),
+        ("6", r"lineage: input should be a valid dictionary"),
+    ],
+    ids=["line_string", "seq_bool", "seq_off_its_line", "string"],
+)
+def test_a_malformed_lineage_is_damage_and_judges_nothing(tmp_path: Path, bad: Any, problem: str) -> None:
+    """A sealed checkpoint.json whose lineage is malformed is a damaged checkpoint, like any field of the
+    wrong type: not one "without a lineage" (that would order it first, where retention deletes first)."""
     rolled_back(tmp_path)
-    file = tmp_path / step_dir(230) / CHECKPOINT_JSON
-    meta = json.loads(file.read_text())
-    for bad in ({"seq": 6, "line": [[1, 2], [4, "x"]]}, {"seq": True, "line": [[1, 1]]}, {"seq": 7, "line": [[1, 2]]}, "6"):
-        meta["lineage"] = bad
-        file.write_text(json.dumps(meta))
-        with DefaultCheckpointManager(config(tmp_path)) as mgr:
-            infos = mgr.list_checkpoints()
-        # 230 is now "unnumbered" (ordered first), 220 is the head and its line still rules
-        assert infos[0].step == 230 and infos[0].lineage is None
-        assert [i.step for i in infos if i.superseded] == [300]
+    rewrite_checkpoint_json(tmp_path / step_dir(230) / CHECKPOINT_JSON, lambda m: m.__setitem__("lineage", bad))
+    with DefaultCheckpointManager(config(tmp_path)) as mgr:
+        infos = mgr.list_checkpoints()
+        assert load(mgr)[0] == 220  # the newest intact checkpoint of the line
+    # 230 is left out, 220 is the head and its line still rules
+    assert [i.step for i in infos] == [100, 200, 300, 210, 220]
+    assert [i.step for i in infos if i.superseded] == [300]
+    (name, message), = LocalStorage(tmp_path).scan()[1]
+    assert name == step_dir(230) and re.search(problem, message), message
 
 
 def test_order_checkpoints_is_idempotent_and_needs_no_disk(tmp_path: Path) -> None:

@@ -187,10 +187,17 @@ SCHEMA_CASES = [
     ("metrics", [1.0], r"metrics: input should be a valid dictionary"),
     ("bytes", -1, r"bytes: input should be greater than or equal to 0"),
     ("writer", 7, r"writer: input should be a valid string"),
+    ("lineage", {"parent": "step_00000001"}, r"lineage\.seq: field required"),
+    ("lineage.seq", 9, r"lineage: value error, seq 9 is not on its own line"),
+    ("lineage.line", [[1, "2"]], r"lineage\.line\.0\.1: input should be a valid integer"),
+    ("parent", 1, r"parent: input should be a valid string"),
+    ("ranking", {"monitor": "loss", "mode": "up"}, r"ranking\.mode: input should be 'min' or 'max'"),
+    ("finite", {"checked": ["model"], "ok": "yes"}, r"finite\.ok: input should be a valid boolean"),
 ]
 SCHEMA_IDS = ["train_state_misspelt_key", "train_state_list", "train_state_step_string", "counter_string",
               "step_string", "world_size_string", "world_size_zero", "created_unix_string", "metrics_list",
-              "bytes_negative", "writer_number"]
+              "bytes_negative", "writer_number", "lineage_unknown_keys", "lineage_seq_off_its_line",
+              "lineage_line_string", "parent_number", "ranking_mode", "finite_ok_string"]
 
 
 @pytest.mark.parametrize(("field", "value", "message"), SCHEMA_CASES, ids=SCHEMA_IDS)
@@ -230,7 +237,7 @@ def test_deeply_nested_checkpoint_json_is_damage_not_a_crash(run: Path, golden: 
 
 def test_unknown_top_level_keys_are_tolerated_unknown_train_state_keys_are_not(run: Path) -> None:
     """A newer writer may add top-level fields: an older reader loads the checkpoint and ignores them."""
-    edit_json(run / STEP2 / "checkpoint.json", _set("lineage", {"parent": "step_00000001"}))
+    edit_json(run / STEP2 / "checkpoint.json", _set("provenance", {"parent": "step_00000001"}))
     live = Live()
     assert mgr_for(run, verify_on_load="full").load(live.ctx()).step == 2
     assert live.train_state.step == 2
