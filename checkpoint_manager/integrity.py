@@ -63,8 +63,10 @@ def file_crc32(path: str | Path) -> int:
 
 
 def _fd_crc32(fd: int) -> int:
+    """CRC32 of what is left to read from ``fd``. The buffer fits the file: a zeroed 8 MiB one per
+    small file (the JSON state, the DCP metadata: checked at every load) cost more than the CRC."""
     crc = 0
-    buf = bytearray(_READ_CHUNK)
+    buf = bytearray(min(_READ_CHUNK, max(os.fstat(fd).st_size + 1, 1 << 16)))
     view = memoryview(buf)
     while n := os.readv(fd, [buf]):
         crc = crc32(view[:n], crc)

@@ -89,15 +89,16 @@ def once(action: Callable[[], None]) -> Callable[[], None]:
 
 # -- verify ---------------------------------------------------------------------------------------------
 def hook_crc(monkeypatch: pytest.MonkeyPatch, on_first: Callable[[], None]) -> None:
-    """Run ``on_first`` when verification reads its first data file (it has stat-ed it already)."""
-    real = integrity.file_crc32
+    """Run ``on_first`` when verification reads its first file: it has opened and stat-ed that one (an
+    open descriptor still reads a deleted file whole), the files after it are opened once it is gone."""
+    real = integrity._fd_crc32
     fire = once(on_first)
 
-    def crc(path: str | Path) -> int:
+    def crc(fd: int) -> int:
         fire()
-        return real(path)
+        return real(fd)
 
-    monkeypatch.setattr(integrity, "file_crc32", crc)
+    monkeypatch.setattr(integrity, "_fd_crc32", crc)
 
 
 def test_verify_skips_a_checkpoint_pruned_mid_verify(live: LiveRun, monkeypatch: pytest.MonkeyPatch,
@@ -188,9 +189,9 @@ def test_a_pinned_load_of_a_pruned_checkpoint_is_not_found(live: LiveRun, tmp_pa
     real = manager_module.read_dcp_metadata
     fire = once(lambda: live.save(2))
 
-    def hooked(path: Any) -> Any:
+    def hooked(*args: Any, **kwargs: Any) -> Any:
         fire()
-        return real(path)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(manager_module, "read_dcp_metadata", hooked)
     model = Net()
