@@ -239,7 +239,8 @@ def _check_decodes(file: Path, data: dict[str, Any]) -> None:
         raise CheckpointCorruptError(f"{file}: damaged state ({type(exc).__name__}: {exc})") from exc
 
 
-_GONE_RETRIES = 3  # auto-resume: how many checkpoints may vanish under one load before it gives up
+_GONE_RETRIES = 10  # auto-resume: how many checkpoints may vanish under one load before it gives up (each retry
+# takes the newest left, so only a writer that saves faster than a load reads keeps it retrying)
 
 
 class _CheckpointGone(CheckpointNotFoundError):
