@@ -114,7 +114,7 @@ def test_a_special_checkpoint_json_hides_no_other_checkpoint(
     assert "ignoring broken checkpoint step_00000003" in caplog.text
     code, doc = cli("list", str(run), capsys=capsys)
     rows = {r["name"]: r for r in doc["checkpoints"]}
-    assert code == 0 and rows[STEP2]["state"] == "committed" and rows["step_00000003"]["state"] == "corrupt"
+    assert code == 4 and rows[STEP2]["state"] == "committed" and rows["step_00000003"]["state"] == "corrupt"
     problem = rows["step_00000003"]["problems"][0]
     assert "step_00000003/checkpoint.json: " in problem and ("symlink" in problem or "not a regular file" in problem)
     code, doc = cli("verify", str(run), capsys=capsys)
@@ -130,7 +130,7 @@ def test_a_fifo_named_checkpoint_json_does_not_block_ckpt_list_in_a_child(run: P
     damaged_entry(run, "fifo")
     proc = subprocess.run([sys.executable, "-m", "checkpoint_manager", "list", str(run), "--json"],
                           capture_output=True, text=True, timeout=50, env={**os.environ, "PYTHONPATH": _repo()})
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 4, proc.stderr  # the exit status of "corrupt", every entry still listed
     states = {r["name"]: r["state"] for r in json.loads(proc.stdout)["checkpoints"]}
     assert states == {STEP1: "committed", STEP2: "committed", "step_00000003": "corrupt"}
 
@@ -275,7 +275,7 @@ def test_dev_zero_as_checkpoint_json_and_latest(run: Path) -> None:
     out = in_child(DEV_ZERO_CHILD, str(run))
     assert out["steps"] == [1, 2] and out["latest"] is None and out["resumed"] == 2
     assert out["pinned_off"] == out["pinned_sizes"] == "loaded"
-    assert out["list_code"] == 0
+    assert out["list_code"] == 4
     assert out["list"] == {STEP1: "committed", STEP2: "committed", "step_00000003": "corrupt"}
 
 

@@ -212,7 +212,7 @@ def test_checkpoint_json_schema_violations(
     assert [i.step for i in mgr_for(run).list_checkpoints()] == [1]
     code, doc = cli("list", str(run), capsys=capsys)
     rows = {r["name"]: r for r in doc["checkpoints"]}
-    assert code == 0 and rows["step_00000001"]["state"] == "committed" and rows[STEP2]["state"] == "corrupt"
+    assert code == 4 and rows["step_00000001"]["state"] == "committed" and rows[STEP2]["state"] == "corrupt"
     assert any(re.search(message, p) for p in rows[STEP2]["problems"])
     code, doc = cli("verify", str(run), capsys=capsys)
     assert code == 1 and [r["ok"] for r in doc["checkpoints"]] == [True, False]

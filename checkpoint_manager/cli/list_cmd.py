@@ -286,7 +286,9 @@ def _render(doc: dict[str, Any], args: argparse.Namespace, out: Output, where: s
             for problem in r["problems"]:
                 out.line(f"{r['name']}: {problem}")
     corrupt = any(r["state"] == "corrupt" for r in doc["checkpoints"])
-    return ExitCode.DIFFERENT if (args.verify is not None and corrupt) else ExitCode.OK
+    if corrupt and args.verify is not None:
+        return ExitCode.DIFFERENT  # as ckpt verify: a problem found
+    return ExitCode.CORRUPT if corrupt else ExitCode.OK  # every entry listed, the damaged ones too
 
 
 def _list_bundle(path: Path, args: argparse.Namespace, out: Output) -> int:
