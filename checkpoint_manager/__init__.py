@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         UnsupportedConfigWarning,
     )
     from checkpoint_manager.factory import ENTRY_POINT_GROUP, create_checkpoint_manager, resolve_manager_class
+    from checkpoint_manager.finite import NonFiniteStateError
     from checkpoint_manager.formats import (
         MissingConfigWarning,
         convert,
@@ -129,6 +130,7 @@ _EXPORTS: dict[str, str] = {
     "LocalStorage": "checkpoint_manager.storage",
     "MissingConfigWarning": "checkpoint_manager.formats",
     "ManagerClosedError": "checkpoint_manager.errors",
+    "NonFiniteStateError": "checkpoint_manager.finite",
     "PostCommitError": "checkpoint_manager.errors",
     "ResolvedCheckpoint": "checkpoint_manager.resolve",
     "RetentionPlan": "checkpoint_manager.retention",
@@ -208,6 +210,7 @@ __all__ = [
     "LocalStorage",
     "ManagerClosedError",
     "MissingConfigWarning",
+    "NonFiniteStateError",
     "PostCommitError",
     "ResolvedCheckpoint",
     "RetentionPlan",
