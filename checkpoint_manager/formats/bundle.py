@@ -695,7 +695,7 @@ def open_bundle(
         st = path.stat()  # as it is now that no one else is unpacking
         try:
             _check_entry(entry, record_file, path, st)
-            os.utime(record_file)  # last used
+            _mark_used(cache, record_file)
         except _Untrusted as why:
             if os.path.lexists(entry) or os.path.lexists(record_file):
                 log.info("bundle cache: unpacking %s again: the entry %s %s", path, entry, why)
@@ -729,8 +729,20 @@ def _fill(cache: Path, key: str, path: Path, st: os.stat_result, limits: BundleL
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "w") as f:
             json.dump(record, f)
         os.rename(tmp, record_file)
+        _mark_used(cache, record_file)
     finally:
         _remove(work)
+
+
+def _mark_used(cache: Path, record_file: Path) -> None:
+    """Stamp an entry as the most recently used (its record's mtime), strictly after every other
+    entry: file times are coarse (a clock tick), and two uses within one tick must still be ordered."""
+    newest = 0
+    for other in cache.glob(f"*{_RECORD_SUFFIX}"):
+        with contextlib.suppress(OSError):
+            newest = max(newest, os.lstat(other).st_mtime_ns)
+    stamp = max(time.time_ns(), newest + 1_000)
+    os.utime(record_file, ns=(stamp, stamp), follow_symlinks=False)
 
 
 @dataclass(frozen=True)
@@ -752,7 +764,7 @@ def _entries(cache: Path) -> tuple[list[CacheEntry], list[Path]]:
         key = record_file.name[: -len(_RECORD_SUFFIX)]
         try:
             record = _read_record(record_file)
-            used = os.lstat(record_file).st_mtime
+            used = os.lstat(record_file).st_mtime_ns / 1e9
         except (_Untrusted, FileNotFoundError):
             continue
         bundle = str(record.get("bundle"))
