@@ -27,7 +27,7 @@ def measure(size_gib: float, mtbf_hours: float, repeats: int, root: Path) -> dic
 
     from benchmarks.state import build
     from checkpoint_manager import CheckpointConfig, SaveContext, TrainState, create_checkpoint_manager
-    from checkpoint_manager.policy import YoungDaly
+    from checkpoint_manager.lifecycle.policy import YoungDaly
 
     bench = build(int(size_gib * GIB))
     tensors = bench.tensors()

@@ -6,7 +6,7 @@
 
 Two measurements, in one process:
 
-- **CRC32 alone**: GB/s of ``checkpoint_manager.checksum.crc32`` and of ``zlib.crc32`` (and of
+- **CRC32 alone**: GB/s of ``checkpoint_manager.core.checksum.crc32`` and of ``zlib.crc32`` (and of
   ISA-L's where installed) over one 256 MiB buffer, best of five;
 - **sync save against the device limit**: a ``DefaultCheckpointManager.save`` of a ~0.6 GB model +
   AdamW state (``benchmarks/state.py``'s dense case), and, in the same round, an ``O_DIRECT``
@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the checkout importable
 
 def crc_speeds(nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float]:
     """GB/s of each CRC32 available here over one buffer (best of ``repeats``)."""
-    from checkpoint_manager import checksum
+    from checkpoint_manager.core import checksum
 
     data = os.urandom(1 << 20) * (nbytes >> 20)
     fns: dict[str, Any] = {f"checksum.crc32 ({checksum.CRC32_BACKEND})": checksum.crc32, "zlib.crc32": zlib.crc32}
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.modules["isal.isal_zlib"] = None  # type: ignore[assignment]
     warnings.simplefilter("always")
 
-    from checkpoint_manager import checksum
+    from checkpoint_manager.core import checksum
 
     speeds = crc_speeds()
     for name, gbps in speeds.items():

@@ -470,8 +470,8 @@ def _our_records(bench: Bench, path: Path) -> tuple[Path, list[tuple[torch.Tenso
     from torch.distributed.checkpoint import FileSystemReader
 
     from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
-    from checkpoint_manager.codec import collect_tensors
-    from checkpoint_manager.envelope import envelope_for
+    from checkpoint_manager.core.codec import collect_tensors
+    from checkpoint_manager.engine.dcp.envelope import envelope_for
 
     prep = path / "prep"
     if not prep.exists():
@@ -547,7 +547,7 @@ def format_floor_load(bench: Bench, path: Path) -> Timed:
     metadata to read, the views of every record made untimed): read the file into one buffer (from
     the page cache when it is there, else with O_DIRECT, as our reader decides), then one
     ``torch._foreach_copy_`` into the live tensors (C++, no Python per tensor)."""
-    from checkpoint_manager.direct_io import cached_fraction
+    from checkpoint_manager.engine.dcp.direct_io import cached_fraction
 
     data_file, records = _our_records(bench, path)
     size = data_file.stat().st_size

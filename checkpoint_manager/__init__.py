@@ -13,7 +13,10 @@ from checkpoint_manager._version import __version__
 
 if TYPE_CHECKING:
     from checkpoint_manager.config import CheckpointConfig, LoadMode
-    from checkpoint_manager.dist import CollectiveTimeoutError
+    from checkpoint_manager.core.dist import CollectiveTimeoutError
+    from checkpoint_manager.core.integrity import verify
+    from checkpoint_manager.core.layout import CheckpointInfo, Lineage
+    from checkpoint_manager.core.naming import format_name, parse_name
     from checkpoint_manager.errors import (
         AsyncSaveError,
         BundleCacheError,
@@ -30,7 +33,6 @@ if TYPE_CHECKING:
         UnsupportedConfigWarning,
     )
     from checkpoint_manager.factory import ENTRY_POINT_GROUP, create_checkpoint_manager, resolve_manager_class
-    from checkpoint_manager.finite import NonFiniteStateError
     from checkpoint_manager.formats import (
         MissingConfigWarning,
         convert,
@@ -42,12 +44,10 @@ if TYPE_CHECKING:
         open_bundle,
         pack_bundle,
     )
-    from checkpoint_manager.integrity import verify
-    from checkpoint_manager.layout import CheckpointInfo, Lineage
-    from checkpoint_manager.lock import CheckpointLockError, WriterLock
-    from checkpoint_manager.manager import DefaultCheckpointManager
-    from checkpoint_manager.naming import format_name, parse_name
-    from checkpoint_manager.observe import (
+    from checkpoint_manager.lifecycle.finite import NonFiniteStateError
+    from checkpoint_manager.lifecycle.lock import CheckpointLockError, WriterLock
+    from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
+    from checkpoint_manager.lifecycle.observe import (
         CheckpointCallback,
         CheckpointErrorEvent,
         SaveStartEvent,
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
         read_event_log,
         save_record,
     )
-    from checkpoint_manager.policy import (
+    from checkpoint_manager.lifecycle.policy import (
         AnyOf,
         AtSteps,
         Continuous,
@@ -66,17 +66,8 @@ if TYPE_CHECKING:
         UserPolicy,
         YoungDaly,
     )
-    from checkpoint_manager.protocol import (
-        CheckpointManager,
-        FinalizeOnExit,
-        LoadContext,
-        LoadResult,
-        SaveContext,
-        SaveResult,
-        Stateful,
-    )
-    from checkpoint_manager.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
-    from checkpoint_manager.retention import (
+    from checkpoint_manager.lifecycle.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
+    from checkpoint_manager.lifecycle.retention import (
         KeepAll,
         KeepAny,
         KeepBest,
@@ -88,87 +79,96 @@ if TYPE_CHECKING:
         plan_retention,
         prune,
     )
+    from checkpoint_manager.protocol import (
+        CheckpointManager,
+        FinalizeOnExit,
+        LoadContext,
+        LoadResult,
+        SaveContext,
+        SaveResult,
+        Stateful,
+    )
+    from checkpoint_manager.state.train_state import TrainState
     from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage
-    from checkpoint_manager.train_state import TrainState
 
 _EXPORTS: dict[str, str] = {
-    "AnyOf": "checkpoint_manager.policy",
+    "AnyOf": "checkpoint_manager.lifecycle.policy",
     "AsyncSaveError": "checkpoint_manager.errors",
     "BundleCacheError": "checkpoint_manager.errors",
     "BundleTooLargeError": "checkpoint_manager.errors",
-    "AtSteps": "checkpoint_manager.policy",
-    "CheckpointCallback": "checkpoint_manager.observe",
+    "AtSteps": "checkpoint_manager.lifecycle.policy",
+    "CheckpointCallback": "checkpoint_manager.lifecycle.observe",
     "CheckpointConfig": "checkpoint_manager.config",
     "CheckpointCorruptError": "checkpoint_manager.errors",
     "CheckpointError": "checkpoint_manager.errors",
-    "CheckpointErrorEvent": "checkpoint_manager.observe",
-    "CheckpointInfo": "checkpoint_manager.layout",
-    "CheckpointLockError": "checkpoint_manager.lock",
+    "CheckpointErrorEvent": "checkpoint_manager.lifecycle.observe",
+    "CheckpointInfo": "checkpoint_manager.core.layout",
+    "CheckpointLockError": "checkpoint_manager.lifecycle.lock",
     "CheckpointManager": "checkpoint_manager.protocol",
     "CheckpointMismatchError": "checkpoint_manager.errors",
     "CheckpointNotFoundError": "checkpoint_manager.errors",
     "CheckpointVersionError": "checkpoint_manager.errors",
-    "CollectiveTimeoutError": "checkpoint_manager.dist",
-    "DefaultCheckpointManager": "checkpoint_manager.manager",
+    "CollectiveTimeoutError": "checkpoint_manager.core.dist",
+    "DefaultCheckpointManager": "checkpoint_manager.lifecycle.manager",
     "ENTRY_POINT_GROUP": "checkpoint_manager.factory",
-    "Continuous": "checkpoint_manager.policy",
-    "EveryNSeconds": "checkpoint_manager.policy",
-    "EveryNSteps": "checkpoint_manager.policy",
-    "FinalStep": "checkpoint_manager.policy",
+    "Continuous": "checkpoint_manager.lifecycle.policy",
+    "EveryNSeconds": "checkpoint_manager.lifecycle.policy",
+    "EveryNSteps": "checkpoint_manager.lifecycle.policy",
+    "FinalStep": "checkpoint_manager.lifecycle.policy",
     "FinalizeOnExit": "checkpoint_manager.protocol",
     "FsspecStorage": "checkpoint_manager.storage",
-    "KeepAll": "checkpoint_manager.retention",
-    "KeepAny": "checkpoint_manager.retention",
-    "KeepBest": "checkpoint_manager.retention",
-    "KeepEveryNSteps": "checkpoint_manager.retention",
-    "KeepLast": "checkpoint_manager.retention",
-    "KeepUnranked": "checkpoint_manager.retention",
-    "Lineage": "checkpoint_manager.layout",
+    "KeepAll": "checkpoint_manager.lifecycle.retention",
+    "KeepAny": "checkpoint_manager.lifecycle.retention",
+    "KeepBest": "checkpoint_manager.lifecycle.retention",
+    "KeepEveryNSteps": "checkpoint_manager.lifecycle.retention",
+    "KeepLast": "checkpoint_manager.lifecycle.retention",
+    "KeepUnranked": "checkpoint_manager.lifecycle.retention",
+    "Lineage": "checkpoint_manager.core.layout",
     "LoadContext": "checkpoint_manager.protocol",
     "LoadMode": "checkpoint_manager.config",
     "LoadResult": "checkpoint_manager.protocol",
     "LocalStorage": "checkpoint_manager.storage",
     "MissingConfigWarning": "checkpoint_manager.formats",
     "ManagerClosedError": "checkpoint_manager.errors",
-    "NonFiniteStateError": "checkpoint_manager.finite",
+    "NonFiniteStateError": "checkpoint_manager.lifecycle.finite",
     "PostCommitError": "checkpoint_manager.errors",
-    "ResolvedCheckpoint": "checkpoint_manager.resolve",
-    "RetentionPlan": "checkpoint_manager.retention",
-    "RetentionPolicy": "checkpoint_manager.retention",
+    "ResolvedCheckpoint": "checkpoint_manager.lifecycle.resolve",
+    "RetentionPlan": "checkpoint_manager.lifecycle.retention",
+    "RetentionPolicy": "checkpoint_manager.lifecycle.retention",
     "SaveContext": "checkpoint_manager.protocol",
-    "SavePolicy": "checkpoint_manager.policy",
+    "SavePolicy": "checkpoint_manager.lifecycle.policy",
     "SaveResult": "checkpoint_manager.protocol",
-    "SaveStartEvent": "checkpoint_manager.observe",
+    "SaveStartEvent": "checkpoint_manager.lifecycle.observe",
     "Stateful": "checkpoint_manager.protocol",
     "Storage": "checkpoint_manager.storage",
-    "TrainState": "checkpoint_manager.train_state",
+    "TrainState": "checkpoint_manager.state.train_state",
     "UnsafeCheckpointError": "checkpoint_manager.errors",
     "UnsupportedConfigWarning": "checkpoint_manager.errors",
     "UnsupportedAdapterError": "checkpoint_manager.errors",
-    "UserPolicy": "checkpoint_manager.policy",
-    "YoungDaly": "checkpoint_manager.policy",
-    "WriterLock": "checkpoint_manager.lock",
+    "UserPolicy": "checkpoint_manager.lifecycle.policy",
+    "YoungDaly": "checkpoint_manager.lifecycle.policy",
+    "WriterLock": "checkpoint_manager.lifecycle.lock",
     "convert": "checkpoint_manager.formats",
     "create_checkpoint_manager": "checkpoint_manager.factory",
     "export_hf": "checkpoint_manager.formats",
     "export_peft": "checkpoint_manager.formats",
     "export_peft_adapter": "checkpoint_manager.formats",
     "extract_bundle": "checkpoint_manager.formats",
-    "format_name": "checkpoint_manager.naming",
+    "format_name": "checkpoint_manager.core.naming",
     "load_hf_weights": "checkpoint_manager.formats",
-    "load_record": "checkpoint_manager.observe",
-    "local_checkpoint": "checkpoint_manager.resolve",
+    "load_record": "checkpoint_manager.lifecycle.observe",
+    "local_checkpoint": "checkpoint_manager.lifecycle.resolve",
     "open_bundle": "checkpoint_manager.formats",
     "open_storage": "checkpoint_manager.storage",
     "pack_bundle": "checkpoint_manager.formats",
-    "parse_name": "checkpoint_manager.naming",
-    "plan_retention": "checkpoint_manager.retention",
-    "prune": "checkpoint_manager.retention",
-    "read_event_log": "checkpoint_manager.observe",
-    "resolve_checkpoint": "checkpoint_manager.resolve",
+    "parse_name": "checkpoint_manager.core.naming",
+    "plan_retention": "checkpoint_manager.lifecycle.retention",
+    "prune": "checkpoint_manager.lifecycle.retention",
+    "read_event_log": "checkpoint_manager.lifecycle.observe",
+    "resolve_checkpoint": "checkpoint_manager.lifecycle.resolve",
     "resolve_manager_class": "checkpoint_manager.factory",
-    "save_record": "checkpoint_manager.observe",
-    "verify": "checkpoint_manager.integrity",
+    "save_record": "checkpoint_manager.lifecycle.observe",
+    "verify": "checkpoint_manager.core.integrity",
 }
 
 __all__ = [

@@ -23,7 +23,7 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from checkpoint_manager.naming import validate_template
+from checkpoint_manager.core.naming import validate_template
 
 __all__ = ["CheckpointConfig", "LoadMode", "MonitorMode", "SaveCallable", "did_you_mean", "read_config_file"]
 

@@ -200,7 +200,7 @@ def resolve_manager_class(
     """
     prefixes = _check_prefixes(allowed_import_prefixes)
     if name is None:
-        from checkpoint_manager.manager import DefaultCheckpointManager
+        from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
 
         target: object = DefaultCheckpointManager
     else:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import Self
 
-from checkpoint_manager.train_state import TrainState
+from checkpoint_manager.state.train_state import TrainState
 
 __all__ = [
     "CheckpointManager",

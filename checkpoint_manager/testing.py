@@ -38,7 +38,7 @@ from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.errors import CheckpointNotFoundError, ManagerClosedError
 from checkpoint_manager.factory import create_checkpoint_manager, fields_set
 from checkpoint_manager.protocol import CheckpointManager, LoadContext, LoadResult, SaveContext, SaveResult
-from checkpoint_manager.train_state import TrainState
+from checkpoint_manager.state.train_state import TrainState
 
 __all__ = [
     "CONFORMANCE_CHECKS",

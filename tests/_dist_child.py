@@ -46,7 +46,7 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.dcp_writer import CheckpointWriter
+from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -255,7 +255,7 @@ def act_load_missing_step(a: dict[str, Any], out: Path, report: dict[str, Any]) 
 
 def act_json_collectives(a: dict[str, Any], out: Path, report: dict[str, Any]) -> None:
     """The manager's JSON collectives, with payloads below and above their one-slot size."""
-    from checkpoint_manager.dist import DistContext
+    from checkpoint_manager.core.dist import DistContext
 
     rank, _ = world()
     ctx = DistContext(30.0)

@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import checkpoint_manager.manager as manager_module
+import checkpoint_manager.lifecycle.manager as manager_module
 from checkpoint_manager import (
     CheckpointConfig,
     DefaultCheckpointManager,
@@ -52,7 +52,7 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.staging import StagingBuffers
+from checkpoint_manager.engine.staging import StagingBuffers
 
 PHASES = ("gather", "stage", "write", "fsync", "commit-rename", "pointer", "retention")
 MODES = ("before", "after", "partial")

@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-import checkpoint_manager.manager as manager_module
+import checkpoint_manager.lifecycle.manager as manager_module
 from checkpoint_manager import (
     AsyncSaveError,
     CheckpointConfig,
@@ -556,7 +556,7 @@ def test_a_resume_prepares_the_staging_buffers_for_the_first_save(tmp_path: Path
 def test_leaving_the_block_on_an_error_keeps_it_primary_and_notes_a_failed_finalize(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from checkpoint_manager.dcp_writer import CheckpointWriter
+    from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
     def failing_write(self: Any, plan: Any, planner: Any) -> Any:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -624,7 +624,7 @@ def test_a_load_that_skips_the_optimizer_leaves_a_fresh_one_without_state(tmp_pa
 
 def test_overlap_writes_each_buffer_only_once_it_is_staged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With async_overlap the checkpoint is the snapshot at save() time, written in place, in several groups."""
-    import checkpoint_manager.staging as staging_module
+    import checkpoint_manager.engine.staging as staging_module
 
     monkeypatch.setattr(staging_module, "_GROUP_BYTES", 1 << 20)  # one group per 1 MiB buffer
     opened: list[int] = []
@@ -653,7 +653,7 @@ def test_overlap_writes_each_buffer_only_once_it_is_staged(tmp_path: Path, monke
 
 
 def test_a_failed_overlapped_staging_raises_it_and_leaves_no_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import checkpoint_manager.staging as staging_module
+    import checkpoint_manager.engine.staging as staging_module
 
     monkeypatch.setattr(staging_module, "_GROUP_BYTES", 1 << 20)
     s = Setup(width=512)
@@ -696,7 +696,7 @@ def _prepared(save_dir: Path, s: Setup, **overrides: Any) -> DefaultCheckpointMa
 def test_overlap_sends_buffers_ahead_and_writes_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The large buffers go to disk while staging copies, without their CRCs (those follow, after
     staging); the files are byte for byte those of a save without overlap."""
-    from checkpoint_manager.direct_io import AlignedFileWriter
+    from checkpoint_manager.engine.dcp.direct_io import AlignedFileWriter
 
     sent: list[int] = []
     real_drive = AlignedFileWriter._drive_ahead
@@ -726,7 +726,7 @@ def test_overlap_sends_buffers_ahead_and_writes_the_same_bytes(tmp_path: Path, m
 def test_overlap_without_large_buffers_makes_no_layout_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing is written in place (every buffer under 1 MiB; 256 KiB records are not all small, so
     the saved plan's layout does not apply either): no pass over the items to place them."""
-    from checkpoint_manager import dcp_writer
+    from checkpoint_manager.engine.dcp import writer as dcp_writer
 
     made: list[int] = []
     real_init = dcp_writer._Layout.__init__
@@ -751,7 +751,7 @@ def test_a_layout_that_disagrees_with_the_write_fails_the_save_and_keeps_the_las
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Bytes sent ahead to the wrong place would corrupt the file: the writer refuses to guess."""
-    from checkpoint_manager import dcp_writer
+    from checkpoint_manager.engine.dcp import writer as dcp_writer
 
     s = Setup(width=512)
     mgr = _prepared(tmp_path, s, async_overlap=True)
@@ -780,7 +780,7 @@ def test_a_layout_that_disagrees_with_the_write_fails_the_save_and_keeps_the_las
 
 
 def test_staging_gate_waits_for_its_addresses_only() -> None:
-    from checkpoint_manager.staging import StagingGate
+    from checkpoint_manager.engine.staging import StagingGate
 
     gate = StagingGate([1, 2])
     gate.wait(3)  # not gated: returns at once

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 from torch import nn
 
-import checkpoint_manager.policy as policy_module
+import checkpoint_manager.lifecycle.policy as policy_module
 from checkpoint_manager import (
     CheckpointConfig,
     SaveContext,
@@ -18,7 +18,7 @@ from checkpoint_manager import (
     create_checkpoint_manager,
     read_event_log,
 )
-from checkpoint_manager.policy import AnyOf, Continuous, YoungDaly, build_save_policy
+from checkpoint_manager.lifecycle.policy import AnyOf, Continuous, YoungDaly, build_save_policy
 
 
 class FakeClock:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from packaging.requirements import Requirement
 
-from checkpoint_manager import checksum
+from checkpoint_manager.core import checksum
 
 ROOT = Path(__file__).resolve().parent.parent
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -68,7 +68,7 @@ _WITHOUT_ISAL = textwrap.dedent(
     warnings.simplefilter("always")
     import torch
     from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState, checksum
-    from checkpoint_manager.integrity import verify
+    from checkpoint_manager.core.integrity import verify
     assert checksum.CRC32_BACKEND == "zlib", checksum.CRC32_BACKEND
     assert checksum.crc32 is zlib.crc32
     model = torch.nn.Linear(64, 64)

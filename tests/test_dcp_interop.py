@@ -3,7 +3,7 @@
 The recipe under test is DCP's own: ``get_state_dict(model, optim)`` -> ``dcp.load({"model": ...,
 "optim": ...})`` -> ``set_state_dict``, and ``dcp.load({"scheduler": sched.state_dict()})`` ->
 ``sched.load_state_dict``. It asks for every non-tensor value by key (``optim.param_groups.0.lr``),
-which our writer stores as DCP byte entries (checkpoint_manager/dcp_objects.py) that
+which our writer stores as DCP byte entries (checkpoint_manager/engine/dcp/objects.py) that
 ``torch.load(weights_only=True)`` reads; our own loader never reads them.
 """
 
@@ -35,9 +35,9 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.dcp_io import read_dcp_metadata
-from checkpoint_manager.dcp_objects import plain_entries, render
-from checkpoint_manager.state import gather_state
+from checkpoint_manager.engine.dcp.io import read_dcp_metadata
+from checkpoint_manager.engine.dcp.objects import plain_entries, render
+from checkpoint_manager.state.training import gather_state
 from tests.conftest import ROOT, child_env
 
 pytestmark = [

@@ -15,10 +15,10 @@ from conftest import missing_capability
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from checkpoint_manager.dcp_io import read_dcp_metadata
-from checkpoint_manager.dcp_reader import CheckpointReader
-from checkpoint_manager.dcp_writer import CheckpointWriter, _chunk_for
-from checkpoint_manager.direct_io import cached_fraction, crc32
+from checkpoint_manager.engine.dcp.direct_io import cached_fraction, crc32
+from checkpoint_manager.engine.dcp.io import read_dcp_metadata
+from checkpoint_manager.engine.dcp.reader import CheckpointReader
+from checkpoint_manager.engine.dcp.writer import CheckpointWriter, _chunk_for
 
 
 def _state(seed: int, small: int = 300) -> dict[str, torch.Tensor]:

@@ -24,9 +24,9 @@ from checkpoint_manager import (
     TrainState,
     direct_io,
 )
-from checkpoint_manager.direct_io import BLOCK, AlignedFileWriter
-from checkpoint_manager.envelope import crc32_combine, envelope_for, locate_data
-from checkpoint_manager.integrity import verify
+from checkpoint_manager.core.integrity import verify
+from checkpoint_manager.engine.dcp.direct_io import BLOCK, AlignedFileWriter
+from checkpoint_manager.engine.dcp.envelope import crc32_combine, envelope_for, locate_data
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool, torch.complex64]

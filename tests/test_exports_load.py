@@ -32,8 +32,8 @@ from checkpoint_manager import (
     export_peft,
 )
 from checkpoint_manager.cli import main as cli_main
+from checkpoint_manager.core.integrity import verify
 from checkpoint_manager.formats import export_hf
-from checkpoint_manager.integrity import verify
 
 transformers.logging.set_verbosity_error()
 

@@ -27,7 +27,7 @@ def cfg(tmp_path: Path, manager: str | None, **fields: object) -> CheckpointConf
 
 
 def test_none_resolves_to_the_default_manager(tmp_path: Path) -> None:
-    from checkpoint_manager.manager import DefaultCheckpointManager
+    from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
 
     assert resolve_manager_class(None) is DefaultCheckpointManager
     manager = create_checkpoint_manager(CheckpointConfig(save_dir=str(tmp_path)))
@@ -308,7 +308,7 @@ def test_allowlist_refuses_other_paths_before_importing(prefixes: tuple[str, ...
 
 
 def test_allowlist_allows_the_default(tmp_path: Path) -> None:
-    from checkpoint_manager.manager import DefaultCheckpointManager
+    from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
 
     assert resolve_manager_class(None, allowed_import_prefixes=()) is DefaultCheckpointManager
 

@@ -21,8 +21,8 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.finite import NonFiniteStateError, nonfinite_tensors
-from checkpoint_manager.layout import seal_checkpoint_json
+from checkpoint_manager.core.layout import seal_checkpoint_json
+from checkpoint_manager.lifecycle.finite import NonFiniteStateError, nonfinite_tensors
 
 
 def run_model() -> tuple[nn.Module, torch.optim.Optimizer]:

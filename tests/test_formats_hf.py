@@ -26,9 +26,9 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
+from checkpoint_manager.core.integrity import verify
 from checkpoint_manager.formats import MissingConfigWarning, export_hf, load_hf_weights
 from checkpoint_manager.formats.cli import main as cli_main
-from checkpoint_manager.integrity import verify
 
 VOCAB = 96
 

@@ -37,9 +37,9 @@ from checkpoint_manager import (
     UnsafeCheckpointError,
     create_checkpoint_manager,
 )
-from checkpoint_manager.dcp_io import read_dcp_metadata
-from checkpoint_manager.integrity import describe_files, verify
-from checkpoint_manager.layout import seal_checkpoint_json
+from checkpoint_manager.core.integrity import describe_files, verify
+from checkpoint_manager.core.layout import seal_checkpoint_json
+from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 
 SHARD = "__0_0.distcp"
 MARKER = "HOSTILE_PAYLOAD_RAN"

@@ -19,11 +19,11 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.dcp_io import read_dcp_metadata
-from checkpoint_manager.direct_io import BLOCK, DIRECT_MIN, AlignedFileWriter
-from checkpoint_manager.envelope import envelope_for
-from checkpoint_manager.integrity import verify
-from checkpoint_manager.staging import StagingBuffers
+from checkpoint_manager.core.integrity import verify
+from checkpoint_manager.engine.dcp.direct_io import BLOCK, DIRECT_MIN, AlignedFileWriter
+from checkpoint_manager.engine.dcp.envelope import envelope_for
+from checkpoint_manager.engine.dcp.io import read_dcp_metadata
+from checkpoint_manager.engine.staging import StagingBuffers
 
 
 def _aligned(nbytes: int, seed: int) -> torch.Tensor:

@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-import checkpoint_manager.integrity as integrity
-import checkpoint_manager.manager as manager_module
+import checkpoint_manager.core.integrity as integrity
+import checkpoint_manager.lifecycle.manager as manager_module
 from checkpoint_manager import (
     CheckpointConfig,
     CheckpointNotFoundError,
@@ -31,7 +31,7 @@ from checkpoint_manager import (
     TrainState,
 )
 from checkpoint_manager.cli import main
-from checkpoint_manager.dcp_reader import CheckpointReader
+from checkpoint_manager.engine.dcp.reader import CheckpointReader
 
 
 class Net(nn.Module):

@@ -22,11 +22,11 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager import manager as manager_module
-from checkpoint_manager.dcp_io import read_dcp_metadata
-from checkpoint_manager.dcp_reader import CheckpointReader
-from checkpoint_manager.envelope import envelope_for
+from checkpoint_manager.engine.dcp.envelope import envelope_for
+from checkpoint_manager.engine.dcp.io import read_dcp_metadata
+from checkpoint_manager.engine.dcp.reader import CheckpointReader
 from checkpoint_manager.errors import CheckpointCorruptError
+from checkpoint_manager.lifecycle import manager as manager_module
 
 COUNT = 1200  # parameters: with AdamW's exp_avg, exp_avg_sq and step, 4,800 small records
 
@@ -166,7 +166,7 @@ def test_one_damaged_small_record_among_thousands_is_a_typed_error(
 def test_resume_prepares_the_save_path_from_the_loaded_tensors(saved: Any, tmp_path: Path) -> None:
     """After a load of every part, staging is prepared from the load's targets (not gathered again):
     the same keys, shapes and dtypes a save gathers, so the first save reuses every buffer."""
-    from checkpoint_manager.state import gather_state
+    from checkpoint_manager.state.training import gather_state
 
     root, _, _ = saved
     model, opt = _state(seed=1)
@@ -186,7 +186,7 @@ def test_resume_prepares_the_save_path_from_the_loaded_tensors(saved: Any, tmp_p
 
 def test_model_in_place_is_taken_only_when_the_copy_would_be_all(saved: Any) -> None:
     """``load_model_in_place`` accepts exactly ``state_dict()``'s own tensors, else declines."""
-    from checkpoint_manager.state import load_model_in_place
+    from checkpoint_manager.state.training import load_model_in_place
 
     net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
     sd = net.state_dict()
@@ -224,7 +224,7 @@ def test_records_straddling_read_pieces_land_whole(saved: Any, monkeypatch: pyte
     """Pieces of a few KiB split envelopes and tensor bytes of most records across two pieces."""
     import functools
 
-    from checkpoint_manager import dcp_reader
+    from checkpoint_manager.engine.dcp import reader as dcp_reader
 
     monkeypatch.setattr(
         dcp_reader, "AlignedFileReader", functools.partial(dcp_reader.AlignedFileReader, chunk_bytes=piece)

@@ -8,7 +8,7 @@ from typing import Any
 
 from conftest import missing_capability
 
-from checkpoint_manager.direct_io import _aligned_buffers
+from checkpoint_manager.engine.dcp.direct_io import _aligned_buffers
 
 
 def _vm_flags(addr: int) -> list[str]:
@@ -43,7 +43,7 @@ def test_buffered_reader_yields_the_file_bytes(tmp_path: Path) -> None:
     """``direct=False`` (the O_DIRECT fallback and the warm small-record path) reads the same pieces."""
     import ctypes
 
-    from checkpoint_manager.direct_io import AlignedFileReader
+    from checkpoint_manager.engine.dcp.direct_io import AlignedFileReader
 
     data = bytes(range(256)) * 5000 + b"tail"
     (tmp_path / "f").write_bytes(data)
@@ -69,7 +69,7 @@ def test_warm_large_records_split_over_threads_land_whole(tmp_path: Path, monkey
     import pytest
     import torch
 
-    from checkpoint_manager import dcp_reader
+    from checkpoint_manager.engine.dcp import reader as dcp_reader
 
     assert isinstance(monkeypatch, pytest.MonkeyPatch)
     monkeypatch.setattr(dcp_reader, "_SPLIT", 64 << 10)
@@ -87,7 +87,7 @@ def test_warm_large_records_split_over_threads_land_whole(tmp_path: Path, monkey
 def test_split_pieces_cover_the_record_once() -> None:
     import torch
 
-    from checkpoint_manager.dcp_reader import _SPLIT, _Job, _split
+    from checkpoint_manager.engine.dcp.reader import _SPLIT, _Job, _split
 
     for nbytes in (1, _SPLIT, _SPLIT + 1, 3 * _SPLIT - 7, 5 * _SPLIT):
         job = _Job(None, "x", 0, nbytes, torch.Size([nbytes]), torch.uint8, nbytes, torch.empty(0), True)  # type: ignore[arg-type]
@@ -103,8 +103,8 @@ def _assert_warm_round_trip(tmp_path: Path, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from checkpoint_manager.dcp_reader import CheckpointReader
-    from checkpoint_manager.dcp_writer import CheckpointWriter
+    from checkpoint_manager.engine.dcp.reader import CheckpointReader
+    from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
     dcp_save(state, storage_writer=CheckpointWriter(tmp_path / "ck"), no_dist=True)
     for f in (tmp_path / "ck").iterdir():

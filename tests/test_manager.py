@@ -31,7 +31,7 @@ from checkpoint_manager import (
     TrainState,
     UnsafeCheckpointError,
 )
-from checkpoint_manager.layout import seal_checkpoint_json
+from checkpoint_manager.core.layout import seal_checkpoint_json
 
 
 class Ema:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpoint_manager import CheckpointConfig
-from checkpoint_manager.naming import format_name, parse_name, sanitize_name, validate_template
+from checkpoint_manager.core.naming import format_name, parse_name, sanitize_name, validate_template
 from checkpoint_manager.storage.local import LocalStorage
 
 NEMO = "megatron_gpt--val_loss=0.432-step=1000-consumed_samples=32000.0"

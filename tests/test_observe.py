@@ -29,7 +29,7 @@ from checkpoint_manager import (
     create_checkpoint_manager,
     read_event_log,
 )
-from checkpoint_manager.dcp_writer import CheckpointWriter
+from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:

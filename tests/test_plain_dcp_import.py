@@ -27,7 +27,7 @@ from checkpoint_manager import (
     read_event_log,
 )
 from checkpoint_manager.cli import main
-from checkpoint_manager.layout import read_checkpoint_json
+from checkpoint_manager.core.layout import read_checkpoint_json
 
 
 class Net(nn.Module):

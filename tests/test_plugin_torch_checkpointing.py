@@ -38,7 +38,7 @@ from checkpoint_manager import (
     TrainState,
     create_checkpoint_manager,
 )
-from checkpoint_manager.observe import CheckpointErrorEvent, SaveStartEvent
+from checkpoint_manager.lifecycle.observe import CheckpointErrorEvent, SaveStartEvent
 from checkpoint_manager.testing import CONFORMANCE_CHECKS, manager_maker, run_conformance_check
 
 pytestmark = pytest.mark.timeout(120)

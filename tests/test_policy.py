@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
-from checkpoint_manager.policy import (
+from checkpoint_manager.lifecycle.policy import (
     AnyOf,
     AtSteps,
     EveryNSeconds,

@@ -25,8 +25,8 @@ from torch import nn
 
 from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
 from checkpoint_manager.cli import main
-from checkpoint_manager.layout import CHECKPOINT_JSON, seal_checkpoint_json
-from checkpoint_manager.retention import prune
+from checkpoint_manager.core.layout import CHECKPOINT_JSON, seal_checkpoint_json
+from checkpoint_manager.lifecycle.retention import prune
 
 LOSS = {10: 0.9, 20: 0.3, 30: 0.1, 40: 0.5, 50: 0.6, 60: 0.7}  # best (min) is 30, newest is 60
 

@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from checkpoint_manager.codec import encode
-from checkpoint_manager.layout import CHECKPOINT_JSON, FORMAT_NAME, FORMAT_VERSION, CheckpointInfo
-from checkpoint_manager.lock import LOCK_FILE, CheckpointLockError
-from checkpoint_manager.pointers import BEST_LINK, BEST_POINTER, LATEST_LINK, read_pointer
-from checkpoint_manager.retention import (
+from checkpoint_manager.core.codec import encode
+from checkpoint_manager.core.layout import CHECKPOINT_JSON, FORMAT_NAME, FORMAT_VERSION, CheckpointInfo
+from checkpoint_manager.lifecycle.lock import LOCK_FILE, CheckpointLockError
+from checkpoint_manager.lifecycle.pointers import BEST_LINK, BEST_POINTER, LATEST_LINK, read_pointer
+from checkpoint_manager.lifecycle.retention import (
     KeepAll,
     KeepAny,
     KeepBest,
@@ -228,7 +228,7 @@ def test_slow_background_deletion_slows_the_next_prunes_rather_than_filling_the_
         assert release.wait(30), "the test never released the deletion"
         real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr("checkpoint_manager.retention.shutil.rmtree", stuck_rmtree)
+    monkeypatch.setattr("checkpoint_manager.lifecycle.retention.shutil.rmtree", stuck_rmtree)
     pruner = Pruner(storage, KeepLast(1), background=True)
 
     def hidden() -> list[str]:
@@ -511,7 +511,7 @@ def _save(mgr: Any, step: int, **metrics: float) -> Any:
 
 def test_manager_keeps_last_and_best_names_them_and_points_at_them(tmp_path: Path) -> None:
     from checkpoint_manager import DefaultCheckpointManager
-    from checkpoint_manager.naming import parse_name
+    from checkpoint_manager.core.naming import parse_name
 
     template = "step={step:04d}-val_loss={val_loss:.3f}"
     cfg = _manager_cfg(tmp_path, keep_last=2, keep_best=1, monitor="val_loss", name_template=template,
@@ -638,7 +638,7 @@ def test_async_saves_prune_in_the_background_writer_and_finish_on_terminate(tmp_
 
 # -- discovery reads the disk at every scan (parsed descriptions are reused only while unchanged) ---
 def test_a_scan_sees_every_change_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from checkpoint_manager import layout
+    from checkpoint_manager.core import layout
 
     storage = make_dir(tmp_path, [0.5, 0.4])
     root = storage.root

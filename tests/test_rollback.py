@@ -37,7 +37,7 @@ from checkpoint_manager import (
     TrainState,
 )
 from checkpoint_manager.cli import main
-from checkpoint_manager.layout import (
+from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
     CheckpointInfo,
     Lineage,
@@ -45,8 +45,8 @@ from checkpoint_manager.layout import (
     order_checkpoints,
     seal_checkpoint_json,
 )
-from checkpoint_manager.lock import LOCK_FILE
-from checkpoint_manager.pointers import read_pointer
+from checkpoint_manager.lifecycle.lock import LOCK_FILE
+from checkpoint_manager.lifecycle.pointers import read_pointer
 from checkpoint_manager.storage import LocalStorage
 
 

@@ -33,10 +33,15 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.dcp_io import read_dcp_metadata
-from checkpoint_manager.dcp_writer import CheckpointWriter, _metadata_tail, _objects_inserts, prime_layout
-from checkpoint_manager.planner import FastSavePlanner, SavePlanCache, save_tensors
-from checkpoint_manager.state import gather_state
+from checkpoint_manager.engine.dcp.io import read_dcp_metadata
+from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache, save_tensors
+from checkpoint_manager.engine.dcp.writer import (
+    CheckpointWriter,
+    _metadata_tail,
+    _objects_inserts,
+    prime_layout,
+)
+from checkpoint_manager.state.training import gather_state
 
 
 def _check_files(path: Path, flat: dict[str, torch.Tensor]) -> None:
@@ -278,7 +283,7 @@ def test_cached_plan_shares_metadata_and_records_per_shape(tmp_path: Path) -> No
 def test_structure_key_is_exact(kinds: int) -> None:
     """The packed structure key tells apart every change a plan depends on, including two entries
     of different kinds swapping places (the same set of kinds, another order)."""
-    from checkpoint_manager.planner import structure
+    from checkpoint_manager.engine.dcp.planner import structure
 
     flat = {f"p{i}": torch.zeros(i % kinds + 1) for i in range(2 * kinds)}
     key = structure(flat)

@@ -32,11 +32,10 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.codec import dtype_name as codec_dtype_name
-from checkpoint_manager.codec import encode, merge_tensors, split_tensors
-from checkpoint_manager.dcp_io import read_dcp_metadata
-from checkpoint_manager.dcp_writer import CheckpointWriter
-from checkpoint_manager.planner import (
+from checkpoint_manager.core.codec import dtype_name as codec_dtype_name
+from checkpoint_manager.core.codec import encode, merge_tensors, split_tensors
+from checkpoint_manager.engine.dcp.io import read_dcp_metadata
+from checkpoint_manager.engine.dcp.planner import (
     FastLoadPlanner,
     FastSavePlanner,
     frozen,
@@ -45,7 +44,8 @@ from checkpoint_manager.planner import (
     save_tensors,
     unnest,
 )
-from checkpoint_manager.state import gather_state, load_optimizers_in_place
+from checkpoint_manager.engine.dcp.writer import CheckpointWriter
+from checkpoint_manager.state.training import gather_state, load_optimizers_in_place
 
 
 class _Net(nn.Module):
@@ -349,7 +349,7 @@ def test_optimizer_hook_still_runs_through_the_manager(tmp_path: Path) -> None:
 
 def test_batched_small_records_are_byte_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Small records joined in memory: the same file, byte for byte, as written record by record."""
-    from checkpoint_manager import dcp_writer
+    from checkpoint_manager.engine.dcp import writer as dcp_writer
 
     model, opt = _trained()
     state = _flat_state(model, opt)
@@ -376,7 +376,7 @@ def test_batched_small_records_are_byte_identical(tmp_path: Path, monkeypatch: p
 
 def test_codec_fast_paths_round_trip_exactly() -> None:
     """Lists/tuples of plain atoms skip the per-item walk; anything else still takes it."""
-    from checkpoint_manager.codec import decode, dtype_name, encode
+    from checkpoint_manager.core.codec import decode, dtype_name, encode
 
     state = (3, tuple(range(625)), None)  # the shape of random.getstate()
     assert encode(state) == {
@@ -424,7 +424,7 @@ def test_collect_tensors_matches_split_tensors() -> None:
     """Load targets are collected without the skeleton: same keys, same tensor objects, same order."""
     import numpy as np
 
-    from checkpoint_manager.codec import collect_tensors
+    from checkpoint_manager.core.codec import collect_tensors
 
     t = [torch.full((2,), float(i)) for i in range(6)]
     tree = {

@@ -34,8 +34,8 @@ from checkpoint_manager import (
     UnsafeCheckpointError,
 )
 from checkpoint_manager.cli import main as ckpt
-from checkpoint_manager.pointers import read_pointer
-from checkpoint_manager.safe_io import UnsafeFileError, read_json, read_small
+from checkpoint_manager.core.safe_io import UnsafeFileError, read_json, read_small
+from checkpoint_manager.lifecycle.pointers import read_pointer
 
 STEP1, STEP2 = "step_00000001", "step_00000002"
 SHARD = "__0_0.distcp"
@@ -228,7 +228,7 @@ DEV_ZERO_CHILD = """
     from torch import nn
     from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, LoadContext, CheckpointError
     from checkpoint_manager.cli import main
-    from checkpoint_manager.pointers import read_pointer
+    from checkpoint_manager.lifecycle.pointers import read_pointer
 
     root = Path(sys.argv[1])
     out = {}

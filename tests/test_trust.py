@@ -36,9 +36,9 @@ from checkpoint_manager import (
     verify,
 )
 from checkpoint_manager.cli import main as ckpt
-from checkpoint_manager.dcp_io import read_dcp_metadata
-from checkpoint_manager.integrity import describe_files
-from checkpoint_manager.layout import canonical_digest, read_checkpoint_json, seal_checkpoint_json
+from checkpoint_manager.core.integrity import describe_files
+from checkpoint_manager.core.layout import canonical_digest, read_checkpoint_json, seal_checkpoint_json
+from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 
 STEP2 = "step_00000002"
 DEEP = "<5,000 nested lists>"

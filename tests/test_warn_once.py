@@ -15,7 +15,7 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
-from checkpoint_manager.layout import CHECKPOINT_JSON
+from checkpoint_manager.core.layout import CHECKPOINT_JSON
 
 
 def _two_checkpoints(root: Path) -> tuple[torch.nn.Linear, list[Path]]:

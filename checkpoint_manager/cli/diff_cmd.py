@@ -114,10 +114,10 @@ def _tied_pairs(source: TensorSource) -> dict[str, str]:
     """``{tied copy: source}`` by the model's config: ``config.json`` of weights, a checkpoint's recorded one."""
     import json
 
+    from checkpoint_manager.core.safe_io import read_small
     from checkpoint_manager.errors import CheckpointError
     from checkpoint_manager.formats.hf import tied_pairs
     from checkpoint_manager.formats.model_config import read_recorded_config
-    from checkpoint_manager.safe_io import read_small
 
     config: Any = None
     try:

@@ -68,9 +68,9 @@ def run(args: argparse.Namespace, out: Output) -> int:
         info_meta = dict(remote.info.meta)
         return _show(args, out, match, source, remote.info.location, info_meta, remote.via,
                      remote_size(remote.storage, remote.info.name), len(info_meta.get("files") or {}), state)
+    from checkpoint_manager.core.layout import read_checkpoint_json
     from checkpoint_manager.formats.bundle import is_bundle, read_bundle_metadata
     from checkpoint_manager.formats.hf import is_hf_weights
-    from checkpoint_manager.layout import read_checkpoint_json
 
     given = existing(args.path)
     meta: dict[str, Any]
@@ -103,8 +103,8 @@ def _count_files(path: Path) -> int:
 
 def _read_state(path: Path) -> dict[str, Any] | str | None:
     """``state.json`` decoded (tensors left as None), None if there is none, or what is wrong with it."""
-    from checkpoint_manager.codec import decode
-    from checkpoint_manager.safe_io import read_small
+    from checkpoint_manager.core.codec import decode
+    from checkpoint_manager.core.safe_io import read_small
 
     file = path / "state.json"
     if not path.is_dir() or not file.exists():

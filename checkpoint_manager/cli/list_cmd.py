@@ -80,9 +80,9 @@ def _row(
 
 def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]:
     """The listing of ``root`` as one JSON-able document (what ``--json`` prints)."""
+    from checkpoint_manager.core.layout import CHECKPOINT_JSON, read_checkpoint_json, scan_checkpoints
     from checkpoint_manager.errors import CheckpointCorruptError
-    from checkpoint_manager.layout import CHECKPOINT_JSON, read_checkpoint_json, scan_checkpoints
-    from checkpoint_manager.pointers import BEST_POINTER, LATEST_POINTER, read_pointer
+    from checkpoint_manager.lifecycle.pointers import BEST_POINTER, LATEST_POINTER, read_pointer
     from checkpoint_manager.storage.local import PENDING_DIR, LocalStorage
 
     names = LocalStorage(root).list_names()
@@ -121,7 +121,7 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
 
 
 def _verify_local(path: Path, level: str) -> list[str]:
-    from checkpoint_manager.integrity import verify
+    from checkpoint_manager.core.integrity import verify
 
     return verify(path, level)  # type: ignore[arg-type]
 
@@ -130,8 +130,8 @@ def collect_remote(url: str, options: dict[str, Any] | None, verify_level: str |
     """The listing of a save root at an fsspec URL (committed and damaged checkpoints; pending
     saves live on the writer's machine, not in the store)."""
     from checkpoint_manager.cli.remote import open_remote, remote_size, verify_remote
-    from checkpoint_manager.layout import CheckpointInfo
-    from checkpoint_manager.pointers import BEST_POINTER, LATEST_POINTER
+    from checkpoint_manager.core.layout import CheckpointInfo
+    from checkpoint_manager.lifecycle.pointers import BEST_POINTER, LATEST_POINTER
 
     storage = open_remote(url.rstrip("/"), options)
     infos, bad = storage.scan()
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     root = existing(args.directory)
     if root.is_file():
         return _list_bundle(root, args, out)
-    from checkpoint_manager.layout import CHECKPOINT_JSON
+    from checkpoint_manager.core.layout import CHECKPOINT_JSON
 
     if (root / CHECKPOINT_JSON).exists():
         raise CliError(

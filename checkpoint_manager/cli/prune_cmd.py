@@ -18,7 +18,7 @@ from checkpoint_manager.cli.output import Output, human_bytes
 from checkpoint_manager.cli.targets import existing, is_url, storage_options, tree_size
 
 if TYPE_CHECKING:
-    from checkpoint_manager.layout import CheckpointInfo
+    from checkpoint_manager.core.layout import CheckpointInfo
     from checkpoint_manager.storage import Storage
 
 __all__ = ["add_parser", "run"]
@@ -74,8 +74,8 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from checkpoint_manager.layout import CHECKPOINT_JSON
-    from checkpoint_manager.retention import Pruner, build_retention_policy, prune
+    from checkpoint_manager.core.layout import CHECKPOINT_JSON
+    from checkpoint_manager.lifecycle.retention import Pruner, build_retention_policy, prune
     from checkpoint_manager.storage import LocalStorage
 
     _check_counts(args)
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
 
 def _pointer_names(storage: Storage) -> dict[str, list[str]]:
     """``{checkpoint name: ["latest pointer", ...]}``: why the library's "protected" applies."""
-    from checkpoint_manager.pointers import BEST_POINTER, LATEST_POINTER
+    from checkpoint_manager.lifecycle.pointers import BEST_POINTER, LATEST_POINTER
 
     out: dict[str, list[str]] = {}
     for kind in (LATEST_POINTER, BEST_POINTER):

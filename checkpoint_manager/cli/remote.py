@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from checkpoint_manager.cli.errors import CliError, ExitCode
 
 if TYPE_CHECKING:
-    from checkpoint_manager.layout import CheckpointInfo
+    from checkpoint_manager.core.layout import CheckpointInfo
     from checkpoint_manager.storage import FsspecStorage
 
 __all__ = [
@@ -83,9 +83,9 @@ class RemoteCheckpoint:
 
 def remote_checkpoint(url: str, options: dict[str, Any] | None, step: int | None) -> RemoteCheckpoint:
     """The checkpoint at ``url``, or (a save root) its newest one or the one of ``step``: the
-    library's rule (:mod:`checkpoint_manager.resolve`)."""
-    from checkpoint_manager.layout import info_from_meta
-    from checkpoint_manager.resolve import _resolve_remote
+    library's rule (:mod:`checkpoint_manager.lifecycle.resolve`)."""
+    from checkpoint_manager.core.layout import info_from_meta
+    from checkpoint_manager.lifecycle.resolve import _resolve_remote
 
     try:
         found, storage = _resolve_remote(url, step, options)
@@ -105,8 +105,8 @@ def remote_size(storage: FsspecStorage, name: str) -> int:
 def verify_remote(storage: FsspecStorage, info: CheckpointInfo, level: str) -> list[str]:
     """Sizes from one listing; ``full`` also downloads the checkpoint and recomputes every CRC32
     (problems name the URL, not the temporary copy)."""
+    from checkpoint_manager.core.integrity import verify
     from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
-    from checkpoint_manager.integrity import verify
 
     problems = storage.check_sizes(info)
     if not problems and level != "sizes":

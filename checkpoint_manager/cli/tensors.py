@@ -102,7 +102,7 @@ def _dcp_source(path: Path, section: str | None) -> TensorSource:
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from checkpoint_manager.dcp_io import read_dcp_metadata
+    from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 
     metadata = read_dcp_metadata(path)
     prefix = f"{section}." if section else ""

@@ -1,4 +1,4 @@
-"""``ckpt verify PATH|DIR``: recheck sizes and CRC32s recorded at save time (``checkpoint_manager.integrity``).
+"""``ckpt verify PATH|DIR``: recheck sizes and CRC32s recorded at save time (``checkpoint_manager.core.integrity``).
 
 A save directory is verified checkpoint by checkpoint; one whose ``checkpoint.json`` is unreadable
 counts as failed, since loading it would fail too. One that a running job's retention deletes while
@@ -61,8 +61,8 @@ Target = tuple[str, str, list[str], Callable[[str], list[str]] | None]
 def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
     """``(name, where, problems found already, check(level))`` per checkpoint; and whether ``text`` is a
     save directory. A checkpoint whose ``checkpoint.json`` is unreadable has no check: it failed."""
-    from checkpoint_manager.integrity import verify
-    from checkpoint_manager.layout import CHECKPOINT_JSON, scan_checkpoints
+    from checkpoint_manager.core.integrity import verify
+    from checkpoint_manager.core.layout import CHECKPOINT_JSON, scan_checkpoints
     from checkpoint_manager.storage.local import LocalStorage
 
     if is_url(text):
@@ -71,7 +71,7 @@ def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
     if path.is_file() or (path / CHECKPOINT_JSON).exists():
         ckpt = resolve_checkpoint(text, args=args)
         return [(ckpt.path.name, str(ckpt.path), [], lambda level: verify(ckpt.path, level))], False  # type: ignore[arg-type]
-    from checkpoint_manager.resolve import is_plain_dcp
+    from checkpoint_manager.lifecycle.resolve import is_plain_dcp
 
     if is_plain_dcp(path):
         raise CliError(
@@ -93,7 +93,7 @@ def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
 def _remote_targets(url: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
     """Sizes from a listing (nothing downloaded); ``--full`` downloads each checkpoint to check CRC32s."""
     from checkpoint_manager.cli.remote import open_remote, remote_checkpoint, verify_remote
-    from checkpoint_manager.layout import CheckpointInfo
+    from checkpoint_manager.core.layout import CheckpointInfo
     from checkpoint_manager.storage import FsspecStorage
 
     options = storage_options(args)
@@ -174,7 +174,7 @@ def _nonfinite_problems(where: str) -> list[str]:
     from pathlib import Path
 
     from checkpoint_manager.cli.tensors import open_source
-    from checkpoint_manager.finite import nonfinite_tensors
+    from checkpoint_manager.lifecycle.finite import nonfinite_tensors
 
     if is_url(where):
         return ["--finite reads tensors of local checkpoints only (download it first: ckpt unpack / convert)"]

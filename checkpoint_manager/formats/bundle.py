@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from checkpoint_manager._version import __version__
+from checkpoint_manager.core.layout import CHECKPOINT_JSON, read_checkpoint_json
+from checkpoint_manager.core.safe_io import SMALL_FILE_LIMIT, open_regular, read_small
 from checkpoint_manager.errors import (
     BundleCacheError,
     BundleTooLargeError,
@@ -50,8 +52,6 @@ from checkpoint_manager.errors import (
     UnsafeCheckpointError,
 )
 from checkpoint_manager.formats.sizes import parse_size
-from checkpoint_manager.layout import CHECKPOINT_JSON, read_checkpoint_json
-from checkpoint_manager.safe_io import SMALL_FILE_LIMIT, open_regular, read_small
 
 __all__ = [
     "BUNDLE_FORMAT",
@@ -126,11 +126,11 @@ def pack_bundle(
     ``config`` is a :class:`CheckpointConfig` (or any JSON-able mapping). The file appears in one
     rename once complete; an existing file is replaced only with ``overwrite``.
     """
-    from checkpoint_manager.resolve import resolve_checkpoint
+    from checkpoint_manager.lifecycle.resolve import resolve_checkpoint
 
     found = resolve_checkpoint(checkpoint)  # a save directory: its newest checkpoint
     if found.url is not None:
-        raise ValueError(f"{checkpoint}: a URL; download it first (checkpoint_manager.resolve.local_checkpoint)")
+        raise ValueError(f"{checkpoint}: a URL; download it first (checkpoint_manager.lifecycle.resolve.local_checkpoint)")
     if not found.committed:
         raise CheckpointNotFoundError(
             f"{checkpoint}: a plain DCP directory; only committed checkpoints are bundled "
@@ -821,24 +821,24 @@ def clear_bundle_cache(cache_dir: str | Path | None = None, *, bundle: str | Pat
 
 
 def resolve_checkpoint_path(path: str | Path, *, cache_dir: str | Path | None = None) -> Path:
-    """The local checkpoint directory ``path`` names, by :func:`checkpoint_manager.resolve.resolve_checkpoint`.
+    """The local checkpoint directory ``path`` names, by :func:`checkpoint_manager.lifecycle.resolve.resolve_checkpoint`.
 
     A directory of DCP files (ours, plain ``dcp.save`` output) as is; a bundle → its unpacked
     checkpoint; a save directory → its newest committed checkpoint; nothing there →
-    :class:`CheckpointNotFoundError`. URLs: download with :func:`checkpoint_manager.resolve.local_checkpoint`.
+    :class:`CheckpointNotFoundError`. URLs: download with :func:`checkpoint_manager.lifecycle.resolve.local_checkpoint`.
     """
     from checkpoint_manager.storage.base import is_url
 
     if is_url(str(path)):
         raise ValueError(
-            f"{path}: a URL; download it first: `with checkpoint_manager.resolve.local_checkpoint(url) as c: ...(c.path)`"
+            f"{path}: a URL; download it first: `with checkpoint_manager.lifecycle.resolve.local_checkpoint(url) as c: ...(c.path)`"
         )
     p = Path(path)
     if p.is_dir() and (p / ".metadata").is_file():
         return p
     if cache_dir is not None and is_bundle(p):
         return open_bundle(p, cache_dir=cache_dir).checkpoint
-    from checkpoint_manager.resolve import resolve_checkpoint
+    from checkpoint_manager.lifecycle.resolve import resolve_checkpoint
 
     return resolve_checkpoint(p).path
 

@@ -20,9 +20,18 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from checkpoint_manager._version import __version__
-from checkpoint_manager.codec import split_tensors
-from checkpoint_manager.dcp_io import METADATA_FILE
-from checkpoint_manager.dcp_writer import CheckpointWriter
+from checkpoint_manager.core.codec import split_tensors
+from checkpoint_manager.core.integrity import describe_files
+from checkpoint_manager.core.layout import (
+    CHECKPOINT_JSON,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    STATE_JSON,
+    now,
+    seal_checkpoint_json,
+)
+from checkpoint_manager.engine.dcp.io import METADATA_FILE
+from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
 from checkpoint_manager.formats.bundle import is_bundle, resolve_checkpoint_path
 from checkpoint_manager.formats.dcp_stream import group_entries, read_entries, tensor_entries
@@ -31,16 +40,7 @@ from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
 from checkpoint_manager.formats.publish import publish_dir, staging_dir
 from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
 from checkpoint_manager.formats.sizes import parse_size
-from checkpoint_manager.integrity import describe_files
-from checkpoint_manager.layout import (
-    CHECKPOINT_JSON,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    STATE_JSON,
-    now,
-    seal_checkpoint_json,
-)
-from checkpoint_manager.resolve import is_plain_dcp
+from checkpoint_manager.lifecycle.resolve import is_plain_dcp
 from checkpoint_manager.storage import LocalStorage
 
 __all__ = [
@@ -184,7 +184,7 @@ def plain_dcp_to_dcp(
     section; optimizer and other state are left behind (load the plain directory itself to restore
     optimizer state: ``LoadContext(path=...)``).
     """
-    from checkpoint_manager.plain_dcp import plain_model_tensors
+    from checkpoint_manager.formats.plain_dcp import plain_model_tensors
 
     tensors = plain_model_tensors(Path(src), model_key)
     return write_weights_checkpoint(

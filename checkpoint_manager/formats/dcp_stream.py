@@ -16,8 +16,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from checkpoint_manager.dcp_io import read_dcp_metadata
-from checkpoint_manager.dcp_reader import CheckpointReader
+from checkpoint_manager.engine.dcp.io import read_dcp_metadata
+from checkpoint_manager.engine.dcp.reader import CheckpointReader
 from checkpoint_manager.errors import CheckpointNotFoundError
 
 __all__ = ["TensorEntry", "group_entries", "model_keys", "read_entries", "tensor_entries"]

@@ -26,7 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from checkpoint_manager.codec import dtype_name
+from checkpoint_manager.core.codec import dtype_name
+from checkpoint_manager.core.layout import CHECKPOINT_JSON
+from checkpoint_manager.core.safe_io import read_small
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from checkpoint_manager.formats.bundle import resolve_checkpoint_path
 from checkpoint_manager.formats.dcp_stream import TensorEntry, group_entries, read_entries, tensor_entries
@@ -36,8 +38,6 @@ from checkpoint_manager.formats.model_config import RecordedConfig, config_with_
 from checkpoint_manager.formats.publish import publish_dir, staging_dir
 from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
 from checkpoint_manager.formats.sizes import parse_size
-from checkpoint_manager.layout import CHECKPOINT_JSON
-from checkpoint_manager.safe_io import read_small
 
 __all__ = [
     "HF_INDEX",

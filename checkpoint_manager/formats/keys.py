@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from checkpoint_manager.codec import dtype_from_name
+from checkpoint_manager.core.codec import dtype_from_name
 
 __all__ = ["KeyMap", "apply_key_map", "resolve_dtype"]
 

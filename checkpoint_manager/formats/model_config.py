@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from checkpoint_manager.codec import dtype_name
+from checkpoint_manager.core.codec import dtype_name
+from checkpoint_manager.core.safe_io import read_small
 from checkpoint_manager.errors import CheckpointCorruptError
-from checkpoint_manager.safe_io import read_small
 
 __all__ = [
     "HF_CONFIG_JSON",

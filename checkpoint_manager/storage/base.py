@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from checkpoint_manager.dcp_writer import CheckpointWriter
-    from checkpoint_manager.integrity import VerifyLevel
-    from checkpoint_manager.layout import CheckpointInfo
+    from checkpoint_manager.core.integrity import VerifyLevel
+    from checkpoint_manager.core.layout import CheckpointInfo
+    from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
 __all__ = ["Storage", "basename", "is_url", "json_bytes"]
 

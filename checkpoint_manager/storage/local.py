@@ -23,9 +23,9 @@ from checkpoint_manager.errors import PostCommitError, UnsafeCheckpointError
 from checkpoint_manager.storage.base import json_bytes
 
 if TYPE_CHECKING:
-    from checkpoint_manager.dcp_writer import CheckpointWriter
-    from checkpoint_manager.integrity import VerifyLevel
-    from checkpoint_manager.layout import CheckpointInfo
+    from checkpoint_manager.core.integrity import VerifyLevel
+    from checkpoint_manager.core.layout import CheckpointInfo
+    from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
 __all__ = ["LocalStorage", "fsync_dir"]
 
@@ -151,17 +151,17 @@ class LocalStorage:
 
     # -- discovery --------------------------------------------------------------------------------
     def scan(self) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
-        from checkpoint_manager.layout import scan_checkpoints
+        from checkpoint_manager.core.layout import scan_checkpoints
 
         return scan_checkpoints(self.root, self.list_names())
 
     def read_pointer(self, kind: str) -> dict[str, Any] | None:
-        from checkpoint_manager.pointers import read_pointer
+        from checkpoint_manager.lifecycle.pointers import read_pointer
 
         return read_pointer(self.root, kind)
 
     def check_info(self, info: CheckpointInfo, level: VerifyLevel) -> None:
-        from checkpoint_manager.integrity import check
+        from checkpoint_manager.core.integrity import check
 
         check(info.path, info.meta, level)
 
@@ -173,7 +173,7 @@ class LocalStorage:
 
     # -- the save path (the manager's hooks; local files need no upload) --------------------------
     def dcp_writer(self, pending: Path, *, fsync: bool, direct: bool) -> CheckpointWriter:
-        from checkpoint_manager.dcp_writer import CheckpointWriter
+        from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
         return CheckpointWriter(pending, fsync=fsync, direct=direct)
 
@@ -181,7 +181,7 @@ class LocalStorage:
         return None
 
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-        from checkpoint_manager.integrity import describe_files
+        from checkpoint_manager.core.integrity import describe_files
 
         return describe_files(pending, known)
 

@@ -27,9 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from checkpoint_manager.checksum import crc32
-from checkpoint_manager.errors import CheckpointCorruptError
-from checkpoint_manager.layout import (
+from checkpoint_manager.core.checksum import crc32
+from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
     CheckpointInfo,
     info_from_meta,
@@ -37,6 +36,7 @@ from checkpoint_manager.layout import (
     parse_checkpoint_json,
     rank_file,
 )
+from checkpoint_manager.errors import CheckpointCorruptError
 from checkpoint_manager.storage.base import json_bytes
 from checkpoint_manager.storage.local import (
     PENDING_DIR,
@@ -50,8 +50,8 @@ from checkpoint_manager.storage.retry import RetryPolicy, is_transient
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-    from checkpoint_manager.dcp_writer import CheckpointWriter
-    from checkpoint_manager.integrity import VerifyLevel
+    from checkpoint_manager.core.integrity import VerifyLevel
+    from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
 __all__ = ["FsspecStorage", "UploadMode"]
 
@@ -295,10 +295,10 @@ class FsspecStorage:
 
     def dcp_writer(self, pending: Path, *, fsync: bool, direct: bool) -> CheckpointWriter:
         if self.upload_mode == "stream":
-            from checkpoint_manager.storage.stream import StreamingWriter
+            from checkpoint_manager.engine.dcp.stream import StreamingWriter
 
             return StreamingWriter(pending, fs=self.fs, remote_dir=self.remote_dir(pending), retry=self.retry)
-        from checkpoint_manager.dcp_writer import CheckpointWriter
+        from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
         # the staging copy is uploaded at once: its durability comes from the store, not from fsync
         return CheckpointWriter(pending, fsync=False, direct=direct)
@@ -342,7 +342,7 @@ class FsspecStorage:
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
         """Every rank's files as the store lists them (sizes), CRC32s from the rank JSONs; the small
         files this process still holds (state, export) are described from the local copy."""
-        from checkpoint_manager.integrity import file_crc32
+        from checkpoint_manager.core.integrity import file_crc32
 
         remote = self.remote_dir(pending)
         self.fs.invalidate_cache(remote)

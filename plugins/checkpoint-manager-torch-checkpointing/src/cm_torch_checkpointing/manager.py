@@ -51,14 +51,14 @@ from checkpoint_manager import (
     SaveContext,
     SaveResult,
 )
-from checkpoint_manager.codec import decode, dtype_from_name, dtype_name, encode
-from checkpoint_manager.dist import DistContext
+from checkpoint_manager.core.codec import decode, dtype_from_name, dtype_name, encode
+from checkpoint_manager.core.dist import DistContext
+from checkpoint_manager.engine.staging import StagingBuffers
 from checkpoint_manager.factory import fields_set
-from checkpoint_manager.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
-from checkpoint_manager.policy import build_save_policy
+from checkpoint_manager.lifecycle.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
+from checkpoint_manager.lifecycle.policy import build_save_policy
 from checkpoint_manager.protocol import FinalizeOnExit
-from checkpoint_manager.staging import StagingBuffers
-from checkpoint_manager.state import StateLoader, gather_state
+from checkpoint_manager.state.training import StateLoader, gather_state
 from cm_torch_checkpointing.config import TorchCheckpointingConfig
 
 __all__ = ["COMMIT_FILE", "FORMAT", "FORMAT_VERSION", "TorchCheckpointingManager"]

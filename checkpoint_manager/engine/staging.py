@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from checkpoint_manager.direct_io import BLOCK, DIRECT_MIN
+from checkpoint_manager.engine.dcp.direct_io import BLOCK, DIRECT_MIN
 
 __all__ = ["StagingBuffers", "StagingGate"]
 

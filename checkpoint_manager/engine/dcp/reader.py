@@ -1,7 +1,7 @@
 """Our DCP storage reader: loads standard DCP files fast, and never runs code from them.
 
 The reader never unpickles arbitrary objects: ``.metadata`` goes through the allow-listed unpickler of
-:mod:`checkpoint_manager.dcp_io` and tensor payloads through ``torch.load(weights_only=True)``; byte
+:mod:`checkpoint_manager.engine.dcp.io` and tensor payloads through ``torch.load(weights_only=True)``; byte
 payloads (which DCP would unpickle freely) are refused.
 """
 
@@ -34,11 +34,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from checkpoint_manager.dcp_io import check_data_files, paused_gc, read_dcp_metadata
-from checkpoint_manager.direct_io import AlignedFileReader, cached_fraction
-from checkpoint_manager.envelope import envelope_for, locate_data
+from checkpoint_manager.core.safe_io import inside, open_regular
+from checkpoint_manager.engine.dcp.direct_io import AlignedFileReader, cached_fraction
+from checkpoint_manager.engine.dcp.envelope import envelope_for, locate_data
+from checkpoint_manager.engine.dcp.io import check_data_files, paused_gc, read_dcp_metadata
 from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
-from checkpoint_manager.safe_io import inside, open_regular
 
 if TYPE_CHECKING:  # annotations only: a private name of torch's
     from torch.distributed.checkpoint.filesystem import _StorageInfo

@@ -14,9 +14,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from checkpoint_manager.core.layout import CheckpointInfo, metric_value
+from checkpoint_manager.core.safe_io import read_json
 from checkpoint_manager.errors import CheckpointCorruptError
-from checkpoint_manager.layout import CheckpointInfo, metric_value
-from checkpoint_manager.safe_io import read_json
 from checkpoint_manager.storage.base import Storage
 from checkpoint_manager.storage.local import LocalStorage, fsync_dir, mark_in_flight, unmark_in_flight
 

@@ -1,7 +1,7 @@
 """Gathering the whole training state from live objects, and putting it back.
 
 Tensors go to DCP (large, shardable, reshardable); everything else becomes JSON through
-:mod:`checkpoint_manager.codec`. Per-rank state (RNG, dataloader position) is kept per rank.
+:mod:`checkpoint_manager.core.codec`. Per-rank state (RNG, dataloader position) is kept per rank.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from checkpoint_manager.codec import (
+from checkpoint_manager.core.codec import (
     collect_tensors,
     decode,
     dtype_name,
@@ -35,15 +35,15 @@ from checkpoint_manager.codec import (
     split_tensors,
     tensor_placeholders,
 )
-from checkpoint_manager.dcp_io import paused_gc
-from checkpoint_manager.dcp_objects import object_records
+from checkpoint_manager.core.layout import STATE_JSON_LIMIT, rank_file
+from checkpoint_manager.core.safe_io import parse_json
+from checkpoint_manager.engine.dcp.io import paused_gc
+from checkpoint_manager.engine.dcp.objects import object_records
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
-from checkpoint_manager.layout import STATE_JSON_LIMIT, rank_file
 from checkpoint_manager.protocol import LoadContext, SaveContext, Stateful
-from checkpoint_manager.safe_io import parse_json
 
 if TYPE_CHECKING:
-    from checkpoint_manager.integrity import VerifyLevel
+    from checkpoint_manager.core.integrity import VerifyLevel
 
 __all__ = [
     "PER_RANK_PARTS",
@@ -207,7 +207,7 @@ def read_rank_json(
     Read as every small file of a checkpoint is (a bounded read of a regular file inside ``path``);
     with ``meta`` and a ``level`` above ``off`` its size and CRC32 must match their record.
     """
-    from checkpoint_manager.integrity import read_recorded
+    from checkpoint_manager.core.integrity import read_recorded
 
     file = path / rank_file(rank)
     try:

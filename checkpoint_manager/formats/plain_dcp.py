@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from checkpoint_manager.dcp_io import read_dcp_metadata
+from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 from checkpoint_manager.errors import CheckpointMismatchError, CheckpointNotFoundError
 from checkpoint_manager.protocol import LoadContext, LoadResult
 
@@ -272,7 +272,7 @@ def load_plain_dcp(
 
     ``before_apply``: called after every tensor is read and before any object is changed.
     """
-    from checkpoint_manager.dcp_reader import CheckpointReader
+    from checkpoint_manager.engine.dcp.reader import CheckpointReader
 
     metadata = read_dcp_metadata(path)
     plan = plan_plain_import(ctx, path, metadata, model_only=model_only)

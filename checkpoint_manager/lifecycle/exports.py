@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from checkpoint_manager.dcp_io import read_dcp_metadata
+from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 from checkpoint_manager.errors import CheckpointMismatchError, UnsupportedAdapterError
 from checkpoint_manager.formats.bundle import resolve_checkpoint_path
 from checkpoint_manager.formats.dcp_stream import model_keys, tensor_entries

@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from checkpoint_manager.checksum import crc32, crc32_combine
-from checkpoint_manager.dcp_writer import CheckpointWriter
-from checkpoint_manager.envelope import envelope_for
+from checkpoint_manager.core.checksum import crc32, crc32_combine
+from checkpoint_manager.engine.dcp.envelope import envelope_for
+from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 from checkpoint_manager.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 class StreamingWriter(CheckpointWriter):
-    """:class:`~checkpoint_manager.dcp_writer.CheckpointWriter` whose tensor file goes to ``remote_dir``."""
+    """:class:`~checkpoint_manager.engine.dcp.writer.CheckpointWriter` whose tensor file goes to ``remote_dir``."""
 
     def __init__(
         self,

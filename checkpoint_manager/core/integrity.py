@@ -1,7 +1,7 @@
 """Checksums of a checkpoint's files, recorded at save time and checked on demand.
 
 CRC32 (zlib's polynomial) is what the zip records inside DCP files already use and, through ISA-L
-(:mod:`checkpoint_manager.checksum`), runs at memory speed; the tensor files get theirs for free
+(:mod:`checkpoint_manager.core.checksum`), runs at memory speed; the tensor files get theirs for free
 while they are written, so only small files are read back here.
 """
 
@@ -12,10 +12,15 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from checkpoint_manager.checksum import crc32
+from checkpoint_manager.core.checksum import crc32
+from checkpoint_manager.core.layout import (
+    CHECKPOINT_JSON,
+    STATE_JSON,
+    file_record_problems,
+    read_checkpoint_json,
+)
+from checkpoint_manager.core.safe_io import UnsafeFileError, inside, open_regular, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
-from checkpoint_manager.layout import CHECKPOINT_JSON, STATE_JSON, file_record_problems, read_checkpoint_json
-from checkpoint_manager.safe_io import UnsafeFileError, inside, open_regular, read_small
 
 __all__ = ["Presence", "VerifyLevel", "describe_files", "file_crc32", "read_recorded", "verify"]
 
@@ -206,7 +211,7 @@ def read_recorded(root: Path, rel: str, meta: dict[str, Any], level: VerifyLevel
 
 
 def _verify_remote(url: str, level: VerifyLevel, storage_options: dict[str, Any] | None) -> list[str]:
-    from checkpoint_manager.layout import info_from_meta
+    from checkpoint_manager.core.layout import info_from_meta
     from checkpoint_manager.storage.remote import FsspecStorage
 
     storage = FsspecStorage(url.rsplit("/", 1)[0], storage_options=storage_options)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from checkpoint_manager.checksum import crc32
-from checkpoint_manager.envelope import Envelope, pickle_envelope
+from checkpoint_manager.core.checksum import crc32
+from checkpoint_manager.engine.dcp.envelope import Envelope, pickle_envelope
 
 __all__ = ["object_records", "plain_entries", "render"]
 

@@ -19,7 +19,7 @@ from typing import IO
 
 import torch
 
-from checkpoint_manager.checksum import crc32_combine
+from checkpoint_manager.core.checksum import crc32_combine
 
 __all__ = ["Envelope", "crc32_combine", "envelope_for", "locate_data", "pickle_envelope"]
 

@@ -28,9 +28,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from checkpoint_manager.checksum import crc32, warn_if_slow
-from checkpoint_manager.dcp_io import METADATA_FILE, paused_gc
-from checkpoint_manager.direct_io import (
+from checkpoint_manager.core.checksum import crc32, warn_if_slow
+from checkpoint_manager.engine.dcp.direct_io import (
     _WRITE_DEPTH,
     BLOCK,
     DEFAULT_CHUNK,
@@ -38,8 +37,9 @@ from checkpoint_manager.direct_io import (
     AlignedFileWriter,
     _Gate,
 )
-from checkpoint_manager.envelope import Envelope, envelope_for
-from checkpoint_manager.planner import FastSavePlanner, SavePlanCache, _PlanEntry, frozen
+from checkpoint_manager.engine.dcp.envelope import Envelope, envelope_for
+from checkpoint_manager.engine.dcp.io import METADATA_FILE, paused_gc
+from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache, _PlanEntry, frozen
 
 __all__ = ["WRITER_ID", "CheckpointWriter", "chunk_for_bytes", "prime_layout"]
 

@@ -28,31 +28,11 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint_manager._version import __version__
-from checkpoint_manager.codec import check_placeholder, decode, encode
 from checkpoint_manager.config import CheckpointConfig
-from checkpoint_manager.dcp_io import check_data_files, paused_gc, read_dcp_metadata
-from checkpoint_manager.dcp_reader import CheckpointReader
-from checkpoint_manager.dcp_writer import WRITER_ID, CheckpointWriter, chunk_for_bytes, prime_layout
-from checkpoint_manager.direct_io import reserve_write_buffers, staging_gate
-from checkpoint_manager.dist import DistContext
-from checkpoint_manager.errors import (
-    AsyncSaveError,
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointNotFoundError,
-    ManagerClosedError,
-    PostCommitError,
-)
-from checkpoint_manager.finite import FiniteCheck, NonFiniteStateError, finite_groups
-from checkpoint_manager.formats.hf import is_hf_weights
-from checkpoint_manager.formats.integration import (
-    HFConfigRecorder,
-    export_consolidated,
-    load_initial_hf,
-    resolve_load_path,
-)
-from checkpoint_manager.integrity import Presence, VerifyLevel, check, read_recorded
-from checkpoint_manager.layout import (
+from checkpoint_manager.core.codec import check_placeholder, decode, encode
+from checkpoint_manager.core.dist import DistContext
+from checkpoint_manager.core.integrity import Presence, VerifyLevel, check, read_recorded
+from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -71,20 +51,46 @@ from checkpoint_manager.layout import (
     seal_checkpoint_json,
     validate_template,
 )
-from checkpoint_manager.lock import AnyWriterLock, CheckpointLockError, writer_lock_for
-from checkpoint_manager.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
-from checkpoint_manager.plain_dcp import load_plain_dcp
-from checkpoint_manager.planner import FastSavePlanner, SavePlanCache
-from checkpoint_manager.planner import load_tensors as dcp_load
-from checkpoint_manager.planner import save_tensors as dcp_save
-from checkpoint_manager.policy import build_save_policy
-from checkpoint_manager.preemption import PreemptionWatcher
+from checkpoint_manager.core.safe_io import parse_json
+from checkpoint_manager.engine.dcp.direct_io import reserve_write_buffers, staging_gate
+from checkpoint_manager.engine.dcp.io import check_data_files, paused_gc, read_dcp_metadata
+from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache
+from checkpoint_manager.engine.dcp.planner import load_tensors as dcp_load
+from checkpoint_manager.engine.dcp.planner import save_tensors as dcp_save
+from checkpoint_manager.engine.dcp.reader import CheckpointReader
+from checkpoint_manager.engine.dcp.writer import WRITER_ID, CheckpointWriter, chunk_for_bytes, prime_layout
+from checkpoint_manager.engine.staging import StagingBuffers, StagingGate
+from checkpoint_manager.errors import (
+    AsyncSaveError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ManagerClosedError,
+    PostCommitError,
+)
+from checkpoint_manager.formats.hf import is_hf_weights
+from checkpoint_manager.formats.plain_dcp import load_plain_dcp
+from checkpoint_manager.lifecycle.exports import (
+    HFConfigRecorder,
+    export_consolidated,
+    load_initial_hf,
+    resolve_load_path,
+)
+from checkpoint_manager.lifecycle.finite import FiniteCheck, NonFiniteStateError, finite_groups
+from checkpoint_manager.lifecycle.lock import AnyWriterLock, CheckpointLockError, writer_lock_for
+from checkpoint_manager.lifecycle.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
+from checkpoint_manager.lifecycle.policy import build_save_policy
+from checkpoint_manager.lifecycle.preemption import PreemptionWatcher
+from checkpoint_manager.lifecycle.resolve import is_plain_dcp, resolve_checkpoint
+from checkpoint_manager.lifecycle.retention import Pruner
 from checkpoint_manager.protocol import FinalizeOnExit, LoadContext, LoadResult, SaveContext, SaveResult
-from checkpoint_manager.resolve import is_plain_dcp, resolve_checkpoint
-from checkpoint_manager.retention import Pruner
-from checkpoint_manager.safe_io import parse_json
-from checkpoint_manager.staging import StagingBuffers, StagingGate
-from checkpoint_manager.state import GatheredState, StateLoader, gather_state, per_rank_state, read_rank_json
+from checkpoint_manager.state.training import (
+    GatheredState,
+    StateLoader,
+    gather_state,
+    per_rank_state,
+    read_rank_json,
+)
 from checkpoint_manager.storage import FsspecStorage, LocalStorage, basename, is_url, open_storage
 
 __all__ = ["DefaultCheckpointManager"]
@@ -248,7 +254,7 @@ class _CheckpointGone(CheckpointNotFoundError):
 
 
 class _Watch:
-    """The checkpoint one load reads (:class:`~checkpoint_manager.integrity.Presence`), if local."""
+    """The checkpoint one load reads (:class:`~checkpoint_manager.core.integrity.Presence`), if local."""
 
     def __init__(self) -> None:
         self.path: Path | None = None
@@ -531,7 +537,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         return None, False
 
     def _named(self, path: str | Path, step: int | None) -> str:
-        """What a path names, by the one rule of :mod:`checkpoint_manager.resolve`: its location to load
+        """What a path names, by the one rule of :mod:`checkpoint_manager.lifecycle.resolve`: its location to load
         (a bundle stays a bundle: every rank unpacks it in load())."""
         return resolve_checkpoint(
             path,
@@ -737,7 +743,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         )
 
     def _load_plain(self, ctx: LoadContext, path: Path, model_only: bool, watch: _Watch, t0: float) -> LoadResult:
-        """Import a directory plain ``dcp.save`` wrote (:mod:`checkpoint_manager.plain_dcp`)."""
+        """Import a directory plain ``dcp.save`` wrote (:mod:`checkpoint_manager.formats.plain_dcp`)."""
         try:
             with _quiet_single_process(), self._dist.phase(f"load {path.name}: read"):
                 result = load_plain_dcp(

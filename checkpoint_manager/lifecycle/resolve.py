@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from checkpoint_manager.core.layout import pick_step
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
-from checkpoint_manager.layout import pick_step
 
 if TYPE_CHECKING:
-    from checkpoint_manager.layout import CheckpointInfo
+    from checkpoint_manager.core.layout import CheckpointInfo
     from checkpoint_manager.storage import FsspecStorage, LocalStorage
 
 __all__ = [
@@ -85,7 +85,7 @@ class ResolvedCheckpoint:
 def is_plain_dcp(path: str | Path) -> bool:
     """A directory ``dcp.save`` wrote: DCP's ``.metadata``, none of our files."""
     p = Path(path)
-    from checkpoint_manager.layout import CHECKPOINT_JSON, STATE_JSON, rank_file
+    from checkpoint_manager.core.layout import CHECKPOINT_JSON, STATE_JSON, rank_file
 
     return (
         (p / _METADATA).is_file()
@@ -136,8 +136,8 @@ def resolve_checkpoint(
 
 
 def _resolve_file(given: str, path: Path, step: int | None, verify_checksum: bool = True) -> ResolvedCheckpoint:
+    from checkpoint_manager.core.layout import read_checkpoint_json
     from checkpoint_manager.formats.bundle import is_bundle, open_bundle
-    from checkpoint_manager.layout import read_checkpoint_json
 
     if path.name in _POINTERS:
         return _resolve_pointer(given, path, step, verify_checksum)
@@ -151,7 +151,7 @@ def _resolve_file(given: str, path: Path, step: int | None, verify_checksum: boo
 
 def _resolve_pointer(given: str, path: Path, step: int | None, verify_checksum: bool = True) -> ResolvedCheckpoint:
     """A save directory's ``latest`` / ``best`` file: the committed checkpoint it names."""
-    from checkpoint_manager.safe_io import read_small
+    from checkpoint_manager.core.safe_io import read_small
 
     try:
         data = json.loads(read_small(path, limit=1 << 20, follow=True).decode("utf-8"))
@@ -168,7 +168,7 @@ def _resolve_pointer(given: str, path: Path, step: int | None, verify_checksum: 
 
 
 def _resolve_dir(given: str, path: Path, step: int | None, verify_checksum: bool = True) -> ResolvedCheckpoint:
-    from checkpoint_manager.layout import CHECKPOINT_JSON, STATE_JSON, rank_file, read_checkpoint_json
+    from checkpoint_manager.core.layout import CHECKPOINT_JSON, STATE_JSON, rank_file, read_checkpoint_json
 
     if (path / CHECKPOINT_JSON).exists():
         meta = read_checkpoint_json(path, verify_checksum=verify_checksum)
@@ -222,7 +222,7 @@ def _resolve_remote(
     url: str, step: int | None, storage_options: dict[str, Any] | None
 ) -> tuple[ResolvedCheckpoint, FsspecStorage]:
     """A save root's newest (or ``step``) checkpoint, or the one checkpoint at ``url``; and its storage."""
-    from checkpoint_manager.layout import info_from_meta
+    from checkpoint_manager.core.layout import info_from_meta
     from checkpoint_manager.storage import FsspecStorage, open_storage
 
     url = url.rstrip("/")

@@ -38,8 +38,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from checkpoint_manager.core.safe_io import UnsafeFileError, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError
-from checkpoint_manager.safe_io import UnsafeFileError, read_small
 
 if TYPE_CHECKING:
     from checkpoint_manager.storage.base import Storage

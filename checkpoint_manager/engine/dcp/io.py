@@ -1,7 +1,7 @@
 """What our DCP writer and reader share: reading ``.metadata`` without running code, and GC control.
 
-The writer lives in :mod:`checkpoint_manager.dcp_writer`, the reader in
-:mod:`checkpoint_manager.dcp_reader`. ``.metadata`` is a pickle: it is read through an allow-listed
+The writer lives in :mod:`checkpoint_manager.engine.dcp.writer`, the reader in
+:mod:`checkpoint_manager.engine.dcp.reader`. ``.metadata`` is a pickle: it is read through an allow-listed
 unpickler that can only build DCP's own metadata classes.
 """
 
@@ -29,11 +29,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from checkpoint_manager.core.safe_io import UnsafeFileError, inside, open_regular
 from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
-from checkpoint_manager.safe_io import UnsafeFileError, inside, open_regular
 
 if TYPE_CHECKING:
-    from checkpoint_manager.integrity import VerifyLevel
+    from checkpoint_manager.core.integrity import VerifyLevel
 
 __all__ = ["METADATA_FILE", "check_data_files", "check_metadata", "paused_gc", "read_dcp_metadata"]
 
@@ -155,7 +155,7 @@ def read_dcp_metadata(
     :func:`check_metadata`); the data files it names are checked by :func:`check_data_files`
     before the reader opens any of them.
     """
-    from checkpoint_manager.integrity import read_recorded
+    from checkpoint_manager.core.integrity import read_recorded
 
     root = Path(path)
     file = root / METADATA_FILE

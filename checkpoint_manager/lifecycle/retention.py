@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from checkpoint_manager.config import CheckpointConfig, MonitorMode
-from checkpoint_manager.layout import CheckpointInfo, metric_value, order_checkpoints
-from checkpoint_manager.lock import writer_lock_for
-from checkpoint_manager.pointers import (
+from checkpoint_manager.core.layout import CheckpointInfo, metric_value, order_checkpoints
+from checkpoint_manager.lifecycle.lock import writer_lock_for
+from checkpoint_manager.lifecycle.pointers import (
     BEST_POINTER,
     LATEST_POINTER,
     best_checkpoint,

@@ -21,9 +21,9 @@ from typing import Annotated, Any, Literal, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from checkpoint_manager.core.naming import format_name, validate_template
+from checkpoint_manager.core.safe_io import UnsafeFileError, inside, parse_json, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointVersionError
-from checkpoint_manager.naming import format_name, validate_template
-from checkpoint_manager.safe_io import UnsafeFileError, inside, parse_json, read_small
 
 __all__ = [
     "CHECKPOINT_JSON",

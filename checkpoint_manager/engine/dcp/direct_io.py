@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from checkpoint_manager.checksum import crc32, crc32_combine
+from checkpoint_manager.core.checksum import crc32, crc32_combine
 
 __all__ = [
     "BLOCK",
@@ -169,7 +169,7 @@ def staging_gate(gate: _Gate | None) -> Iterator[None]:
     """Writers made on this thread inside the block wait on ``gate`` before reading a tensor's memory.
 
     An async save with ``async_overlap`` writes while staging still copies: the gate says when each
-    staging buffer is complete (:class:`checkpoint_manager.staging.StagingGate`).
+    staging buffer is complete (:class:`checkpoint_manager.engine.staging.StagingGate`).
     """
     previous = getattr(_GATE, "gate", None)
     _GATE.gate = gate

@@ -1,0 +1,1 @@
+"""Low-level pieces every layer uses: checksums, safe file reads, lossless JSON, process groups, the checkpoint record."""

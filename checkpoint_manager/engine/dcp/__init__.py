@@ -1,0 +1,1 @@
+"""The default engine: torch.distributed.checkpoint files, written and read at the disk's speed."""

@@ -1,0 +1,1 @@
+"""The engine-neutral checkpoint lifecycle: when, where, commit, pointers, retention, discovery, locks."""

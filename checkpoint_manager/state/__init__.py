@@ -1,0 +1,1 @@
+"""The training state: gathered from live objects for a save, checked and applied in place on a load."""
