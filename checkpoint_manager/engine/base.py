@@ -1,0 +1,128 @@
+"""The engine seam: how one rank's share of the training state becomes files, and files become state.
+
+Everything else (when to save, the pending directory, ``checkpoint.json`` with the sizes and CRCs of
+the files an engine wrote, the atomic commit, pointers, retention, discovery and fallback, verify,
+async scheduling, locks, preemption, collective timeouts) is the lifecycle's, and every engine gets
+it for free. An engine only ever sees a directory that nobody else can see yet (save) or a committed,
+verified one (load).
+
+Call order of a save, on every rank (``ctx.process_group`` joins them, as in ``dcp.save``):
+
+1. ``warm_up(state, ctx)`` (optional), once before the first save, on a step that does not save;
+2. ``stage(state, ctx)`` (optional), on the training thread: return a snapshot the trainer may not
+   change, so that ``save`` can run in the background while training goes on. Without ``stage``
+   the lifecycle snapshots the tensors into reusable host buffers itself;
+3. ``save(state, directory, ctx)``: write this rank's files inside ``directory`` (it exists, and
+   every rank is given the same one), and return their records (``{"size": n, "crc32": c}`` by path
+   relative to ``directory``) or ``None``, in which case the lifecycle reads the files to checksum
+   them. Raising fails the save on every rank and nothing is published.
+
+Call order of a load, on every rank:
+
+1. ``read_index(directory, ctx)``: which tensors the checkpoint holds (global shapes and dtypes),
+   so the lifecycle can check them against the live state and allocate what is not live yet;
+2. ``load(targets, directory, ctx)``: fill ``targets`` in place (plain tensors or DTensor shards, at
+   any world size: resharding is the engine's). A key absent from ``targets`` is not read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from checkpoint_manager.config import CheckpointConfig
+
+__all__ = [
+    "Engine",
+    "EngineContext",
+    "EngineState",
+    "FileRecord",
+    "StagingEngine",
+    "TensorInfo",
+]
+
+#: what an engine reports of one file it wrote: ``{"size": bytes, "crc32": unsigned CRC-32}``
+FileRecord = dict[str, int]
+
+
+@dataclass
+class EngineState:
+    """One rank's share of the training state, flattened: what an engine writes and reads.
+
+    ``tensors`` maps dotted keys (``model.layer.weight``, ``optim.state.layer.weight.exp_avg``,
+    ``extra.ema.shadow``) to plain tensors or DTensors (a DTensor is this rank's shard of a global
+    tensor). ``objects`` holds the non-tensor leaves by the same kind of key (an optimizer group's
+    ``lr``, a scheduler's ``last_epoch``): the lifecycle keeps them in ``state.json`` itself, so an
+    engine may ignore them, or write them too for readers of its own format.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    objects: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor a checkpoint holds: its global shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class EngineContext:
+    """Where and for whom an engine call runs."""
+
+    step: int
+    rank: int = 0
+    world_size: int = 1
+    #: the checkpoint's own process group (gloo, bounded by ``collective_timeout_s``); None alone
+    process_group: ProcessGroup | None = None
+    #: the run's config (the engine's own ``config_class`` when it declares one)
+    config: CheckpointConfig | None = None
+    #: on load: the checkpoint's ``checkpoint.json`` (already verified); on save: empty
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    #: open a file of the pending checkpoint for writing, by its relative path. For an object store in
+    #: ``upload_mode="stream"`` it streams to the store; elsewhere it is the local file
+    open_output: Callable[[str], BinaryIO] | None = None
+    #: whether ``open_output`` streams to an object store (then files are not on the local disk)
+    streams: bool = False
+    #: free-form, engine-private: survives from one call to the next of the same engine instance
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """How one rank's share of the training state becomes files inside a pending checkpoint directory,
+    and how files become state again. See this module's docstring for the call order."""
+
+    #: recorded in ``checkpoint.json`` (``"engine"``): a load reads a checkpoint with the engine that wrote it
+    name: ClassVar[str]
+
+    def save(self, state: EngineState, directory: Path, ctx: EngineContext) -> Mapping[str, FileRecord] | None:
+        """Write this rank's share into ``directory``; return the files' records, or None."""
+        ...
+
+    def read_index(self, directory: Path, ctx: EngineContext) -> Mapping[str, TensorInfo]:
+        """The tensors the checkpoint in ``directory`` holds, by key."""
+        ...
+
+    def load(self, targets: Mapping[str, torch.Tensor], directory: Path, ctx: EngineContext) -> None:
+        """Fill ``targets`` in place from the checkpoint in ``directory``."""
+        ...
+
+
+@runtime_checkable
+class StagingEngine(Engine, Protocol):
+    """An engine that snapshots the state itself (into its own buffers, a device-to-host copy, ...),
+    so that its ``save`` runs in the background on the snapshot."""
+
+    def stage(self, state: EngineState, ctx: EngineContext) -> EngineState:
+        """On the training thread: a snapshot of ``state`` that training may not change."""
+        ...
