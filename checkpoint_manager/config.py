@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 import json
-import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -16,33 +14,62 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
-    field_serializer,
     field_validator,
     model_validator,
 )
-from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from checkpoint_manager.core.naming import validate_template
+from checkpoint_manager.config_fields import (
+    MAX_COLLECTIVE_TIMEOUT_S,
+    CadenceFields,
+    DistributedFields,
+    FormatFields,
+    LoadMode,
+    LockFields,
+    MonitorMode,
+    RetentionFields,
+    RunFields,
+    SaveCallable,
+    StorageFields,
+)
+from checkpoint_manager.core.plugins import (
+    ENGINE,
+    MANAGER,
+    PluginKind,
+    check_plugin_class,
+    did_you_mean,
+    find_plugin,
+    qualname,
+)
 
-__all__ = ["CheckpointConfig", "LoadMode", "MonitorMode", "SaveCallable", "did_you_mean", "read_config_file"]
-
-LoadMode = Literal["auto", "required", "never"]
-MonitorMode = Literal["min", "max"]
-#: ``(step, last_saved_step) -> bool``: a user's own "save now?" rule, OR-ed with the others.
-SaveCallable = Callable[[int, "int | None"], bool]
+__all__ = [
+    "MAX_COLLECTIVE_TIMEOUT_S",
+    "CheckpointConfig",
+    "LoadMode",
+    "MonitorMode",
+    "SaveCallable",
+    "config_class_for",
+    "did_you_mean",
+    "fields_set",
+    "read_config_file",
+    "validate_as",
+    "validate_config_for",
+]
 
 _C = TypeVar("_C", bound="CheckpointConfig")
 
-# A bound that every layer below accepts (gloo keeps timeouts in milliseconds); ~116 days is "never".
-MAX_COLLECTIVE_TIMEOUT_S = 10_000_000.0
+#: a plugin a config names: its kind, the name it was given by (None: the default), its class
+Plugin = tuple[PluginKind, "str | None", type[Any]]
 
 
-class CheckpointConfig(BaseModel):
-    """Where checkpoints go, when they are taken, what is kept and which manager does the work.
+# The groups in reverse: pydantic puts the deepest base's fields first (see config_fields).
+class CheckpointConfig(
+    FormatFields, DistributedFields, StorageFields, LockFields, RetentionFields, CadenceFields, RunFields
+):
+    """Where checkpoints go, when they are taken, what is kept and which manager and engine do the work.
 
-    Subclass it to add the fields a custom manager needs; ``extra="forbid"`` makes a misspelt field
-    an error that names it instead of a setting silently ignored.
+    Subclass it to add the fields a custom manager or engine needs; ``extra="forbid"`` makes a
+    misspelt field an error that names it instead of a setting silently ignored.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
@@ -61,297 +88,11 @@ class CheckpointConfig(BaseModel):
         except ValidationError as exc:
             raise explain_validation_error(cls, exc) from None
 
-    save_dir: str = Field(description="Directory (or fsspec URL) that receives checkpoints.")
-    load_dir: str | None = Field(default=None, description="Where to resume from; defaults to save_dir.")
-    manager: str | None = Field(
-        default=None,
-        description="None for the default DCP manager, an entry-point name registered in group "
-        "'checkpoint_manager.managers', or a dotted path 'pkg.mod.Class' / 'pkg.mod:Class'.",
-    )
-    on_unsupported_field: Literal["warn", "error"] = Field(
-        default="warn",
-        description="What setting a field that the chosen manager declares it does not implement "
-        "(its unsupported_config_fields) does: warn (UnsupportedConfigWarning) or error (ValueError).",
-    )
-    save_every_n_steps: int | None = Field(
-        default=None, ge=1, description="Save when step is a multiple of this; None: only forced/final."
-    )
-    load_mode: LoadMode = Field(
-        default="auto",
-        description="auto: resume if a committed checkpoint exists; required: error if none; never.",
-    )
-    load_step: int | None = Field(
-        default=None, ge=0, description="Resume from exactly this step instead of the newest."
-    )
-    initial_load_path: str | None = Field(
-        default=None,
-        description="Model weights for a fresh start (no checkpoint to resume): a checkpoint directory, "
-        "a bundle (.tar) or a Hugging Face directory / .safetensors file.",
-    )
-    async_save: bool = Field(default=False, description="Write in the background after staging.")
-    async_overlap: bool = Field(
-        default=False,
-        description="Start writing each large staged tensor while the rest is still being copied: the "
-        "async total drops by about one memcpy, the stall grows (the copy and the writes share memory "
-        "bandwidth and the two cores). Local save_dir only.",
-    )
-    check_finite: bool = Field(
-        default=False,
-        description="Refuse to commit a checkpoint whose model weights or buffers hold NaN or inf "
-        "(NonFiniteStateError naming them); checked beside the write, so it costs little.",
-    )
-    check_finite_optimizer: bool = Field(
-        default=False,
-        description="With check_finite: check the optimizer state too.",
-    )
-    on_save_error: Literal["raise", "continue"] = Field(
-        default="raise",
-        description="raise: a failed save raises into the training loop. continue: it is cleaned up as "
-        "always, logged, reported (event log, on_error, SaveResult.error, manager.last_save_error) and "
-        "training goes on; the max_consecutive_save_failures-th failure in a row raises, and a final or "
-        "preemption save always does.",
-    )
-    max_consecutive_save_failures: int = Field(
-        default=3,
-        ge=1,
-        description="With on_save_error='continue': this many failed saves in a row raise the last one.",
-    )
-    async_when_busy: Literal["wait", "skip"] = Field(
-        default="wait",
-        description="When a save is due while the previous async save still writes: wait for it, or skip "
-        "this one with a warning.",
-    )
-    save_on_preemption: bool = Field(
-        default=False,
-        description="On SIGTERM, the next save() saves whatever the interval and blocks until committed; "
-        "manager.preempted then tells the loop to exit.",
-    )
-    name_template: str = Field(
-        default="step_{step:08d}",
-        description="Directory name of a checkpoint; may use step, epoch, consumed_samples, metrics.",
-    )
-    fsync: bool = Field(
-        default=True, description="fsync files and directories before commit (turn off only for tests)."
-    )
-    direct_io: bool = Field(
-        default=True,
-        description="Write tensor files with O_DIRECT through aligned buffers (bypassing the page cache, "
-        "several times faster on most disks); falls back to buffered writes where refused.",
-    )
-    verify_on_load: Literal["off", "sizes", "full"] = Field(
-        default="sizes",
-        description="Before loading, check every file's size and the CRC32 of the small files read whole "
-        "(sizes), or every file's CRC32 (full); see docs/integrity.md.",
-    )
-    sweep_pending_on_start: bool = Field(
-        default=True,
-        description="Remove leftovers of interrupted saves when the manager starts (only a manager that "
-        "holds the writer lock does; saves this process is writing are never touched).",
-    )
-
-    # -- when to save: a save happens when any of these (or save_every_n_steps) says so ------------
-    save_every_n_seconds: float | Literal["auto"] | None = Field(
-        default=None,
-        description="Save when this many seconds of wall clock passed since the last save; 'auto': the "
-        "Young-Daly interval sqrt(2 * cost * MTBF) from the measured cost of this run's saves and "
-        "mtbf_hours (see docs/policies.md).",
-    )
-    mtbf_hours: float | None = Field(
-        default=None,
-        gt=0,
-        description="Mean time between failures of the whole job, in hours; needed by "
-        "save_every_n_seconds='auto'.",
-    )
-    save_continuously: bool = Field(
-        default=False,
-        description="Save at the first step after the previous save became durable (an async save "
-        "committed; every step for sync saves), at most every min_save_interval_s.",
-    )
-    min_save_interval_s: float = Field(
-        default=0.0,
-        ge=0,
-        description="Lower bound of the interval chosen by save_every_n_seconds='auto' and of the gap "
-        "between two saves of save_continuously.",
-    )
-    max_save_interval_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="Upper bound of the interval chosen by save_every_n_seconds='auto' (None: unbounded).",
-    )
-    save_at_steps: list[Annotated[int, Field(ge=0)]] | None = Field(
-        default=None, description="Save at exactly these steps (e.g. before a planned learning-rate change)."
-    )
-    final_step: int | None = Field(
-        default=None, ge=0, description="The last step of training: always saved (as is SaveContext(final=True))."
-    )
-    save_policy: SkipJsonSchema[SaveCallable | None] = Field(
-        default=None,
-        exclude=True,
-        description="Your own rule, called as save_policy(step, last_saved_step) -> bool on rank 0; "
-        "code, so never serialized.",
-    )
-
-    # -- what to keep: a checkpoint survives if any rule keeps it; newest, best, the one resumed from
-    # -- and saves in flight are always kept. Nothing set: keep everything.
-    keep_last: int | None = Field(
-        default=None,
-        ge=1,
-        description="Keep the newest N checkpoints (None, the default, with no other keep_* rule: keep every one).",
-    )
-    keep_best: int | None = Field(
-        default=None, ge=1, description="Keep the N best checkpoints by `monitor` (needs `monitor`)."
-    )
-    monitor: str | None = Field(
-        default=None,
-        description="The metric (a key of SaveContext.metrics) that ranks checkpoints and names `best`.",
-    )
-    mode: MonitorMode = Field(default="min", description="Whether a lower (min) or higher (max) `monitor` is better.")
-    keep_unranked: bool = Field(
-        default=False,
-        description="Keep checkpoints whose `monitor` is missing or NaN (they never rank); False lets "
-        "the other rules decide.",
-    )
-    keep_every_n_steps: int | None = Field(
-        default=None, ge=1, description="Keep every checkpoint whose step is a multiple of N, forever."
-    )
-    background_deletion: bool = Field(
-        default=True,
-        description="Free the disk of pruned checkpoints on a background thread (they vanish from the "
-        "listing at once either way).",
-    )
-
-    # -- pointers and the writer lock -------------------------------------------------------------
-    pointer_symlinks: bool = Field(
-        default=False,
-        description="Also keep relative symlinks latest_checkpoint / best_checkpoint for people browsing.",
-    )
-    writer_lock: bool = Field(
-        default=True,
-        description="Take a lock in save_dir so a second run writing the same directory fails fast; "
-        "a manager without it never sweeps nor prunes.",
-    )
-    lock_stale_after_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="Treat a lock held from another host as stale when its heartbeat is older than this "
-        "(None: only locks of dead processes on this host are stale).",
-    )
-
-    # -- object storage: save_dir / load_dir as fsspec URLs (see docs/object-storage.md) --------------
-    storage_options: dict[str, Any] = Field(
-        default_factory=dict,
-        repr=False,
-        exclude=True,
-        description="Options for fsspec when save_dir/load_dir is a URL (credentials, "
-        "client_kwargs={'endpoint_url': ...}); may hold secrets, so never logged, shown in repr or "
-        "serialized (model_dump, bundles): give it again when rebuilding a config.",
-    )
-    staging_dir: str | None = Field(
-        default=None,
-        description="Local directory where object-store saves are staged (and downloads cached) before "
-        "upload; None: a directory in the system temp dir, one per save_dir.",
-    )
-    upload_mode: Literal["staged", "stream"] = Field(
-        default="staged",
-        description="Object stores only. staged: write to staging_dir with the fast local writer, then "
-        "upload; stream: tensor files go straight from memory to the store (no local copy).",
-    )
-    storage_retries: int = Field(
-        default=4,
-        ge=0,
-        le=100,
-        description="Retries of an object-store request that failed transiently (5xx, throttling, "
-        "timeouts, dropped connections); permanent errors (403, no such bucket) are never retried.",
-    )
-    storage_retry_backoff_s: float = Field(
-        default=0.5,
-        ge=0,
-        le=600,
-        description="First wait before retrying an object-store request; doubles per retry (with jitter, "
-        "capped at 20 s).",
-    )
-
-    # -- distributed runs (see docs/distributed.md) ---------------------------------------------------
-    collective_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        le=MAX_COLLECTIVE_TIMEOUT_S,
-        allow_inf_nan=False,
-        description="Bound on each checkpoint collective: a dead or hung rank makes the others raise "
-        "CollectiveTimeoutError (naming rank and phase) after this long instead of hanging. Must exceed "
-        "the largest difference in write time between ranks.",
-    )
-    on_world_size_change: Literal["error", "restart_per_rank_state"] = Field(
-        default="error",
-        description="Loading at a different world size: model, optimizer, scheduler, extras and train "
-        "state reshard; per-rank RNG and dataloader positions cannot. 'error' refuses to resume while "
-        "they are requested; 'restart_per_rank_state' starts them fresh (listed in LoadResult.skipped).",
-    )
-
-    # -- formats: Hugging Face export and initial weights (see docs/formats.md) ------------------------
-    save_consolidated: Literal["never", "every", "final"] = Field(
-        default="never",
-        description="Also write a Hugging Face directory (model*.safetensors + artifacts) into each "
-        "checkpoint's 'hf/' before it is committed: never, on every save, or only the final save.",
-    )
-    consolidated_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        default=None, description="Cast floating-point weights of the consolidated export; None keeps them."
-    )
-    max_shard_size: int | str = Field(
-        default="5GB",
-        description="Largest safetensors file of a consolidated export (bytes, or '5GB', '500MiB'); "
-        "bigger models are split into model-0000k-of-0000n.safetensors with an index.",
-    )
-    artifacts_dir: str | None = Field(
-        default=None,
-        description="Directory whose config, tokenizer and generation-config files are copied into "
-        "consolidated exports.",
-    )
-    initial_load_key_map: SkipJsonSchema[dict[str, str | None] | Callable[[str], str | None] | None] = Field(
-        default=None,
-        description="Renames the tensors of a Hugging Face initial_load_path to the model's names: prefix "
-        "renames {'old.': 'new.'} (None drops) or a function name -> name | None (not serialized).",
-    )
-
     event_log: bool | str = Field(
         default=False,
         description="Append one JSON line per save, load and error: True writes "
         "<save_dir>/checkpoint_events.jsonl, a string names the file (local paths only).",
     )
-
-    @field_validator("max_shard_size")
-    @classmethod
-    def _check_shard_size(cls, value: int | str) -> int | str:
-        from checkpoint_manager.formats.sizes import parse_size
-
-        parse_size(value)
-        return value
-
-    @field_serializer("initial_load_key_map")
-    def _serialize_key_map(self, value: Any) -> Any:
-        return value if value is None or isinstance(value, dict) else None
-
-    @field_validator("save_dir", "load_dir")
-    @classmethod
-    def _check_dirs(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is not None and not value.strip():
-            raise ValueError(f"{info.field_name} must not be empty")
-        return value
-
-    @field_validator("storage_options")
-    @classmethod
-    def _check_storage_options(cls, value: dict[str, Any]) -> dict[str, Any]:
-        bad = [k for k in value if not isinstance(k, str) or not k]
-        if bad:
-            raise ValueError(f"storage_options keys must be non-empty strings, got {bad!r}")
-        return value
-
-    @field_validator("staging_dir")
-    @classmethod
-    def _check_staging_dir(cls, value: str | None) -> str | None:
-        if value is not None and (not value.strip() or "://" in value):
-            raise ValueError(f"staging_dir must be a local directory, got {value!r}")
-        return value
 
     @field_validator(
         "save_every_n_steps", "load_step", "final_step", "keep_last", "keep_best", "keep_every_n_steps",
@@ -380,12 +121,6 @@ class CheckpointConfig(BaseModel):
             self.__dict__[name] = before
             raise
 
-    @field_validator("name_template")
-    @classmethod
-    def _check_template(cls, value: str) -> str:
-        validate_template(value)
-        return value
-
     @model_validator(mode="after")
     def _check_retention(self) -> CheckpointConfig:
         if self.monitor is not None and not self.monitor.strip():
@@ -398,22 +133,6 @@ class CheckpointConfig(BaseModel):
         if self.keep_unranked and self.monitor is None:
             raise ValueError("keep_unranked=True needs monitor: without a metric no checkpoint is ranked")
         return self
-
-    @field_validator("save_every_n_seconds", mode="before")
-    @classmethod
-    def _check_seconds(cls, value: Any) -> Any:
-        """One error for a bad value (not one per member of the float | 'auto' union)."""
-        if value is None or value == "auto":
-            return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PydanticCustomError(
-                "seconds_or_auto", "Input should be a number of seconds or 'auto'"
-            )
-        if not math.isfinite(value):
-            raise PydanticCustomError("finite_number", "Input should be a finite number")
-        if value <= 0:
-            raise PydanticCustomError("greater_than", "Input should be greater than 0")
-        return value
 
     @model_validator(mode="after")
     def _check_finite_switches(self) -> CheckpointConfig:
@@ -473,11 +192,10 @@ class CheckpointConfig(BaseModel):
     def from_file(cls: type[_C], path: str | os.PathLike[str]) -> _C:
         """Load from a ``.json``, ``.yaml`` or ``.yml`` file.
 
-        When the file names a ``manager`` whose ``config_class`` extends this class, the file is
-        validated as that class, so a custom manager's YAML can carry the manager's own fields.
+        When the file names a ``manager`` or an ``engine`` whose ``config_class`` extends this class,
+        the file is validated as that class, so a custom manager's (or engine's) YAML can carry its own
+        fields.
         """
-        from checkpoint_manager.factory import validate_config_for
-
         return validate_config_for(cls, read_config_file(path))
 
 
@@ -504,10 +222,76 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def did_you_mean(name: str, choices: Iterable[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the closest of ``choices``, or ``""`` when none is close."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.75)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+def validate_config_for(base: type[_C], data: Mapping[str, Any]) -> _C:
+    """Validate ``data`` as ``base``, or as the ``config_class`` of the manager or engine it names when
+    that class extends ``base``: how a file that names a plugin gets the plugin's own fields.
+
+    The default manager and the built-in engines take ``CheckpointConfig`` itself, so they are not
+    imported here; a plugin not importable here (a config read on another machine) only matters when
+    the data carries fields that ``base`` cannot place.
+    """
+    named = [(kind, data.get(kind.field)) for kind in (MANAGER, ENGINE)]
+    plugins: list[Plugin] = []
+    for kind, name in named:
+        if not isinstance(name, str) or name in kind.builtins:
+            continue
+        try:
+            cls = find_plugin(kind, name)
+            check_plugin_class(kind, cls, name=name, config_base=CheckpointConfig)
+        except (ImportError, AttributeError):
+            if all(key in base.model_fields for key in data):
+                continue
+            raise
+        assert isinstance(cls, type)
+        plugins.append((kind, name, cls))
+    return validate_as(config_class_for(base, plugins), dict(data), plugins)
+
+
+def config_class_for(base: type[_C], plugins: Sequence[Plugin]) -> type[_C]:
+    """The most derived of ``base`` and the ``config_class`` es of ``plugins`` that extend it: one
+    config serves the manager and its engine, so when both declare one, one must extend the other."""
+    chosen: type[_C] = base
+    chosen_by: Plugin | None = None
+    for plugin in plugins:
+        declared = getattr(plugin[2], "config_class", None)
+        if declared is None or not issubclass(declared, base) or issubclass(chosen, declared):
+            continue
+        if chosen_by is not None and not issubclass(declared, chosen):
+            (kind, name, _), (other_kind, other_name, _) = chosen_by, plugin
+            raise TypeError(
+                f"{kind.field}={name!r} declares config_class {qualname(chosen)} and {other_kind.field}="
+                f"{other_name!r} declares {qualname(declared)}: one config serves both, so one of these "
+                "classes must extend the other"
+            )
+        chosen, chosen_by = declared, plugin
+    return chosen
+
+
+def validate_as(config_cls: type[_C], data: Mapping[str, Any], plugins: Sequence[Plugin] = ()) -> _C:
+    """``config_cls.model_validate(data)``; unknown fields, when a named plugin has no ``config_class``,
+    say that it must declare one."""
+    try:
+        return config_cls.model_validate(dict(data))
+    except ValidationError as exc:
+        unknown = sorted(str(k) for k in data if k not in config_cls.model_fields)
+        lacking = [p for p in plugins if p[1] is not None and getattr(p[2], "config_class", None) is None]
+        if not unknown or not lacking:
+            raise
+        hint = "".join(
+            f"; {kind.field} {name!r} takes fields {', '.join(unknown)} that {config_cls.__name__} does not "
+            f"know: declare `config_class` (a CheckpointConfig subclass with those fields) on {qualname(cls)}"
+            for kind, name, cls in lacking
+        )
+        raise explain_validation_error(config_cls, exc, unknown_hint=hint) from None
+
+
+def fields_set(config: CheckpointConfig) -> dict[str, Any]:
+    """The fields the user set, as live values, to re-validate a config as another class.
+
+    Only set fields travel, so the target class's own defaults apply; values are taken as they are
+    (not dumped), so fields excluded from serialisation, such as a callable policy, survive.
+    """
+    return {name: getattr(config, name) for name in config.model_fields_set}
 
 
 _UNKNOWN_FIELD = ("extra_forbidden", "no_such_attribute")
