@@ -32,7 +32,14 @@ if TYPE_CHECKING:
         UnsupportedAdapterError,
         UnsupportedConfigWarning,
     )
-    from checkpoint_manager.factory import ENTRY_POINT_GROUP, create_checkpoint_manager, resolve_manager_class
+    from checkpoint_manager.factory import (
+        ENGINE_ENTRY_POINT_GROUP,
+        ENTRY_POINT_GROUP,
+        create_checkpoint_manager,
+        create_engine,
+        load_engine_class,
+        resolve_manager_class,
+    )
     from checkpoint_manager.formats import (
         MissingConfigWarning,
         convert,
@@ -110,6 +117,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointVersionError": "checkpoint_manager.errors",
     "CollectiveTimeoutError": "checkpoint_manager.core.dist",
     "DefaultCheckpointManager": "checkpoint_manager.lifecycle.manager",
+    "ENGINE_ENTRY_POINT_GROUP": "checkpoint_manager.factory",
     "ENTRY_POINT_GROUP": "checkpoint_manager.factory",
     "Continuous": "checkpoint_manager.lifecycle.policy",
     "EveryNSeconds": "checkpoint_manager.lifecycle.policy",
@@ -150,11 +158,13 @@ _EXPORTS: dict[str, str] = {
     "WriterLock": "checkpoint_manager.lifecycle.lock",
     "convert": "checkpoint_manager.formats",
     "create_checkpoint_manager": "checkpoint_manager.factory",
+    "create_engine": "checkpoint_manager.factory",
     "export_hf": "checkpoint_manager.formats",
     "export_peft": "checkpoint_manager.formats",
     "export_peft_adapter": "checkpoint_manager.formats",
     "extract_bundle": "checkpoint_manager.formats",
     "format_name": "checkpoint_manager.core.naming",
+    "load_engine_class": "checkpoint_manager.factory",
     "load_hf_weights": "checkpoint_manager.formats",
     "load_record": "checkpoint_manager.lifecycle.observe",
     "local_checkpoint": "checkpoint_manager.lifecycle.resolve",
@@ -172,6 +182,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "ENGINE_ENTRY_POINT_GROUP",
     "ENTRY_POINT_GROUP",
     "AnyOf",
     "AsyncSaveError",
@@ -231,11 +242,13 @@ __all__ = [
     "__version__",
     "convert",
     "create_checkpoint_manager",
+    "create_engine",
     "export_hf",
     "export_peft",
     "export_peft_adapter",
     "extract_bundle",
     "format_name",
+    "load_engine_class",
     "load_hf_weights",
     "load_record",
     "local_checkpoint",

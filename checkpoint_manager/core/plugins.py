@@ -260,7 +260,7 @@ def _dist_name(ep: importlib_metadata.EntryPoint) -> str:
 
 def _known_names(kind: PluginKind) -> list[str]:
     """Built-in names, then the installed entry points' names: what a bare name may be."""
-    return [*kind.builtins, *sorted(ep.name for ep in importlib_metadata.entry_points(group=kind.group))]
+    return [*kind.builtins, *sorted({ep.name for ep in importlib_metadata.entry_points(group=kind.group)})]
 
 
 def _parse_dotted(kind: PluginKind, name: str) -> tuple[str, str]:
@@ -272,7 +272,7 @@ def _parse_dotted(kind: PluginKind, name: str) -> tuple[str, str]:
         module, attr = name.split(":")
     else:
         if "." not in name:
-            installed = sorted(ep.name for ep in importlib_metadata.entry_points(group=kind.group))
+            installed = sorted({ep.name for ep in importlib_metadata.entry_points(group=kind.group)})
             builtins = f"a built-in {kind.field} ({', '.join(map(repr, kind.builtins))}), " if kind.builtins else ""
             raise ValueError(
                 f"{label} is neither {builtins}an entry point in group {kind.group!r} "
