@@ -52,8 +52,8 @@ class Contender:
 
 _RAW_FILE = "tensors.bin"
 # Syscall size of the raw baselines. Measured on the reference VM (1 GiB, cold cache): one
-# read()/write() per whole tensor (~22 MB) was 2x slower than 1-16 MiB pieces, for reads and for
-# buffered writes alike; 4 MiB was the fastest, so the limit uses it.
+# read()/write() per whole tensor (~22 MB) is 2x slower than 1-16 MiB pieces, for reads and for
+# buffered writes alike; 4 MiB is the fastest, so the limit uses it.
 _RAW_CHUNK = 4 << 20
 
 

@@ -27,6 +27,7 @@ from checkpoint_manager import (
     TrainState,
     UnsafeCheckpointError,
 )
+from checkpoint_manager.cli import main as cli_main
 from checkpoint_manager.formats import (
     convert,
     dcp_to_safetensors,
@@ -37,7 +38,6 @@ from checkpoint_manager.formats import (
     torch_to_dcp,
     torch_to_safetensors,
 )
-from checkpoint_manager.formats.cli import main as cli_main
 from checkpoint_manager.formats.convert import read_torch_file
 from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter, save_safetensors
 
@@ -166,7 +166,7 @@ def test_cli_convert(saved: tuple[Net, Path], tmp_path: Path, capsys: pytest.Cap
     assert cli_main(["convert", str(tmp_path / "w.pt"), str(tmp_path / "back"), "--to", "dcp", "--step", "9"]) == 0
     assert json.loads((tmp_path / "back" / "checkpoint.json").read_text())["step"] == 9
     assert same(load_with_manager(tmp_path / "back", tmp_path), model.state_dict())
-    assert cli_main(["convert", str(tmp_path / "w.pt"), str(tmp_path / "back"), "--to", "dcp"]) == 1
+    assert cli_main(["convert", str(tmp_path / "w.pt"), str(tmp_path / "back"), "--to", "dcp"]) == 5  # output exists
     assert "exists and is not empty" in capsys.readouterr().err
 
 

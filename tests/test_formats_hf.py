@@ -26,9 +26,9 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
+from checkpoint_manager.cli import main as cli_main
 from checkpoint_manager.core.integrity import verify
 from checkpoint_manager.formats import MissingConfigWarning, export_hf, load_hf_weights
-from checkpoint_manager.formats.cli import main as cli_main
 
 VOCAB = 96
 
@@ -230,13 +230,13 @@ def test_export_refuses_to_replace_unless_asked(tmp_path: Path) -> None:
 def test_cli_export(tmp_path: Path, artifacts: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tiny_llama()
     ckpt = save_with_manager(model, tmp_path / "ckpt")
-    rc = cli_main(["export-hf", str(ckpt), str(tmp_path / "hf"), "--artifacts-dir", str(artifacts),
+    rc = cli_main(["export", str(ckpt), "--to", "hf", "--out", str(tmp_path / "hf"), "--artifacts-dir", str(artifacts),
                    "--dtype", "bfloat16", "--max-shard-size", "30KB"])
     assert rc == 0
     assert "model-00001-of-" in capsys.readouterr().out
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert loaded.dtype == torch.bfloat16
-    assert cli_main(["export-hf", str(tmp_path / "nowhere"), str(tmp_path / "hf2")]) == 1
+    assert cli_main(["export", str(tmp_path / "nowhere"), "--to", "hf", "--out", str(tmp_path / "hf2")]) == 3
     assert f"{tmp_path / 'nowhere'}: no such file or directory" in capsys.readouterr().err  # missing, not corrupt
 
 

@@ -1,8 +1,7 @@
 """``ckpt export``, ``convert``, ``pack`` and ``unpack``: checkpoints in and out of other formats.
 
 Each is one call of the matching ``checkpoint_manager.formats`` function (the same ones the Python
-API offers), so the shell and scripts produce identical files. ``python -m
-checkpoint_manager.formats`` is the older spelling of the same commands and delegates here.
+API offers), so the shell and scripts produce identical files.
 """
 
 from __future__ import annotations

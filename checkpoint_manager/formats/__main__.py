@@ -1,7 +1,6 @@
-"""``python -m checkpoint_manager.formats``: see :mod:`checkpoint_manager.formats.cli`."""
+"""``python -m checkpoint_manager.formats``: the commands are ``ckpt``'s; this only says which one to run."""
 
 import sys
 
-from checkpoint_manager.formats.cli import main
-
-sys.exit(main())
+print("use ckpt: ckpt export CKPT --to hf --out DIR | convert | pack | unpack | list BUNDLE (see ckpt --help)", file=sys.stderr)
+sys.exit(2)

@@ -307,7 +307,7 @@ def _save_context(ctx: LoadContext) -> SaveContext:
 
 def _total_bytes(tensors: dict[str, torch.Tensor]) -> int:
     """Bytes of tensor data (a DTensor counts its global size, as numel() does); in C per tensor:
-    the Python generator it replaces cost 5 ms of a load of 26,000 tensors, twice."""
+    a Python generator costs 5 ms per pass over 26,000 tensors, and a load makes two."""
     return int(sum(map(_NBYTES, tensors.values())))
 
 
@@ -1109,7 +1109,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
 
         The cyclic GC stays paused throughout, the commit's JSON too: with a state of 26,000 small
         tensors (and the plan kept for the next save) each collection the JSON encoder's allocations
-        set off re-scanned every object, and the commit took 0.23 s instead of 0.03 s.
+        set off would re-scan every object: the commit takes 0.03 s paused, 0.23 s without.
         """
         with paused_gc():
             return self._write_and_commit_paused(job)

@@ -42,7 +42,7 @@ __all__ = ["METADATA_FILE", "check_data_files", "check_metadata", "paused_gc", "
 def paused_gc() -> Iterator[None]:
     """No cyclic GC while DCP metadata with one object per tensor is built, pickled or unpickled.
 
-    Unpickling the ``.metadata`` of 20,000 tensors took 3.9 s with the collector running (it
+    Unpickling the ``.metadata`` of 20,000 tensors takes 3.9 s with the collector running (it
     re-scans every tracked object of the process each time allocations pile up) and 0.64 s without.
     """
     enabled = gc.isenabled()
