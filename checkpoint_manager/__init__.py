@@ -88,6 +88,7 @@ if TYPE_CHECKING:
         SaveResult,
         Stateful,
     )
+    from checkpoint_manager.state.data_order import ResumableDistributedSampler
     from checkpoint_manager.state.train_state import TrainState
     from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage
 
@@ -133,6 +134,7 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteStateError": "checkpoint_manager.lifecycle.finite",
     "PostCommitError": "checkpoint_manager.errors",
     "ResolvedCheckpoint": "checkpoint_manager.lifecycle.resolve",
+    "ResumableDistributedSampler": "checkpoint_manager.state.data_order",
     "RetentionPlan": "checkpoint_manager.lifecycle.retention",
     "RetentionPolicy": "checkpoint_manager.lifecycle.retention",
     "SaveContext": "checkpoint_manager.protocol",
@@ -213,6 +215,7 @@ __all__ = [
     "NonFiniteStateError",
     "PostCommitError",
     "ResolvedCheckpoint",
+    "ResumableDistributedSampler",
     "RetentionPlan",
     "RetentionPolicy",
     "SaveContext",
