@@ -279,6 +279,7 @@ def reshard_per_rank_state(
         rng = first.get("rng")
         try:
             _check_rng(rng)
+            assert isinstance(rng, dict)  # _check_rng: a dict with its python and torch parts
             derived = derived_rng_state(rng, rank=rank, world_size=world_size)
         except (ValueError, TypeError, KeyError, struct.error) as exc:
             raise CheckpointCorruptError(f"{path}: rank 0's RNG state is damaged ({exc})") from exc

@@ -37,11 +37,11 @@ from checkpoint_manager.core.codec import (
 )
 from checkpoint_manager.core.layout import STATE_JSON_LIMIT, rank_file
 from checkpoint_manager.core.safe_io import parse_json
-from checkpoint_manager.state.data_order import RESHARD_KEY, find_sampler, restart_loader, sampler_states
 from checkpoint_manager.engine.dcp.io import paused_gc
 from checkpoint_manager.engine.dcp.objects import object_records
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
 from checkpoint_manager.protocol import LoadContext, SaveContext, Stateful
+from checkpoint_manager.state.data_order import RESHARD_KEY, find_sampler, restart_loader, sampler_states
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
