@@ -11,7 +11,7 @@ every sample of the epoch is seen exactly once (plus the padding of the last rou
 ``DistributedSampler`` pads), and the resumed job's RNG follows a fixed rule: it is the same every
 time it is run.
 
-``--log PREFIX`` writes, per rank, one JSON line per step to ``PREFIX.rank<R>.jsonl``: the epoch, the
+``--record PREFIX`` writes, per rank, one JSON line per step to ``PREFIX.rank<R>.jsonl``: the epoch, the
 step, the sample ids of the batch and one draw of torch's RNG.
 """
 
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=0, help="dataloader worker processes")
     p.add_argument("--on-world-size-change", default="reshard",
                    choices=["error", "restart_per_rank_state", "reshard"])
-    p.add_argument("--log", default="", help="write each rank's batches and RNG draws to LOG.rank<R>.jsonl")
+    p.add_argument("--record", default="", help="write each rank's batches and RNG draws to RECORD.rank<R>.jsonl")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (tests on tmpfs)")
     return p.parse_args(argv)
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     on_change: Literal["error", "restart_per_rank_state", "reshard"] = args.on_world_size_change
     config = CheckpointConfig(save_dir=args.save_dir, on_world_size_change=on_change, fsync=not args.no_fsync)
-    log = open(f"{args.log}.rank{rank}.jsonl", "a") if args.log else None  # noqa: SIM115
+    log = open(f"{args.record}.rank{rank}.jsonl", "a") if args.record else None  # noqa: SIM115
     try:
         with create_checkpoint_manager(config) as manager:
             ctx = LoadContext(model=model, optimizer=optimizer, dataloader=loader, train_state=state)

@@ -4,7 +4,8 @@
 the environment (torchrun's variables; none: one process). ``save``: read 3 batches per rank (one more
 on rank 1 with ``--skew``) from a StatefulDataLoader over a map-style dataset with a
 ResumableDistributedSampler, or over a stateful iterable dataset with ``--iterable``, and save.
-``load``: load with ``on_world_size_change="reshard"`` and write the error (type, message) to REPORT.
+``load``: load with ``on_world_size_change="error"``, then ``"reshard"`` (and, over a map-style dataset,
+``"reshard"`` into a loader with a plain sampler); write each outcome (error type, message) to REPORT.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import IterableDataset, TensorDataset
+from torch.utils.data import IterableDataset, SequentialSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from checkpoint_manager import (
@@ -68,33 +69,42 @@ def main() -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    loader: StatefulDataLoader
-    if args.iterable:
-        loader = StatefulDataLoader(Counting(rank), batch_size=4)
-    else:
-        data = TensorDataset(torch.arange(103))
-        loader = StatefulDataLoader(data, batch_size=4, sampler=ResumableDistributedSampler(data, seed=7))
     model = nn.Linear(2, 2)
-    state = TrainState(step=3)
-    config = CheckpointConfig(save_dir=args.dir, fsync=False, collective_timeout_s=60.0,
-                              on_world_size_change="reshard")
+
+    def make_loader(foreign: bool = False) -> StatefulDataLoader:
+        if args.iterable:
+            return StatefulDataLoader(Counting(rank), batch_size=4)
+        data = TensorDataset(torch.arange(103))
+        sampler = SequentialSampler(data) if foreign else ResumableDistributedSampler(data, seed=7)
+        return StatefulDataLoader(data, batch_size=4, sampler=sampler)
+
+    def try_load(mode: str, loader: StatefulDataLoader) -> dict[str, Any]:
+        fresh = TrainState()
+        config = CheckpointConfig(save_dir=args.dir, fsync=False, collective_timeout_s=60.0,
+                                  on_world_size_change=mode)  # type: ignore[arg-type]
+        try:
+            with DefaultCheckpointManager(config) as manager:
+                manager.load(LoadContext(model=model, dataloader=loader, train_state=fresh))
+            return {"error": None, "step": fresh.step}
+        except Exception as exc:
+            # refused before anything was set
+            return {"error": {"type": type(exc).__name__, "message": str(exc)}, "untouched": fresh.step == 0}
+
     try:
-        with DefaultCheckpointManager(config) as manager:
-            if args.op == "save":
+        if args.op == "save":
+            loader = make_loader()
+            config = CheckpointConfig(save_dir=args.dir, fsync=False, collective_timeout_s=60.0)
+            with DefaultCheckpointManager(config) as manager:
                 batches = iter(loader)
                 for _ in range(3 + (1 if args.skew and rank == 1 else 0)):
                     next(batches)
-                manager.save(SaveContext(model=model, dataloader=loader, train_state=state, force=True))
-                return 0
-            fresh = TrainState()
-            try:
-                manager.load(LoadContext(model=model, dataloader=loader, train_state=fresh))
-                report: dict[str, Any] = {"error": None}
-            except Exception as exc:
-                report = {"error": {"type": type(exc).__name__, "message": str(exc)}}
-            report["untouched"] = fresh.step == 0  # refused before anything was set
-            Path(f"{args.report}.rank{rank}.json").write_text(json.dumps(report))
+                manager.save(SaveContext(model=model, dataloader=loader, train_state=TrainState(step=3), force=True))
             return 0
+        report = {"error_mode": try_load("error", make_loader()), "reshard": try_load("reshard", make_loader())}
+        if not args.iterable:
+            report["foreign_sampler"] = try_load("reshard", make_loader(foreign=True))
+        Path(f"{args.report}.rank{rank}.json").write_text(json.dumps(report))
+        return 0
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -25,7 +25,15 @@ from conftest import ROOT, child_env
 from torch.utils.data import DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from checkpoint_manager import CheckpointConfig, ResumableDistributedSampler
+from checkpoint_manager import (
+    CheckpointConfig,
+    CheckpointMismatchError,
+    DefaultCheckpointManager,
+    LoadContext,
+    ResumableDistributedSampler,
+    SaveContext,
+    TrainState,
+)
 from checkpoint_manager.state.data_order import derived_rng_state, sampler_states
 from checkpoint_manager.state.training import capture_rng
 
@@ -266,7 +274,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("data_order")
     common = ["--epochs", "2", "--no-fsync"]
     run_jobs([(EXAMPLE, 2, ["--save-dir", str(out / "ck"), "--save-at-step", str(STOP), "--workers", "2",
-                            "--log", str(out / "first"), *common], out / "first")])
+                            "--record", str(out / "first"), *common], out / "first")])
     first = steps(out / "first", 2)
     logs: dict[str, Any] = {
         "first": {r: [e for e in entries if e["step"] <= STOP] for r, entries in first.items()},
@@ -275,7 +283,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     resumes = [("to1", 1, "0"), ("to2", 2, "2"), ("to3", 3, "2"), ("to3_again", 3, "2"), ("to4", 4, "0")]
     for name, _, _ in resumes:
         shutil.copytree(out / "ck", out / f"ck_{name}")
-    run_jobs([(EXAMPLE, world, ["--save-dir", str(out / f"ck_{name}"), "--log", str(out / name), "--workers", workers,
+    run_jobs([(EXAMPLE, world, ["--save-dir", str(out / f"ck_{name}"), "--record", str(out / name), "--workers", workers,
                                 *common], out / name) for name, world, workers in resumes])
     for name, world, _ in resumes:
         logs[name] = steps(out / name, world)
@@ -332,16 +340,47 @@ def test_same_world_size_resume_is_bit_exact(runs: dict[str, Any]) -> None:
      "shuffle True, drop_last False, dataset_len 103; rank 1: position 32, epoch 0, seed 7, shuffle True, "
      "drop_last False, dataset_len 103): they did not consume the same number of samples, so there is no "
      "global position to resume at another world size"),
-], ids=["iterable", "ranks_disagree"])
-def test_reshard_is_refused_where_no_global_position_exists(tmp_path: Path, flags: list[str], message: str) -> None:
+    ([], None),
+], ids=["iterable", "ranks_disagree", "map_style"])
+def test_reshard_is_refused_where_no_global_position_exists(tmp_path: Path, flags: list[str], message: str | None) -> None:
     ck = tmp_path / "ck"
     run_jobs([(CHILD, 2, ["save", str(ck), str(tmp_path / "unused"), *flags], tmp_path / "save")])
     run_jobs([(CHILD, 1, ["load", str(ck), str(tmp_path / "report"), *flags], tmp_path / "load")])
-    for rank in range(1):
-        report = json.loads((tmp_path / f"report.rank{rank}.json").read_text())
-        assert report["error"]["type"] == "CheckpointMismatchError"
-        assert message in report["error"]["message"]
-        assert report["untouched"]
+    report = json.loads((tmp_path / "report.rank0.json").read_text())
+    # the default refuses, and names the way to reshard
+    assert report["error_mode"]["error"]["type"] == "CheckpointMismatchError" and report["error_mode"]["untouched"]
+    assert report["error_mode"]["error"]["message"].endswith(
+        "on_world_size_change='reshard' resumes a ResumableDistributedSampler's data order")
+    result = report["reshard"]
+    if message is None:
+        assert result == {"error": None, "step": 3}
+        foreign = report["foreign_sampler"]
+        assert foreign["untouched"] and foreign["error"]["type"] == "CheckpointMismatchError"
+        assert foreign["error"]["message"].endswith(
+            ": the data position was resharded (on_world_size_change='reshard') but the dataloader "
+            "(StatefulDataLoader) draws from no ResumableDistributedSampler (looked at it, its .sampler and its "
+            ".batch_sampler.sampler)")
+        return
+    assert result["error"]["type"] == "CheckpointMismatchError" and result["untouched"]
+    assert message in result["error"]["message"]
     if flags == ["--iterable"]:
-        assert report["error"]["message"].startswith("/") and "was saved by 2 rank(s) and is being loaded by 1: " \
-            in report["error"]["message"]
+        assert result["error"]["message"] == f"{ck / 'step_00000003'} was saved by 2 rank(s) and is being loaded by 1: {message}"
+
+
+def test_same_world_size_load_of_another_order_is_refused_before_anything_is_set(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    loader = StatefulDataLoader(data(), batch_size=BATCH, sampler=ResumableDistributedSampler(data(), 1, 0, seed=SEED))
+    next(iter(loader))
+    config = CheckpointConfig(save_dir=str(tmp_path / "ck"), fsync=False)
+    with DefaultCheckpointManager(config) as manager:
+        manager.save(SaveContext(model=model, dataloader=loader, train_state=TrainState(step=1), force=True))
+    other = StatefulDataLoader(data(), batch_size=BATCH, sampler=ResumableDistributedSampler(data(), 1, 0, seed=8))
+    fresh, before = TrainState(), torch.nn.Linear(2, 2)
+    target = torch.nn.Linear(2, 2)
+    target.load_state_dict(before.state_dict())
+    with DefaultCheckpointManager(config) as manager, pytest.raises(CheckpointMismatchError) as info:
+        manager.load(LoadContext(model=target, dataloader=other, train_state=fresh))
+    assert str(info.value).endswith(
+        "dataloader: sampler state was saved with seed=7, this sampler has seed=8: the epoch's order would differ")
+    assert fresh.step == 0 and all(torch.equal(a, b) for a, b in zip(target.state_dict().values(),
+                                                                      before.state_dict().values(), strict=True))
