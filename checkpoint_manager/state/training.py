@@ -41,7 +41,13 @@ from checkpoint_manager.engine.dcp.io import paused_gc
 from checkpoint_manager.engine.dcp.objects import object_records
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
 from checkpoint_manager.protocol import LoadContext, SaveContext, Stateful
-from checkpoint_manager.state.data_order import RESHARD_KEY, find_sampler, restart_loader, sampler_states
+from checkpoint_manager.state.data_order import (
+    RESHARD_KEY,
+    find_sampler,
+    reshard_per_rank_state,
+    restart_loader,
+    sampler_states,
+)
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
@@ -272,8 +278,6 @@ def per_rank_state(
             "on_world_size_change='reshard' resumes a ResumableDistributedSampler's data order"
         )
     if on_change == "reshard":
-        from checkpoint_manager.state.data_order import reshard_per_rank_state
-
         resharded = reshard_per_rank_state(
             path=path, affected=affected, saved_world_size=saved_world_size, rank=rank, world_size=world_size, read=read
         )
