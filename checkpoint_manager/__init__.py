@@ -95,6 +95,7 @@ if TYPE_CHECKING:
         SaveResult,
         Stateful,
     )
+    from checkpoint_manager.state.data_order import ResumableDistributedSampler
     from checkpoint_manager.state.train_state import TrainState
     from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage
 
@@ -141,6 +142,7 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteStateError": "checkpoint_manager.lifecycle.finite",
     "PostCommitError": "checkpoint_manager.errors",
     "ResolvedCheckpoint": "checkpoint_manager.lifecycle.resolve",
+    "ResumableDistributedSampler": "checkpoint_manager.state.data_order",
     "RetentionPlan": "checkpoint_manager.lifecycle.retention",
     "RetentionPolicy": "checkpoint_manager.lifecycle.retention",
     "SaveContext": "checkpoint_manager.protocol",
@@ -224,6 +226,7 @@ __all__ = [
     "NonFiniteStateError",
     "PostCommitError",
     "ResolvedCheckpoint",
+    "ResumableDistributedSampler",
     "RetentionPlan",
     "RetentionPolicy",
     "SaveContext",

@@ -317,11 +317,13 @@ class DistributedFields(BaseModel):
         "CollectiveTimeoutError (naming rank and phase) after this long instead of hanging. Must exceed "
         "the largest difference in write time between ranks.",
     )
-    on_world_size_change: Literal["error", "restart_per_rank_state"] = Field(
+    on_world_size_change: Literal["error", "restart_per_rank_state", "reshard"] = Field(
         default="error",
         description="Loading at a different world size: model, optimizer, scheduler, extras and train "
-        "state reshard; per-rank RNG and dataloader positions cannot. 'error' refuses to resume while "
-        "they are requested; 'restart_per_rank_state' starts them fresh (listed in LoadResult.skipped).",
+        "state reshard; per-rank RNG and dataloader positions need a rule. 'error' refuses to resume while "
+        "they are requested; 'restart_per_rank_state' starts them fresh (listed in LoadResult.skipped); "
+        "'reshard' resumes the global data position of a ResumableDistributedSampler (no sample of the "
+        "epoch skipped or repeated) and derives each new rank's RNG deterministically (docs/data-order.md).",
     )
 
 

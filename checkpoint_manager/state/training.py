@@ -41,6 +41,13 @@ from checkpoint_manager.engine.dcp.io import paused_gc
 from checkpoint_manager.engine.dcp.objects import object_records
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
 from checkpoint_manager.protocol import LoadContext, SaveContext, Stateful
+from checkpoint_manager.state.data_order import (
+    RESHARD_KEY,
+    find_sampler,
+    reshard_per_rank_state,
+    restart_loader,
+    sampler_states,
+)
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
@@ -238,7 +245,7 @@ def per_rank_state(
     saved_world_size: int,
     rank: int,
     world_size: int,
-    on_change: Literal["error", "restart_per_rank_state"],
+    on_change: Literal["error", "restart_per_rank_state", "reshard"],
     model_only: bool = False,
     read: Callable[[Path, int], dict[str, Any] | None] = read_rank_json,
 ) -> dict[str, Any] | None:
@@ -247,8 +254,10 @@ def per_rank_state(
     Same world size: rank r gets what rank r saved. Different world size: no rank's position means
     anything to another layout (which samples did the new rank 3 see?), so if the load asks for any
     per-rank part that the checkpoint holds, ``on_change='error'`` refuses with
-    :class:`CheckpointMismatchError` and ``'restart_per_rank_state'`` starts them fresh; never a
-    silent, wrong resume (torchtitan #811). Global state (model, optimizer, ...) reshards either way.
+    :class:`CheckpointMismatchError`, ``'restart_per_rank_state'`` starts them fresh, and
+    ``'reshard'`` resumes the saved ranks' agreed global data position and derives each new rank's
+    RNG by a fixed rule (:mod:`checkpoint_manager.state.data_order`); never a silent, wrong resume
+    (torchtitan #811). Global state (model, optimizer, ...) reshards either way.
     """
     if model_only:
         return None
@@ -265,8 +274,21 @@ def per_rank_state(
             f"per-rank state ({', '.join(affected)}) cannot be mapped onto a different number of ranks "
             "(model, optimizer, scheduler, extras and train state reshard fine). To resume with fresh "
             f"{' and '.join(affected)} state, set CheckpointConfig(on_world_size_change="
-            "'restart_per_rank_state'), or pass LoadContext(load_rng=False, load_dataloader=False)"
+            "'restart_per_rank_state'), or pass LoadContext(load_rng=False, load_dataloader=False); "
+            "on_world_size_change='reshard' resumes a ResumableDistributedSampler's data order"
         )
+    if on_change == "reshard":
+        resharded = reshard_per_rank_state(
+            path=path, affected=affected, saved_world_size=saved_world_size, rank=rank, world_size=world_size, read=read
+        )
+        if rank == 0:
+            log.warning(
+                "world size changed from %d to %d: per-rank %s resharded (on_world_size_change='reshard')",
+                saved_world_size,
+                world_size,
+                " and ".join(affected),
+            )
+        return resharded
     if rank == 0:
         log.warning(
             "world size changed from %d to %d: per-rank %s not restored, starting fresh "
@@ -299,6 +321,7 @@ class StateLoader:
     _prepared_for: dict[str, torch.Tensor] | None = None
     _dataloader_state: Any = _UNSET
     _rng_state: Any = _UNSET
+    _resharded: Any = _UNSET  # (sampler, its state) when the data position was resharded
 
     def targets(self, metadata: Metadata) -> dict[str, torch.Tensor]:
         """Tensors DCP loads into, checked against the checkpoint's keys, shapes and dtypes."""
@@ -432,6 +455,10 @@ class StateLoader:
             and isinstance(ctx.dataloader, Stateful)
         ):
             self._dataloader_state = decode(rank_json["dataloader"])
+            _check_samplers(self.source, ctx.dataloader, sampler_states(self._dataloader_state))
+        if ctx.dataloader is not None and ctx.load_dataloader and not self.model_only and RESHARD_KEY in rank_json:
+            state = decode(rank_json[RESHARD_KEY])
+            self._resharded = (_check_samplers(self.source, ctx.dataloader, [state], required=True), state)
         if ctx.load_rng and not self.model_only and "rng" in rank_json:
             rng = decode(rank_json["rng"])
             _check_rng(rng)
@@ -577,7 +604,10 @@ class StateLoader:
             else:
                 self.skipped.append("train_state")
         if ctx.dataloader is not None:
-            if self._dataloader_state is _UNSET:
+            if self._resharded is not _UNSET:
+                restart_loader(ctx.dataloader, *self._resharded)
+                self.restored.append("dataloader")
+            elif self._dataloader_state is _UNSET:
                 self.skipped.append("dataloader")
             else:
                 ctx.dataloader.load_state_dict(self._dataloader_state)
@@ -587,6 +617,26 @@ class StateLoader:
             self.restored.append("rng")
         else:
             self.skipped.append("rng")
+
+
+def _check_samplers(source: str, loader: Any, states: list[Any], *, required: bool = False) -> Any:
+    """The live loader's ResumableDistributedSampler, checked against the saved sampler states before
+    anything is set (another seed or dataset length would resume a different order)."""
+    sampler = find_sampler(loader)
+    if sampler is None:
+        if required:
+            raise CheckpointMismatchError(
+                f"{source}: the data position was resharded (on_world_size_change='reshard') but the "
+                f"dataloader ({type(loader).__name__}) draws from no ResumableDistributedSampler (looked at "
+                "it, its .sampler and its .batch_sampler.sampler)"
+            )
+        return None
+    for state in states:
+        try:
+            sampler.check_state(state)
+        except ValueError as exc:
+            raise CheckpointMismatchError(f"{source}: dataloader: {exc}") from exc
+    return sampler
 
 
 def _check_rng(state: Any) -> None:
