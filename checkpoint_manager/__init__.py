@@ -14,7 +14,6 @@ from checkpoint_manager._version import __version__
 if TYPE_CHECKING:
     from checkpoint_manager.config import CheckpointConfig, LoadMode
     from checkpoint_manager.core.dist import CollectiveTimeoutError
-    from checkpoint_manager.core.integrity import verify
     from checkpoint_manager.core.layout import CheckpointInfo, Lineage
     from checkpoint_manager.core.naming import format_name, parse_name
     from checkpoint_manager.errors import (
@@ -45,7 +44,6 @@ if TYPE_CHECKING:
         pack_bundle,
     )
     from checkpoint_manager.lifecycle.finite import NonFiniteStateError
-    from checkpoint_manager.lifecycle.lock import CheckpointLockError, WriterLock
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
     from checkpoint_manager.lifecycle.observe import (
         CheckpointCallback,
@@ -89,7 +87,8 @@ if TYPE_CHECKING:
         Stateful,
     )
     from checkpoint_manager.state.train_state import TrainState
-    from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage
+    from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage, verify
+    from checkpoint_manager.storage.lock import CheckpointLockError, WriterLock
 
 _EXPORTS: dict[str, str] = {
     "AnyOf": "checkpoint_manager.lifecycle.policy",
@@ -103,7 +102,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "checkpoint_manager.errors",
     "CheckpointErrorEvent": "checkpoint_manager.lifecycle.observe",
     "CheckpointInfo": "checkpoint_manager.core.layout",
-    "CheckpointLockError": "checkpoint_manager.lifecycle.lock",
+    "CheckpointLockError": "checkpoint_manager.storage.lock",
     "CheckpointManager": "checkpoint_manager.protocol",
     "CheckpointMismatchError": "checkpoint_manager.errors",
     "CheckpointNotFoundError": "checkpoint_manager.errors",
@@ -147,7 +146,7 @@ _EXPORTS: dict[str, str] = {
     "UnsupportedAdapterError": "checkpoint_manager.errors",
     "UserPolicy": "checkpoint_manager.lifecycle.policy",
     "YoungDaly": "checkpoint_manager.lifecycle.policy",
-    "WriterLock": "checkpoint_manager.lifecycle.lock",
+    "WriterLock": "checkpoint_manager.storage.lock",
     "convert": "checkpoint_manager.formats",
     "create_checkpoint_manager": "checkpoint_manager.factory",
     "export_hf": "checkpoint_manager.formats",
@@ -168,7 +167,7 @@ _EXPORTS: dict[str, str] = {
     "resolve_checkpoint": "checkpoint_manager.lifecycle.resolve",
     "resolve_manager_class": "checkpoint_manager.factory",
     "save_record": "checkpoint_manager.lifecycle.observe",
-    "verify": "checkpoint_manager.core.integrity",
+    "verify": "checkpoint_manager.storage",
 }
 
 __all__ = [

@@ -7,12 +7,12 @@ Commands accept whatever people have at hand (a checkpoint directory, a run's sa
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
+from checkpoint_manager.storage.local import tree_size
 
 __all__ = ["Checkpoint", "existing", "is_url", "resolve_checkpoint", "storage_options", "tree_size"]
 
@@ -41,21 +41,6 @@ def existing(text: str) -> Path:
     if not path.exists() and not path.is_symlink():
         raise CliError(ExitCode.NOT_FOUND, f"{text}: no such file or directory")
     return path
-
-
-def tree_size(path: Path) -> int:
-    """Bytes of the regular files below ``path`` (what the checkpoint occupies, before block rounding)."""
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for dirpath, _dirs, names in os.walk(path):
-        for name in names:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue
-            total += st.st_size if not os.path.islink(os.path.join(dirpath, name)) else 0
-    return total
 
 
 @dataclass(frozen=True)

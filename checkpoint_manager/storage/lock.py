@@ -42,7 +42,6 @@ from checkpoint_manager.core.safe_io import UnsafeFileError, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError
 
 if TYPE_CHECKING:
-    from checkpoint_manager.storage.base import Storage
     from checkpoint_manager.storage.remote import FsspecStorage
 
 try:
@@ -58,7 +57,6 @@ __all__ = [
     "ObjectWriterLock",
     "WriterLock",
     "read_lock_owner",
-    "writer_lock_for",
 ]
 
 log = logging.getLogger("checkpoint_manager")
@@ -712,15 +710,3 @@ def _forget_holds_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_holds_in_child)
-
-
-def writer_lock_for(storage: Storage, *, stale_after_s: float | None = None) -> AnyWriterLock:
-    """The writer lock of a checkpoint root: a lock file locally, a heartbeated object in a store."""
-    from checkpoint_manager.storage.local import LocalStorage
-    from checkpoint_manager.storage.remote import FsspecStorage
-
-    if isinstance(storage, LocalStorage):
-        return WriterLock(storage.root, stale_after_s=stale_after_s)
-    if isinstance(storage, FsspecStorage):
-        return ObjectWriterLock(storage, stale_after_s=stale_after_s)
-    raise TypeError(f"no writer lock for {type(storage).__name__}")
