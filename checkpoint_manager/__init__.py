@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         open_bundle,
         pack_bundle,
     )
+    from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
     from checkpoint_manager.lifecycle.finite import NonFiniteStateError
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
     from checkpoint_manager.lifecycle.observe import (
@@ -64,7 +65,6 @@ if TYPE_CHECKING:
         UserPolicy,
         YoungDaly,
     )
-    from checkpoint_manager.lifecycle.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
     from checkpoint_manager.lifecycle.retention import (
         KeepAll,
         KeepAny,
@@ -131,7 +131,7 @@ _EXPORTS: dict[str, str] = {
     "ManagerClosedError": "checkpoint_manager.errors",
     "NonFiniteStateError": "checkpoint_manager.lifecycle.finite",
     "PostCommitError": "checkpoint_manager.errors",
-    "ResolvedCheckpoint": "checkpoint_manager.lifecycle.resolve",
+    "ResolvedCheckpoint": "checkpoint_manager.formats.resolve",
     "RetentionPlan": "checkpoint_manager.lifecycle.retention",
     "RetentionPolicy": "checkpoint_manager.lifecycle.retention",
     "SaveContext": "checkpoint_manager.protocol",
@@ -156,7 +156,7 @@ _EXPORTS: dict[str, str] = {
     "format_name": "checkpoint_manager.core.naming",
     "load_hf_weights": "checkpoint_manager.formats",
     "load_record": "checkpoint_manager.lifecycle.observe",
-    "local_checkpoint": "checkpoint_manager.lifecycle.resolve",
+    "local_checkpoint": "checkpoint_manager.formats.resolve",
     "open_bundle": "checkpoint_manager.formats",
     "open_storage": "checkpoint_manager.storage",
     "pack_bundle": "checkpoint_manager.formats",
@@ -164,7 +164,7 @@ _EXPORTS: dict[str, str] = {
     "plan_retention": "checkpoint_manager.lifecycle.retention",
     "prune": "checkpoint_manager.lifecycle.retention",
     "read_event_log": "checkpoint_manager.lifecycle.observe",
-    "resolve_checkpoint": "checkpoint_manager.lifecycle.resolve",
+    "resolve_checkpoint": "checkpoint_manager.formats.resolve",
     "resolve_manager_class": "checkpoint_manager.factory",
     "save_record": "checkpoint_manager.lifecycle.observe",
     "verify": "checkpoint_manager.storage",

@@ -77,9 +77,9 @@ class RemoteCheckpoint:
 
 def remote_checkpoint(url: str, options: dict[str, Any] | None, step: int | None) -> RemoteCheckpoint:
     """The checkpoint at ``url``, or (a save root) its newest one or the one of ``step``: the
-    library's rule (:mod:`checkpoint_manager.lifecycle.resolve`)."""
+    library's rule (:mod:`checkpoint_manager.formats.resolve`)."""
     from checkpoint_manager.core.layout import info_from_meta
-    from checkpoint_manager.lifecycle.resolve import resolve_remote
+    from checkpoint_manager.formats.resolve import resolve_remote
 
     try:
         found, storage = resolve_remote(url, step, options)

@@ -52,18 +52,18 @@ class Checkpoint:
     meta: dict[str, Any] = field(default_factory=dict)
     via: str | None = None  # "bundle", "newest in <dir>", "step N of <dir>", "plain DCP directory"
     url: str | None = None  # where it was downloaded from (``path`` is then the local copy)
-    kind: str = "committed"  # as checkpoint_manager.lifecycle.resolve names it
+    kind: str = "committed"  # as checkpoint_manager.formats.resolve names it
 
 
 def resolve_checkpoint(text: str, *, step: int | None = None, args: argparse.Namespace | None = None) -> Checkpoint:
-    """What ``text`` names, by the library's one rule (:mod:`checkpoint_manager.lifecycle.resolve`).
+    """What ``text`` names, by the library's one rule (:mod:`checkpoint_manager.formats.resolve`).
 
     A URL's checkpoint is downloaded into the storage's cache; the copy goes when the command ends
     (``args.cleanup``).
     """
     if is_url(text):
         return _download(text, step, args)
-    from checkpoint_manager.lifecycle.resolve import resolve_checkpoint as resolve
+    from checkpoint_manager.formats.resolve import resolve_checkpoint as resolve
 
     if text.startswith("file://"):
         text = text[len("file://") :]

@@ -71,7 +71,7 @@ def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
     if path.is_file() or (path / CHECKPOINT_JSON).exists():
         ckpt = resolve_checkpoint(text, args=args)
         return [(ckpt.path.name, str(ckpt.path), [], lambda level: verify(ckpt.path, level))], False  # type: ignore[arg-type]
-    from checkpoint_manager.lifecycle.resolve import is_plain_dcp
+    from checkpoint_manager.formats.resolve import is_plain_dcp
 
     if is_plain_dcp(path):
         raise CliError(

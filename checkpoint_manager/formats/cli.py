@@ -13,9 +13,10 @@ import sys
 from collections.abc import Sequence
 
 from checkpoint_manager.errors import CheckpointError
-from checkpoint_manager.formats.bundle import extract_bundle, list_bundle, pack_bundle
+from checkpoint_manager.formats.bundle import extract_bundle, list_bundle
 from checkpoint_manager.formats.convert import convert
 from checkpoint_manager.formats.hf import export_hf
+from checkpoint_manager.formats.pack import pack_bundle
 
 __all__ = ["build_parser", "main"]
 

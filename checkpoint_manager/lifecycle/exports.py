@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 from checkpoint_manager.errors import CheckpointMismatchError, UnsupportedAdapterError
-from checkpoint_manager.formats.bundle import resolve_checkpoint_path
 from checkpoint_manager.formats.dcp_stream import model_keys, tensor_entries
 from checkpoint_manager.formats.hf import export_hf, is_hf_weights, load_hf_weights
 from checkpoint_manager.formats.lora import adapter_tensor_names
 from checkpoint_manager.formats.model_config import HFConfigRecorder
+from checkpoint_manager.formats.resolve import resolve_checkpoint_path
 from checkpoint_manager.protocol import LoadContext, LoadResult
 
 if TYPE_CHECKING:

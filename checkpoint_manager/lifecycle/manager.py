@@ -71,6 +71,7 @@ from checkpoint_manager.errors import (
 )
 from checkpoint_manager.formats.hf import is_hf_weights
 from checkpoint_manager.formats.plain_dcp import load_plain_dcp
+from checkpoint_manager.formats.resolve import is_plain_dcp, resolve_checkpoint
 from checkpoint_manager.lifecycle.exports import (
     HFConfigRecorder,
     export_consolidated,
@@ -81,7 +82,6 @@ from checkpoint_manager.lifecycle.finite import FiniteCheck, NonFiniteStateError
 from checkpoint_manager.lifecycle.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
 from checkpoint_manager.lifecycle.policy import build_save_policy
 from checkpoint_manager.lifecycle.preemption import PreemptionWatcher
-from checkpoint_manager.lifecycle.resolve import is_plain_dcp, resolve_checkpoint
 from checkpoint_manager.lifecycle.retention import Pruner
 from checkpoint_manager.protocol import FinalizeOnExit, LoadContext, LoadResult, SaveContext, SaveResult
 from checkpoint_manager.state.training import (
@@ -536,7 +536,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         return None, False
 
     def _named(self, path: str | Path, step: int | None) -> str:
-        """What a path names, by the one rule of :mod:`checkpoint_manager.lifecycle.resolve`: its location to load
+        """What a path names, by the one rule of :mod:`checkpoint_manager.formats.resolve`: its location to load
         (a bundle stays a bundle: every rank unpacks it in load())."""
         return resolve_checkpoint(
             path,

@@ -18,9 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from checkpoint_manager.config import CheckpointConfig, MonitorMode
 from checkpoint_manager.core.layout import CheckpointInfo, metric_value, order_checkpoints
 from checkpoint_manager.errors import UnsafeCheckpointError
 from checkpoint_manager.lifecycle.pointers import (
@@ -31,6 +30,9 @@ from checkpoint_manager.lifecycle.pointers import (
     update_pointers,
 )
 from checkpoint_manager.storage import Storage, open_storage
+
+if TYPE_CHECKING:
+    from checkpoint_manager.config import CheckpointConfig, MonitorMode
 
 __all__ = [
     "KeepAll",

@@ -161,7 +161,7 @@ class Storage(Protocol):
         ...
 
     def is_present(self) -> bool:
-        """Whether the root exists (a local directory must; an object-store prefix always may be written)."""
+        """Whether the root exists: a local directory, or a prefix holding at least one object."""
         ...
 
     def list_names(self) -> list[str]:

@@ -111,13 +111,8 @@ class _Upload(io.RawIOBase):
             self.discard()
 
 
-class FsspecStorage:
-    """A checkpoint root at an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``).
-
-    ``storage_options`` go to fsspec unchanged (credentials, ``client_kwargs={"endpoint_url": ...}``);
-    they are never logged or shown in ``repr``. ``staging_dir`` (default: a directory in the system
-    temp dir, one per URL) holds pending saves and downloaded copies.
-    """
+class _ObjectRoot:
+    """A checkpoint root at an fsspec URL, read side: names, discovery, checks, downloads."""
 
     is_local = False
     #: a save's local files are staging copies: the store, not the disk, makes them durable
@@ -177,7 +172,7 @@ class FsspecStorage:
         return "://" in location and location.rstrip("/").rsplit("/", 1)[0] == self.url
 
     def is_present(self) -> bool:
-        return True
+        return self._exists(self.root)
 
     def remote_dir(self, pending: Path) -> str:
         """The prefix a pending directory uploads to: its name without the random suffix."""
@@ -370,6 +365,27 @@ class FsspecStorage:
         if self.cache_root in local.parents:
             shutil.rmtree(local, ignore_errors=True)
 
+    def _transfer(self, what: str, fn: Any, pairs: list[tuple[str, str]]) -> None:
+        """``fn(src, dst)`` for every pair, a few at a time, each retried on its own (a batch retried
+        as a whole would redo the files that already made it, and fail forever under steady errors)."""
+        if len(pairs) <= 1:
+            for src, dst in pairs:
+                self._call(f"{what} {src}", fn, src, dst)
+            return
+        with ThreadPoolExecutor(max_workers=min(_TRANSFERS, len(pairs)), thread_name_prefix="checkpoint-io") as pool:
+            futures = [pool.submit(self._call, f"{what} {src}", fn, src, dst) for src, dst in pairs]
+            for future in futures:
+                future.result()
+
+
+class FsspecStorage(_ObjectRoot):
+    """A checkpoint root at an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``).
+
+    ``storage_options`` go to fsspec unchanged (credentials, ``client_kwargs={"endpoint_url": ...}``);
+    they are never logged or shown in ``repr``. ``staging_dir`` (default: a directory in the system
+    temp dir, one per URL) holds pending saves and downloaded copies.
+    """
+
     # -- writing ----------------------------------------------------------------------------------
     def check_root(self) -> None:
         """Nothing to check without a round trip; the lock or the first upload reports a bad bucket."""
@@ -407,18 +423,6 @@ class FsspecStorage:
             return self._local.open_output(pending, rel)
         out = self.fs.open(f"{self.remote_dir(pending)}/{rel}", "wb", block_size=PART_BYTES)
         return cast(BinaryIO, _Upload(out))
-
-    def _transfer(self, what: str, fn: Any, pairs: list[tuple[str, str]]) -> None:
-        """``fn(src, dst)`` for every pair, a few at a time, each retried on its own (a batch retried
-        as a whole would redo the files that already made it, and fail forever under steady errors)."""
-        if len(pairs) <= 1:
-            for src, dst in pairs:
-                self._call(f"{what} {src}", fn, src, dst)
-            return
-        with ThreadPoolExecutor(max_workers=min(_TRANSFERS, len(pairs)), thread_name_prefix="checkpoint-io") as pool:
-            futures = [pool.submit(self._call, f"{what} {src}", fn, src, dst) for src, dst in pairs]
-            for future in futures:
-                future.result()
 
     def _put(self, pending: Path, rels: list[str]) -> None:
         rels = [r for r in rels if (pending / r).is_file()]

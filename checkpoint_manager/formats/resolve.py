@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from checkpoint_manager.core.layout import METADATA_FILE, pick_step
 from checkpoint_manager.core.naming import BEST_POINTER, LATEST_POINTER
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
+from checkpoint_manager.storage.base import is_url
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.layout import CheckpointInfo
@@ -40,6 +41,7 @@ __all__ = [
     "local_checkpoint",
     "newest_committed",
     "resolve_checkpoint",
+    "resolve_checkpoint_path",
     "resolve_remote",
 ]
 
@@ -280,3 +282,25 @@ def local_checkpoint(
         yield dataclasses.replace(resolved, path=local)
     finally:
         storage.release_local(local)
+
+
+def resolve_checkpoint_path(path: str | Path, *, cache_dir: str | Path | None = None) -> Path:
+    """The local checkpoint directory ``path`` names, by :func:`checkpoint_manager.formats.resolve.resolve_checkpoint`.
+
+    A directory of DCP files (ours, plain ``dcp.save`` output) as is; a bundle → its unpacked
+    checkpoint; a save directory → its newest committed checkpoint; nothing there →
+    :class:`CheckpointNotFoundError`. URLs: download with :func:`checkpoint_manager.formats.resolve.local_checkpoint`.
+    """
+    if is_url(str(path)):
+        raise ValueError(
+            f"{path}: a URL; download it first: `with checkpoint_manager.formats.resolve.local_checkpoint(url) as c: ...(c.path)`"
+        )
+    p = Path(path)
+    if p.is_dir() and (p / METADATA_FILE).is_file():
+        return p
+    if cache_dir is not None:
+        from checkpoint_manager.formats.bundle import is_bundle, open_bundle
+
+        if is_bundle(p):
+            return open_bundle(p, cache_dir=cache_dir).checkpoint
+    return resolve_checkpoint(p).path
