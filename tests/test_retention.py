@@ -23,7 +23,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from checkpoint_manager.core.codec import encode
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, FORMAT_NAME, FORMAT_VERSION, CheckpointInfo
-from checkpoint_manager.storage.lock import LOCK_FILE, CheckpointLockError
 from checkpoint_manager.lifecycle.pointers import BEST_LINK, BEST_POINTER, LATEST_LINK, read_pointer
 from checkpoint_manager.lifecycle.retention import (
     KeepAll,
@@ -38,6 +37,7 @@ from checkpoint_manager.lifecycle.retention import (
     prune,
 )
 from checkpoint_manager.storage.local import LocalStorage
+from checkpoint_manager.storage.lock import LOCK_FILE, CheckpointLockError
 
 _clock = itertools.count(1)
 

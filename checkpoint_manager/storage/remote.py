@@ -100,6 +100,8 @@ class _Upload(io.RawIOBase):
         discard = getattr(self._out, "discard", None)
         if callable(discard):
             discard()
+            with contextlib.suppress(AttributeError):
+                self._out.closed = True  # a discarded file must not be completed when collected
         super().close()
 
     def __exit__(
