@@ -216,9 +216,9 @@ def test_streaming_writer_restarts_a_file_after_a_transient_failure(tmp_path: Pa
     pending = storage.new_pending("step_00000001")
     opened: list[str] = []
 
-    def open_output(directory: Path, rel: str) -> BinaryIO:
+    def open_output(rel: str) -> BinaryIO:
         opened.append(rel)
-        out = storage.open_output(directory, rel)
+        out = storage.open_output(pending, rel)
         if len(opened) == 1:  # the first attempt dies after a few bytes
             real_write = out.write
 

@@ -104,9 +104,10 @@ def _count_files(path: Path) -> int:
 def _read_state(path: Path) -> dict[str, Any] | str | None:
     """``state.json`` decoded (tensors left as None), None if there is none, or what is wrong with it."""
     from checkpoint_manager.core.codec import decode
+    from checkpoint_manager.core.layout import STATE_JSON
     from checkpoint_manager.core.safe_io import read_small
 
-    file = path / "state.json"
+    file = path / STATE_JSON
     if not path.is_dir() or not file.exists():
         return None
     try:

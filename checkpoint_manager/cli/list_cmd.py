@@ -244,7 +244,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if not doc["checkpoints"] and not looks_like_save_dir(root):
         raise CliError(
             ExitCode.NOT_FOUND,
-            f"{args.directory}: no checkpoints, and not a save directory (none of {_SAVE_DIR_MARKS})",
+            f"{args.directory}: no checkpoints, and not a save directory (none of {', '.join(_save_dir_entries())})",
         )
     return _render(doc, args, out, str(root))
 
@@ -252,8 +252,12 @@ def run(args: argparse.Namespace, out: Output) -> int:
 # What a manager leaves in its save_dir besides checkpoints: the in-progress area, the pointers and
 # the writer lock's files. A directory holding other things but none of these (and no checkpoint)
 # is most likely the wrong path; an empty one is a save directory before its first save.
-_SAVE_DIR_ENTRIES = (".pending", "latest", "best", ".writer.lock", ".writer.lock.guard")
-_SAVE_DIR_MARKS = ", ".join(_SAVE_DIR_ENTRIES)
+def _save_dir_entries() -> tuple[str, ...]:
+    from checkpoint_manager.core.layout import PENDING_DIR
+    from checkpoint_manager.core.naming import BEST_POINTER, LATEST_POINTER
+    from checkpoint_manager.storage.lock import GUARD_FILE, LOCK_FILE
+
+    return (PENDING_DIR, LATEST_POINTER, BEST_POINTER, LOCK_FILE, GUARD_FILE)
 
 
 def looks_like_save_dir(root: Path) -> bool:
@@ -261,7 +265,7 @@ def looks_like_save_dir(root: Path) -> bool:
     with os.scandir(root) as it:
         if next(it, None) is None:
             return True
-    return any(os.path.lexists(root / name) for name in _SAVE_DIR_ENTRIES)
+    return any(os.path.lexists(root / name) for name in _save_dir_entries())
 
 
 def _render(doc: dict[str, Any], args: argparse.Namespace, out: Output, where: str) -> int:

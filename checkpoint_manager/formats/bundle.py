@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from checkpoint_manager.core.layout import CHECKPOINT_JSON
+from checkpoint_manager.core.layout import CHECKPOINT_JSON, METADATA_FILE, STATE_JSON
 from checkpoint_manager.core.safe_io import SMALL_FILE_LIMIT, open_regular, read_small
 from checkpoint_manager.errors import (
     BundleCacheError,
@@ -86,7 +86,7 @@ DEFAULT_MAX_BYTES = 2**40
 DEFAULT_MAX_RATIO = 100.0
 RATIO_FLOOR = 64 * 2**20  # below this many expanded bytes, any compression ratio is fine
 MAX_MEMBERS = 1_000_000
-_METADATA_NAMES = frozenset({"bundle.json", "checkpoint_config.json", CHECKPOINT_JSON, ".metadata", "state.json"})
+_METADATA_NAMES = frozenset({BUNDLE_JSON, CONFIG_JSON, CHECKPOINT_JSON, METADATA_FILE, STATE_JSON})
 _TENSOR_FILES = (".distcp", ".safetensors")  # in cache entries, hashed only up to _HASHED_TENSOR_BYTES
 _HASHED_TENSOR_BYTES = 2**20
 _RECORD_FORMAT = "checkpoint-manager-bundle-cache"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from checkpoint_manager.core.layout import METADATA_FILE, pick_step
+from checkpoint_manager.core.layout import METADATA_FILE, POINTER_LIMIT, pick_step
 from checkpoint_manager.core.naming import BEST_POINTER, LATEST_POINTER
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
 from checkpoint_manager.storage.base import is_url
@@ -157,7 +157,7 @@ def _resolve_pointer(given: str, path: Path, step: int | None, verify_checksum: 
     from checkpoint_manager.core.safe_io import read_small
 
     try:
-        data = json.loads(read_small(path, limit=1 << 20, follow=True).decode("utf-8"))
+        data = json.loads(read_small(path, limit=POINTER_LIMIT, follow=True).decode("utf-8"))
     except (OSError, ValueError) as exc:
         raise CheckpointCorruptError(f"{given}: not a readable {path.name} pointer ({exc})") from exc
     name = data.get("name") if isinstance(data, dict) else None

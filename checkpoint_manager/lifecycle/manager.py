@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import operator
@@ -1124,7 +1125,9 @@ class DefaultCheckpointManager(FinalizeOnExit):
         )
         try:
             writer = (  # object stores: staged locally, or streamed
-                StreamingWriter(job.pending, self._storage.open_output, retry=self._storage.retrying)
+                StreamingWriter(
+                    job.pending, functools.partial(self._storage.open_output, job.pending), retry=self._storage.retrying
+                )
                 if self._storage.streams
                 else CheckpointWriter(job.pending, fsync=self._storage.fsync, direct=self.config.direct_io)
             )

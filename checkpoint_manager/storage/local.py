@@ -194,9 +194,6 @@ class LocalStorage:
             )
         return path
 
-    def path_of(self, name: str) -> Path:
-        return self.root / name
-
     def location_of(self, name: str) -> str:
         return str(self.root / name)
 

@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
+    "GUARD_FILE",
     "LOCK_FILE",
     "AnyWriterLock",
     "CheckpointLockError",
@@ -62,7 +63,7 @@ __all__ = [
 log = logging.getLogger("checkpoint_manager")
 
 LOCK_FILE = ".writer.lock"
-_GUARD_FILE = ".writer.lock.guard"  # only where a directory cannot be flocked (and older versions')
+GUARD_FILE = ".writer.lock.guard"  # only where a directory cannot be flocked (and older versions')
 _LOCK_FILE_LIMIT = 64 * 1024  # a lock file is a few hundred bytes
 _PID_MAX = 2**31  # pid_t is a signed 32-bit integer
 _GUARD_TIMEOUT_S = 10.0
@@ -448,7 +449,7 @@ def _guard(directory: Path) -> Iterator[None]:
 def _guard_file(directory: Path, *, create: bool) -> int:
     """The guard file's descriptor (-1: none there and not ``create``); never a symlink or a FIFO."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-    path = directory / _GUARD_FILE
+    path = directory / GUARD_FILE
     try:
         fd = os.open(path, flags, 0o644)
     except FileNotFoundError:

@@ -30,8 +30,9 @@ __all__ = ["OpenOutput", "Retry", "StreamingWriter"]
 
 _T = TypeVar("_T")
 
-#: ``open_output(pending, rel)``: a file of the pending checkpoint, opened for writing
-OpenOutput = Callable[[Path, str], BinaryIO]
+#: ``open_output(rel)``: a file of the pending checkpoint, by its relative path, opened for writing
+#: (``EngineContext.open_output``; the storage's ``open_output`` with the pending directory bound)
+OpenOutput = Callable[[str], BinaryIO]
 #: ``retry(fn, what)``: ``fn()``, retried while it fails transiently
 Retry = Callable[[Callable[[], _T], str], _T]
 
@@ -53,7 +54,7 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 class StreamingWriter(CheckpointWriter):
     """:class:`~checkpoint_manager.engine.dcp.writer.CheckpointWriter` whose tensor file goes through
-    ``open_output(pending, name)`` (the storage's; see :meth:`~checkpoint_manager.storage.base.Storage.open_output`)."""
+    ``open_output(name)`` (see :meth:`~checkpoint_manager.storage.base.Storage.open_output`)."""
 
     def __init__(
         self,
@@ -72,7 +73,7 @@ class StreamingWriter(CheckpointWriter):
         results: list[WriteResult] = []
         file_crc = 0
         position = 0
-        with self.open_output(Path(self.path), file_name) as out:
+        with self.open_output(file_name) as out:
 
             def put(data: bytes | memoryview) -> None:
                 nonlocal position
