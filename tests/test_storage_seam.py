@@ -280,3 +280,15 @@ def test_no_isinstance_on_storage_kinds_outside_storage() -> None:
                 if named & kinds:
                     found.append(f"{file.relative_to(PACKAGE)}:{node.lineno}")
     assert found == []
+
+
+def test_prune_refuses_a_root_that_holds_nothing_local_or_remote(s3: MotoS3, tmp_path: Path) -> None:
+    from checkpoint_manager.lifecycle.retention import prune
+
+    with pytest.raises(FileNotFoundError, match=r"is not a directory \(nothing is stored there\)$"):
+        prune(tmp_path / "missing", keep_last=1, dry_run=False)
+    url = f"s3://{s3.make_bucket()}/missing"
+    options = storage_options(s3.endpoint)
+    with pytest.raises(FileNotFoundError, match=r"is not a directory \(nothing is stored there\)$"):
+        prune(url, keep_last=1, dry_run=False, storage_options=options)
+    assert open_storage(url, options).is_present() is False  # no lock object was left behind

@@ -487,7 +487,7 @@ def prune(
         raise ValueError("prune needs at least one of keep_last, keep_best or keep_every_n_steps")
     storage = open_storage(directory, storage_options, fsync=fsync)
     if not storage.is_present():
-        raise FileNotFoundError(f"prune: {str(directory)!r} is not a directory")
+        raise FileNotFoundError(f"prune: {str(directory)!r} is not a directory (nothing is stored there)")
     pruner = Pruner(storage, policy, monitor=monitor, mode=mode, owns_pointers=False, force=force)
     if dry_run:
         return pruner.prune(protected, dry_run=True).delete
