@@ -292,3 +292,19 @@ def test_prune_refuses_a_root_that_holds_nothing_local_or_remote(s3: MotoS3, tmp
     with pytest.raises(FileNotFoundError, match=r"is not a directory \(nothing is stored there\)$"):
         prune(url, keep_last=1, dry_run=False, storage_options=options)
     assert open_storage(url, options).is_present() is False  # no lock object was left behind
+
+
+@pytest.mark.parametrize("raw", [b'{"name": "../outside"}', b'{"name": "a/b"}', b'{"name": ""}', b'{"name": ".."}', b"[1]", b"\xff{", b"{"])
+def test_one_pointer_parser_for_storage_and_resolver(tmp_path: Path, raw: bytes) -> None:
+    from checkpoint_manager.errors import CheckpointCorruptError
+    from checkpoint_manager.formats.resolve import resolve_checkpoint
+
+    storage = LocalStorage(tmp_path / "run")
+    commit(storage, 1)
+    (storage.root / "latest").write_bytes(b'{"name": "step_00000001", "step": 1}')
+    assert storage.read_pointer("latest") == {"name": "step_00000001", "step": 1}
+    assert resolve_checkpoint(storage.root / "latest").step == 1
+    (storage.root / "latest").write_bytes(raw)
+    assert storage.read_pointer("latest") is None
+    with pytest.raises(CheckpointCorruptError, match=r"latest: not a latest pointer \(no checkpoint name in it\)$"):
+        resolve_checkpoint(storage.root / "latest")

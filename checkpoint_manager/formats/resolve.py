@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,14 +154,15 @@ def _resolve_file(given: str, path: Path, step: int | None, verify_checksum: boo
 def _resolve_pointer(given: str, path: Path, step: int | None, verify_checksum: bool = True) -> ResolvedCheckpoint:
     """A save directory's ``latest`` / ``best`` file: the committed checkpoint it names."""
     from checkpoint_manager.core.safe_io import read_small
+    from checkpoint_manager.storage.base import parse_pointer
 
     try:
-        data = json.loads(read_small(path, limit=POINTER_LIMIT, follow=True).decode("utf-8"))
-    except (OSError, ValueError) as exc:
+        data = parse_pointer(read_small(path, limit=POINTER_LIMIT, follow=True))
+    except OSError as exc:
         raise CheckpointCorruptError(f"{given}: not a readable {path.name} pointer ({exc})") from exc
-    name = data.get("name") if isinstance(data, dict) else None
-    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+    if data is None:
         raise CheckpointCorruptError(f"{given}: not a {path.name} pointer (no checkpoint name in it)")
+    name = data["name"]
     target = path.parent / name
     if not target.is_dir():
         raise CheckpointNotFoundError(f"{given}: names {name}, which is not in {path.parent} (pruned?)")

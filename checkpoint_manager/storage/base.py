@@ -63,12 +63,16 @@ def is_deleting(entry: str) -> bool:
 
 
 def parse_pointer(raw: bytes) -> dict[str, Any] | None:
-    """A ``latest`` / ``best`` pointer's JSON, or None when it is not one (no checkpoint name in it)."""
+    """A ``latest`` / ``best`` pointer's JSON, or None when it is not one: no JSON object, or no
+    checkpoint name in it (a name is one entry of the save directory: no ``/``, not ``.`` or ``..``)."""
     try:
         data = json.loads(raw.decode("utf-8"))
     except ValueError:  # UnicodeDecodeError is one
         return None
-    return data if isinstance(data, dict) and isinstance(data.get("name"), str) else None
+    name = data.get("name") if isinstance(data, dict) else None
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        return None
+    return data  # type: ignore[no-any-return]
 
 # Documents up to this size are indented for people who open them; larger ones stay compact.
 _PRETTY_UNDER = 64 << 10
