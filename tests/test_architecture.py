@@ -143,8 +143,8 @@ def test_the_graph_sees_function_local_imports_but_not_type_checking_ones() -> N
     graph = _graph()
     # resolve's import of the bundle reader is function-local
     assert "checkpoint_manager.formats.bundle" in graph["checkpoint_manager.formats.resolve"]
-    # lock.py names FsspecStorage for the type checker only
-    assert "checkpoint_manager.storage.remote" not in graph["checkpoint_manager.storage.lock"]
+    # retention names CheckpointConfig for the type checker only
+    assert "checkpoint_manager.config" not in graph["checkpoint_manager.lifecycle.retention"]
 
 
 def test_no_import_cycle() -> None:

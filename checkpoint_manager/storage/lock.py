@@ -36,13 +36,23 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from checkpoint_manager.core.safe_io import UnsafeFileError, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError
 
 if TYPE_CHECKING:
-    from checkpoint_manager.storage.remote import FsspecStorage
+    from checkpoint_manager.storage.retry import RetryPolicy
+
+
+class _ObjectStore(Protocol):
+    """What the object lock needs of its storage (:class:`~checkpoint_manager.storage.remote.FsspecStorage`)."""
+
+    url: str
+    fs: Any
+    retry: RetryPolicy
+
+    def key(self, *parts: str) -> str: ...
 
 try:
     import fcntl
@@ -575,7 +585,7 @@ _object_registry: dict[str, tuple[LockOwner, list[int], threading.Event]] = {}
 class ObjectWriterLock:
     """The writer lock of a save directory in an object store: ``<root>/.writer.lock``, heartbeated."""
 
-    def __init__(self, storage: FsspecStorage, *, stale_after_s: float | None = None) -> None:
+    def __init__(self, storage: _ObjectStore, *, stale_after_s: float | None = None) -> None:
         if stale_after_s is not None and not stale_after_s > 0:
             raise ValueError(f"stale_after_s must be > 0, got {stale_after_s}")
         self.storage = storage
