@@ -129,10 +129,20 @@ def update_symlink(root: Path, link: str, target: str | None) -> None:
     if path.exists() and not path.is_symlink():
         log.warning("not replacing %s with a symlink: it is not one", path)
         return
-    tmp = root / f".{link}.{uuid.uuid4().hex[:8]}.tmp"
-    mark_in_flight(tmp)  # a start-up sweep of another manager of this process leaves it alone
+    replace_via_aside(path, lambda tmp: os.symlink(target, tmp))
+
+
+def replace_via_aside(path: Path, write: Callable[[Path], object]) -> None:
+    """Make ``path`` what ``write(aside)`` creates, with one rename: readers see the old or the new.
+
+    ``aside`` is ``.<name>.<8 hex>.tmp`` beside ``path`` (the sweep removes it if a crash leaves it),
+    marked in flight meanwhile so that the start-up sweep of another manager of this process leaves
+    it alone.
+    """
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    mark_in_flight(tmp)
     try:
-        os.symlink(target, tmp)
+        write(tmp)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -365,15 +375,7 @@ class LocalStorage:
 
     def write_json_atomic(self, path: Path, data: Any) -> None:
         """Replace ``path`` in one step (for pointers): write aside, fsync, rename, fsync the directory."""
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        mark_in_flight(tmp)  # another manager of this process may sweep meanwhile: not this one
-        try:
-            self.write_json(tmp, data)
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            unmark_in_flight(tmp)
+        replace_via_aside(path, lambda tmp: self.write_json(tmp, data))
         if self.fsync:
             fsync_dir(path.parent)
 
