@@ -14,7 +14,6 @@ from checkpoint_manager._version import __version__
 if TYPE_CHECKING:
     from checkpoint_manager.config import CheckpointConfig, LoadMode
     from checkpoint_manager.core.dist import CollectiveTimeoutError
-    from checkpoint_manager.core.integrity import verify
     from checkpoint_manager.core.layout import CheckpointInfo, Lineage
     from checkpoint_manager.core.naming import format_name, parse_name
     from checkpoint_manager.errors import (
@@ -51,8 +50,8 @@ if TYPE_CHECKING:
         open_bundle,
         pack_bundle,
     )
+    from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
     from checkpoint_manager.lifecycle.finite import NonFiniteStateError
-    from checkpoint_manager.lifecycle.lock import CheckpointLockError, WriterLock
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
     from checkpoint_manager.lifecycle.observe import (
         CheckpointCallback,
@@ -73,7 +72,6 @@ if TYPE_CHECKING:
         UserPolicy,
         YoungDaly,
     )
-    from checkpoint_manager.lifecycle.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
     from checkpoint_manager.lifecycle.retention import (
         KeepAll,
         KeepAny,
@@ -97,7 +95,8 @@ if TYPE_CHECKING:
     )
     from checkpoint_manager.state.data_order import ResumableDistributedSampler
     from checkpoint_manager.state.train_state import TrainState
-    from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage
+    from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage, verify
+    from checkpoint_manager.storage.lock import CheckpointLockError, WriterLock
 
 _EXPORTS: dict[str, str] = {
     "AnyOf": "checkpoint_manager.lifecycle.policy",
@@ -111,7 +110,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "checkpoint_manager.errors",
     "CheckpointErrorEvent": "checkpoint_manager.lifecycle.observe",
     "CheckpointInfo": "checkpoint_manager.core.layout",
-    "CheckpointLockError": "checkpoint_manager.lifecycle.lock",
+    "CheckpointLockError": "checkpoint_manager.storage.lock",
     "CheckpointManager": "checkpoint_manager.protocol",
     "CheckpointMismatchError": "checkpoint_manager.errors",
     "CheckpointNotFoundError": "checkpoint_manager.errors",
@@ -141,7 +140,7 @@ _EXPORTS: dict[str, str] = {
     "ManagerClosedError": "checkpoint_manager.errors",
     "NonFiniteStateError": "checkpoint_manager.lifecycle.finite",
     "PostCommitError": "checkpoint_manager.errors",
-    "ResolvedCheckpoint": "checkpoint_manager.lifecycle.resolve",
+    "ResolvedCheckpoint": "checkpoint_manager.formats.resolve",
     "ResumableDistributedSampler": "checkpoint_manager.state.data_order",
     "RetentionPlan": "checkpoint_manager.lifecycle.retention",
     "RetentionPolicy": "checkpoint_manager.lifecycle.retention",
@@ -157,7 +156,7 @@ _EXPORTS: dict[str, str] = {
     "UnsupportedAdapterError": "checkpoint_manager.errors",
     "UserPolicy": "checkpoint_manager.lifecycle.policy",
     "YoungDaly": "checkpoint_manager.lifecycle.policy",
-    "WriterLock": "checkpoint_manager.lifecycle.lock",
+    "WriterLock": "checkpoint_manager.storage.lock",
     "convert": "checkpoint_manager.formats",
     "create_checkpoint_manager": "checkpoint_manager.factory",
     "create_engine": "checkpoint_manager.factory",
@@ -169,7 +168,7 @@ _EXPORTS: dict[str, str] = {
     "load_engine_class": "checkpoint_manager.factory",
     "load_hf_weights": "checkpoint_manager.formats",
     "load_record": "checkpoint_manager.lifecycle.observe",
-    "local_checkpoint": "checkpoint_manager.lifecycle.resolve",
+    "local_checkpoint": "checkpoint_manager.formats.resolve",
     "open_bundle": "checkpoint_manager.formats",
     "open_storage": "checkpoint_manager.storage",
     "pack_bundle": "checkpoint_manager.formats",
@@ -177,10 +176,10 @@ _EXPORTS: dict[str, str] = {
     "plan_retention": "checkpoint_manager.lifecycle.retention",
     "prune": "checkpoint_manager.lifecycle.retention",
     "read_event_log": "checkpoint_manager.lifecycle.observe",
-    "resolve_checkpoint": "checkpoint_manager.lifecycle.resolve",
+    "resolve_checkpoint": "checkpoint_manager.formats.resolve",
     "resolve_manager_class": "checkpoint_manager.factory",
     "save_record": "checkpoint_manager.lifecycle.observe",
-    "verify": "checkpoint_manager.core.integrity",
+    "verify": "checkpoint_manager.storage",
 }
 
 __all__ = [

@@ -504,7 +504,7 @@ def test_prune_usage_errors(run: Run, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def _hold_lock(directory: str, ready: Any, done: Any) -> None:
-    from checkpoint_manager.lifecycle.lock import WriterLock
+    from checkpoint_manager.storage.lock import WriterLock
 
     with WriterLock(directory):
         ready.set()

@@ -38,8 +38,8 @@ from checkpoint_manager import (
     TrainState,
     UnsafeCheckpointError,
 )
-from checkpoint_manager.lifecycle.lock import LOCK_FILE, CheckpointLockError, WriterLock, read_lock_owner
 from checkpoint_manager.storage.local import mark_in_flight, unmark_in_flight
+from checkpoint_manager.storage.lock import LOCK_FILE, CheckpointLockError, WriterLock, read_lock_owner
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "checkpoint_manager"
@@ -297,7 +297,7 @@ def test_a_forked_child_holds_no_lock_and_touches_nothing(tmp_path: Path) -> Non
 
 ACQUIRE = LIGHT_IMPORT + """
 import sys
-from checkpoint_manager.lifecycle.lock import CheckpointLockError, WriterLock, read_lock_owner
+from checkpoint_manager.storage.lock import CheckpointLockError, WriterLock, read_lock_owner
 print("owner:", read_lock_owner(sys.argv[1]))
 try:
     WriterLock(sys.argv[1]).acquire()

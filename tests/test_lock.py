@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import missing_capability
 
-from checkpoint_manager.lifecycle.lock import LOCK_FILE, CheckpointLockError, WriterLock, read_lock_owner
+from checkpoint_manager.storage.lock import LOCK_FILE, CheckpointLockError, WriterLock, read_lock_owner
 
 # Children import the real lock module without the package's __init__ (which imports torch), so
 # they start in milliseconds: the lock needs nothing but the standard library and errors.py.
@@ -31,7 +31,7 @@ sys.modules["checkpoint_manager"] = _pkg
 # A child that takes the lock, says so, and holds it until its stdin closes (or it is killed).
 HOLD = LIGHT_IMPORT + """
 import sys
-from checkpoint_manager.lifecycle.lock import WriterLock
+from checkpoint_manager.storage.lock import WriterLock
 lock = WriterLock(sys.argv[1]).acquire()
 print("acquired", flush=True)
 if sys.argv[2] == "exit":
@@ -42,7 +42,7 @@ sys.stdin.read()
 # A child that waits for a go signal, then tries to take the lock, reports, and holds on.
 RACE = LIGHT_IMPORT + """
 import os, sys, time
-from checkpoint_manager.lifecycle.lock import CheckpointLockError, WriterLock
+from checkpoint_manager.storage.lock import CheckpointLockError, WriterLock
 print("ready", flush=True)
 while not os.path.exists(sys.argv[2]):
     time.sleep(0.001)
@@ -318,7 +318,7 @@ def test_a_lock_collected_on_another_thread_never_deadlocks(tmp_path: Path) -> N
     import gc
     import threading
 
-    from checkpoint_manager.lifecycle import lock as lock_module
+    from checkpoint_manager.storage import lock as lock_module
 
     gc.disable()  # collected only by the worker's gc.collect() below
     try:

@@ -35,7 +35,7 @@ from checkpoint_manager import (
 )
 from checkpoint_manager.cli import main
 from checkpoint_manager.formats import dcp_to_safetensors, dcp_to_torch, resolve_checkpoint_path
-from checkpoint_manager.lifecycle.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
+from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
 
 
 class Net(nn.Module):

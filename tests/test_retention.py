@@ -23,7 +23,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from checkpoint_manager.core.codec import encode
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, FORMAT_NAME, FORMAT_VERSION, CheckpointInfo
-from checkpoint_manager.lifecycle.lock import LOCK_FILE, CheckpointLockError
 from checkpoint_manager.lifecycle.pointers import BEST_LINK, BEST_POINTER, LATEST_LINK, read_pointer
 from checkpoint_manager.lifecycle.retention import (
     KeepAll,
@@ -38,6 +37,7 @@ from checkpoint_manager.lifecycle.retention import (
     prune,
 )
 from checkpoint_manager.storage.local import LocalStorage
+from checkpoint_manager.storage.lock import LOCK_FILE, CheckpointLockError
 
 _clock = itertools.count(1)
 
@@ -228,7 +228,7 @@ def test_slow_background_deletion_slows_the_next_prunes_rather_than_filling_the_
         assert release.wait(30), "the test never released the deletion"
         real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr("checkpoint_manager.lifecycle.retention.shutil.rmtree", stuck_rmtree)
+    monkeypatch.setattr("checkpoint_manager.storage.local.shutil.rmtree", stuck_rmtree)
     pruner = Pruner(storage, KeepLast(1), background=True)
 
     def hidden() -> list[str]:

@@ -45,9 +45,9 @@ from checkpoint_manager.core.layout import (
     order_checkpoints,
     seal_checkpoint_json,
 )
-from checkpoint_manager.lifecycle.lock import LOCK_FILE
 from checkpoint_manager.lifecycle.pointers import read_pointer
 from checkpoint_manager.storage import LocalStorage
+from checkpoint_manager.storage.lock import LOCK_FILE
 
 
 def weights_for(step: int) -> dict[str, torch.Tensor]:

@@ -37,8 +37,8 @@ from checkpoint_manager import (
     prune,
     verify,
 )
-from checkpoint_manager.lifecycle.lock import CheckpointLockError
 from checkpoint_manager.storage import FsspecStorage, LocalStorage, open_storage
+from checkpoint_manager.storage.lock import CheckpointLockError
 from checkpoint_manager.storage.retry import RetryPolicy, is_transient
 
 HERE = Path(__file__).resolve().parent

@@ -42,7 +42,7 @@ class CliError(Exception):
 
 def classify(exc: BaseException) -> ExitCode:
     """The exit code for an exception raised while a command ran."""
-    from checkpoint_manager.lifecycle.lock import CheckpointLockError
+    from checkpoint_manager.storage.lock import CheckpointLockError
 
     if isinstance(exc, CliError):
         return exc.code

@@ -59,7 +59,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, out: Output) -> int:
     match = name_filter(args.filter, regex=args.regex)
     if is_url(args.path):
-        from checkpoint_manager.cli.remote import metadata_only, remote_checkpoint, remote_size
+        from checkpoint_manager.cli.remote import metadata_only, remote_checkpoint
 
         remote = remote_checkpoint(args.path, storage_options(args), args.step)
         with metadata_only(remote) as local:
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
             state = _read_state(local)
         info_meta = dict(remote.info.meta)
         return _show(args, out, match, source, remote.info.location, info_meta, remote.via,
-                     remote_size(remote.storage, remote.info.name), len(info_meta.get("files") or {}), state)
+                     remote.storage.size_of(remote.info.location), len(info_meta.get("files") or {}), state)
     from checkpoint_manager.core.layout import read_checkpoint_json
     from checkpoint_manager.formats.bundle import is_bundle, read_bundle_metadata
     from checkpoint_manager.formats.hf import is_hf_weights
@@ -104,9 +104,10 @@ def _count_files(path: Path) -> int:
 def _read_state(path: Path) -> dict[str, Any] | str | None:
     """``state.json`` decoded (tensors left as None), None if there is none, or what is wrong with it."""
     from checkpoint_manager.core.codec import decode
+    from checkpoint_manager.core.layout import STATE_JSON
     from checkpoint_manager.core.safe_io import read_small
 
-    file = path / "state.json"
+    file = path / STATE_JSON
     if not path.is_dir() or not file.exists():
         return None
     try:

@@ -80,12 +80,20 @@ def _row(
 
 def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]:
     """The listing of ``root`` as one JSON-able document (what ``--json`` prints)."""
-    from checkpoint_manager.core.layout import CHECKPOINT_JSON, read_checkpoint_json, scan_checkpoints
+    from checkpoint_manager.core.layout import (
+        CHECKPOINT_JSON,
+        METADATA_FILE,
+        PENDING_DIR,
+        read_checkpoint_json,
+        scan_checkpoints,
+    )
+    from checkpoint_manager.core.naming import BEST_POINTER, LATEST_POINTER
     from checkpoint_manager.errors import CheckpointCorruptError
-    from checkpoint_manager.lifecycle.pointers import BEST_POINTER, LATEST_POINTER, read_pointer
-    from checkpoint_manager.storage.local import PENDING_DIR, LocalStorage
+    from checkpoint_manager.storage.base import deleted_name
+    from checkpoint_manager.storage.local import LocalStorage
 
-    names = LocalStorage(root).list_names()
+    storage = LocalStorage(root)
+    names = storage.list_names()
     infos, bad = scan_checkpoints(root, names)
     rows: list[dict[str, Any]] = []
     for info in infos:
@@ -98,7 +106,7 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
     seen = {r["name"] for r in rows}
     for name in names:  # DCP files but no checkpoint.json: a save that never committed in place
         path = root / name
-        if name not in seen and not (path / CHECKPOINT_JSON).exists() and (path / ".metadata").exists():
+        if name not in seen and not (path / CHECKPOINT_JSON).exists() and (path / METADATA_FILE).exists():
             row = _row(name, path, "corrupt")
             row["problems"].append(f"{path / CHECKPOINT_JSON}: missing (not a committed checkpoint)")
             rows.append(row)
@@ -107,8 +115,9 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
         with os.scandir(pending_root) as it:
             entries = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
         for entry in entries:
-            state = "deleting" if "~deleting~" in entry else "pending"
-            base = entry.split(".~deleting~")[0] if state == "deleting" else entry.rsplit(".", 1)[0]
+            deleted = deleted_name(entry)
+            state = "deleting" if deleted is not None else "pending"
+            base = deleted if deleted is not None else entry.rsplit(".", 1)[0]
             meta: dict[str, Any] = {}
             with contextlib.suppress(CheckpointCorruptError, OSError):  # none until its last moment
                 meta = read_checkpoint_json(pending_root / entry)
@@ -116,7 +125,7 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
             row = _row(base, pending_root / entry, state, step=step, meta=meta)
             rows.append(row)
 
-    return _finish(str(root), rows, read_pointer(root, LATEST_POINTER), read_pointer(root, BEST_POINTER),
+    return _finish(str(root), rows, storage.read_pointer(LATEST_POINTER), storage.read_pointer(BEST_POINTER),
                    verify_level, out, lambda row, level: _verify_local(Path(row["path"]), level))
 
 
@@ -129,27 +138,25 @@ def _verify_local(path: Path, level: str) -> list[str]:
 def collect_remote(url: str, options: dict[str, Any] | None, verify_level: str | None, out: Output) -> dict[str, Any]:
     """The listing of a save root at an fsspec URL (committed and damaged checkpoints; pending
     saves live on the writer's machine, not in the store)."""
-    from checkpoint_manager.cli.remote import open_remote, remote_size, verify_remote
-    from checkpoint_manager.core.layout import CheckpointInfo
-    from checkpoint_manager.lifecycle.pointers import BEST_POINTER, LATEST_POINTER
+    from checkpoint_manager.cli.remote import open_remote
+    from checkpoint_manager.core.naming import BEST_POINTER, LATEST_POINTER
 
     storage = open_remote(url.rstrip("/"), options)
     infos, bad = storage.scan()
-    if not infos and not bad and not storage.fs.exists(storage.root):
+    if not infos and not bad and not storage.is_present():
         raise CliError(ExitCode.NOT_FOUND, f"{url}: nothing stored there")
-    by_name: dict[str, CheckpointInfo] = {i.name: i for i in infos}
     rows = [
         _row(i.name, i.location, "superseded" if i.superseded else "committed", step=i.step, meta=dict(i.meta),
-             size=remote_size(storage, i.name))
+             size=storage.size_of(i.location))
         for i in infos
     ]
     for name, problem in bad:
-        row = _row(name, storage.location_of(name), "corrupt", size=remote_size(storage, name))
+        row = _row(name, storage.location_of(name), "corrupt", size=storage.size_of(storage.location_of(name)))
         row["problems"].append(problem)
         rows.append(row)
 
     return _finish(url, rows, storage.read_pointer(LATEST_POINTER), storage.read_pointer(BEST_POINTER),
-                   verify_level, out, lambda row, level: verify_remote(storage, by_name[row["name"]], level))
+                   verify_level, out, lambda row, level: storage.verify(row["path"], level))  # type: ignore[arg-type]
 
 
 _COMMITTED = ("committed", "superseded")  # both are listed by discovery; superseded ones are never auto-loaded
@@ -237,7 +244,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if not doc["checkpoints"] and not looks_like_save_dir(root):
         raise CliError(
             ExitCode.NOT_FOUND,
-            f"{args.directory}: no checkpoints, and not a save directory (none of {_SAVE_DIR_MARKS})",
+            f"{args.directory}: no checkpoints, and not a save directory (none of {', '.join(_save_dir_entries())})",
         )
     return _render(doc, args, out, str(root))
 
@@ -245,8 +252,12 @@ def run(args: argparse.Namespace, out: Output) -> int:
 # What a manager leaves in its save_dir besides checkpoints: the in-progress area, the pointers and
 # the writer lock's files. A directory holding other things but none of these (and no checkpoint)
 # is most likely the wrong path; an empty one is a save directory before its first save.
-_SAVE_DIR_ENTRIES = (".pending", "latest", "best", ".writer.lock", ".writer.lock.guard")
-_SAVE_DIR_MARKS = ", ".join(_SAVE_DIR_ENTRIES)
+def _save_dir_entries() -> tuple[str, ...]:
+    from checkpoint_manager.core.layout import PENDING_DIR
+    from checkpoint_manager.core.naming import BEST_POINTER, LATEST_POINTER
+    from checkpoint_manager.storage.lock import GUARD_FILE, LOCK_FILE
+
+    return (PENDING_DIR, LATEST_POINTER, BEST_POINTER, LOCK_FILE, GUARD_FILE)
 
 
 def looks_like_save_dir(root: Path) -> bool:
@@ -254,7 +265,7 @@ def looks_like_save_dir(root: Path) -> bool:
     with os.scandir(root) as it:
         if next(it, None) is None:
             return True
-    return any(os.path.lexists(root / name) for name in _SAVE_DIR_ENTRIES)
+    return any(os.path.lexists(root / name) for name in _save_dir_entries())
 
 
 def _render(doc: dict[str, Any], args: argparse.Namespace, out: Output, where: str) -> int:

@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
 from checkpoint_manager.cli.output import Output, human_bytes
-from checkpoint_manager.cli.targets import existing, is_url, storage_options, tree_size
+from checkpoint_manager.cli.targets import existing, is_url, storage_options
 
 if TYPE_CHECKING:
-    from checkpoint_manager.core.layout import CheckpointInfo
     from checkpoint_manager.storage import Storage
 
 __all__ = ["add_parser", "run"]
@@ -81,14 +80,10 @@ def run(args: argparse.Namespace, out: Output) -> int:
     _check_counts(args)
     options = storage_options(args)
     if is_url(args.directory):
-        from checkpoint_manager.cli.remote import open_remote, remote_size
+        from checkpoint_manager.cli.remote import open_remote
 
         where = args.directory.rstrip("/")
-        remote = open_remote(where, options)
-        storage: Storage = remote
-
-        def size_of(info: CheckpointInfo) -> int:
-            return remote_size(remote, info.name)
+        storage: Storage = open_remote(where, options)
     else:
         root = existing(args.directory)
         if not root.is_dir():
@@ -97,9 +92,6 @@ def run(args: argparse.Namespace, out: Output) -> int:
             raise CliError(ExitCode.USAGE, f"{args.directory}: is one checkpoint; prune takes its save directory")
         where = str(root)
         storage = LocalStorage(root, fsync=False)
-
-        def size_of(info: CheckpointInfo) -> int:
-            return tree_size(info.path)
 
     rules: dict[str, Any] = {
         "keep_last": args.keep_last,
@@ -112,7 +104,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     policy = build_retention_policy(**rules)
     pruner = Pruner(storage, policy, monitor=args.monitor, mode=args.mode, owns_pointers=False, force=args.force)
     plan = pruner.prune(dry_run=True)  # refuses rules that do not fit the directory
-    sizes = {c.name: size_of(c) for c in plan.delete}
+    sizes = {c.name: storage.size_of(c.location) for c in plan.delete}
     if args.dry_run:
         deleted_names = [c.name for c in plan.delete]
         failed: list[str] = []

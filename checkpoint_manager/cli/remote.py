@@ -20,15 +20,13 @@ from checkpoint_manager.cli.errors import CliError, ExitCode
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.layout import CheckpointInfo
-    from checkpoint_manager.storage import FsspecStorage
+    from checkpoint_manager.storage import Storage
 
 __all__ = [
     "RemoteCheckpoint",
     "open_remote",
     "parse_storage_options",
     "remote_checkpoint",
-    "remote_size",
-    "verify_remote",
 ]
 
 
@@ -49,90 +47,45 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
     return options
 
 
-def open_remote(url: str, options: dict[str, Any] | None) -> FsspecStorage:
+def open_remote(url: str, options: dict[str, Any] | None) -> Storage:
     """The storage of a checkpoint root at ``url`` (a missing fsspec backend is a usage error)."""
-    from checkpoint_manager.storage import FsspecStorage, open_storage
+    from checkpoint_manager.storage import open_storage
 
     try:
-        storage = open_storage(url, options, fsync=False)
+        return open_storage(url, options, fsync=False)
     except ImportError as exc:
         raise CliError(ExitCode.USAGE, f"{url}: no fsspec backend for this URL ({exc}); pip install s3fs/gcsfs") from None
-    assert isinstance(storage, FsspecStorage)
-    return storage
 
 
 @dataclass
 class RemoteCheckpoint:
     """One committed checkpoint in an object store, with the storage that lists it."""
 
-    storage: FsspecStorage
+    storage: Storage
     info: CheckpointInfo
     via: str | None
 
-    @property
-    def key(self) -> str:
-        return self.storage.key(self.info.name)
-
     def download_metadata(self, into: Path) -> Path:
         """Only ``.metadata`` and ``state.json`` (all ``inspect`` needs), into ``into``."""
-        self.storage.fs.get(f"{self.key}/.metadata", str(into / ".metadata"))
-        with contextlib.suppress(FileNotFoundError):  # plain DCP checkpoints have none
-            self.storage.fs.get(f"{self.key}/state.json", str(into / "state.json"))
+        from checkpoint_manager.core.layout import METADATA_FILE, STATE_JSON
+
+        # state.json: plain DCP checkpoints have none
+        if METADATA_FILE not in self.storage.fetch(self.info.location, [METADATA_FILE, STATE_JSON], into):
+            raise FileNotFoundError(f"{self.info.location}/{METADATA_FILE}: missing")
         return into
 
 
 def remote_checkpoint(url: str, options: dict[str, Any] | None, step: int | None) -> RemoteCheckpoint:
     """The checkpoint at ``url``, or (a save root) its newest one or the one of ``step``: the
-    library's rule (:mod:`checkpoint_manager.lifecycle.resolve`)."""
+    library's rule (:mod:`checkpoint_manager.formats.resolve`)."""
     from checkpoint_manager.core.layout import info_from_meta
-    from checkpoint_manager.lifecycle.resolve import _resolve_remote
+    from checkpoint_manager.formats.resolve import resolve_remote
 
     try:
-        found, storage = _resolve_remote(url, step, options)
+        found, storage = resolve_remote(url, step, options)
     except ImportError as exc:
         raise CliError(ExitCode.USAGE, f"{url}: no fsspec backend for this URL ({exc}); pip install s3fs/gcsfs") from None
     return RemoteCheckpoint(storage, info_from_meta(found.path, dict(found.meta), url=found.url), found.via)
-
-
-def remote_size(storage: FsspecStorage, name: str) -> int:
-    """Bytes stored under a checkpoint's prefix (one listing)."""
-    key = storage.key(name)
-    storage.fs.invalidate_cache(key)
-    listing = storage.fs.find(key, detail=True)
-    return sum(int(i.get("size") or 0) for i in dict(listing).values())
-
-
-def verify_remote(storage: FsspecStorage, info: CheckpointInfo, level: str) -> list[str]:
-    """Sizes from one listing; ``full`` also downloads the checkpoint and recomputes every CRC32
-    (problems name the URL, not the temporary copy)."""
-    from checkpoint_manager.core.integrity import verify
-    from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
-
-    problems = storage.check_sizes(info)
-    if not problems and level != "sizes":
-        try:
-            local = storage.localize(info.location)
-        except CheckpointCorruptError:  # its marker went while listing: pruned (checked below)
-            problems = [f"{info.location}/checkpoint.json: missing"]
-        else:
-            try:
-                problems = [p.replace(str(local), info.location) for p in verify(local, "full")]
-            finally:
-                storage.release_local(local)
-    if problems and _marker_gone(storage, info):
-        raise CheckpointNotFoundError(f"{info.location}: deleted while being verified (pruned by a running job?)")
-    return problems
-
-
-def _marker_gone(storage: FsspecStorage, info: CheckpointInfo) -> bool:
-    """Deletion removes the marker first: without it the checkpoint is gone, not damaged."""
-    from checkpoint_manager.errors import CheckpointCorruptError
-
-    try:
-        storage.read_marker(info.location)
-    except CheckpointCorruptError as exc:
-        return "missing" in str(exc)
-    return False
 
 
 @contextlib.contextmanager

@@ -7,12 +7,12 @@ Commands accept whatever people have at hand (a checkpoint directory, a run's sa
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
+from checkpoint_manager.storage.local import tree_size
 
 __all__ = ["Checkpoint", "existing", "is_url", "resolve_checkpoint", "storage_options", "tree_size"]
 
@@ -43,21 +43,6 @@ def existing(text: str) -> Path:
     return path
 
 
-def tree_size(path: Path) -> int:
-    """Bytes of the regular files below ``path`` (what the checkpoint occupies, before block rounding)."""
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for dirpath, _dirs, names in os.walk(path):
-        for name in names:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue
-            total += st.st_size if not os.path.islink(os.path.join(dirpath, name)) else 0
-    return total
-
-
 @dataclass(frozen=True)
 class Checkpoint:
     """One checkpoint resolved to a local directory, and how it was found."""
@@ -67,18 +52,18 @@ class Checkpoint:
     meta: dict[str, Any] = field(default_factory=dict)
     via: str | None = None  # "bundle", "newest in <dir>", "step N of <dir>", "plain DCP directory"
     url: str | None = None  # where it was downloaded from (``path`` is then the local copy)
-    kind: str = "committed"  # as checkpoint_manager.lifecycle.resolve names it
+    kind: str = "committed"  # as checkpoint_manager.formats.resolve names it
 
 
 def resolve_checkpoint(text: str, *, step: int | None = None, args: argparse.Namespace | None = None) -> Checkpoint:
-    """What ``text`` names, by the library's one rule (:mod:`checkpoint_manager.lifecycle.resolve`).
+    """What ``text`` names, by the library's one rule (:mod:`checkpoint_manager.formats.resolve`).
 
     A URL's checkpoint is downloaded into the storage's cache; the copy goes when the command ends
     (``args.cleanup``).
     """
     if is_url(text):
         return _download(text, step, args)
-    from checkpoint_manager.lifecycle.resolve import resolve_checkpoint as resolve
+    from checkpoint_manager.formats.resolve import resolve_checkpoint as resolve
 
     if text.startswith("file://"):
         text = text[len("file://") :]

@@ -294,7 +294,7 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
 
 
 def run_pack(args: argparse.Namespace, out: Output) -> int:
-    from checkpoint_manager.formats.bundle import pack_bundle
+    from checkpoint_manager.formats.pack import pack_bundle
 
     ckpt = resolve_checkpoint(args.checkpoint, step=args.step, args=args)
     if ckpt.via == "bundle":

@@ -71,7 +71,7 @@ def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
     if path.is_file() or (path / CHECKPOINT_JSON).exists():
         ckpt = resolve_checkpoint(text, args=args)
         return [(ckpt.path.name, str(ckpt.path), [], lambda level: verify(ckpt.path, level))], False  # type: ignore[arg-type]
-    from checkpoint_manager.lifecycle.resolve import is_plain_dcp
+    from checkpoint_manager.formats.resolve import is_plain_dcp
 
     if is_plain_dcp(path):
         raise CliError(
@@ -92,9 +92,8 @@ def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
 
 def _remote_targets(url: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
     """Sizes from a listing (nothing downloaded); ``--full`` downloads each checkpoint to check CRC32s."""
-    from checkpoint_manager.cli.remote import open_remote, remote_checkpoint, verify_remote
-    from checkpoint_manager.core.layout import CheckpointInfo
-    from checkpoint_manager.storage import FsspecStorage
+    from checkpoint_manager.cli.remote import open_remote, remote_checkpoint
+    from checkpoint_manager.storage import Storage
 
     options = storage_options(args)
     storage = open_remote(url.rstrip("/"), options)
@@ -104,10 +103,10 @@ def _remote_targets(url: str, args: argparse.Namespace) -> tuple[list[Target], b
         single = remote_checkpoint(url, options, None)
         storage, infos = single.storage, [single.info]
 
-    def checker(store: FsspecStorage, info: CheckpointInfo) -> Callable[[str], list[str]]:
-        return lambda level: verify_remote(store, info, level)
+    def checker(store: Storage, location: str) -> Callable[[str], list[str]]:
+        return lambda level: store.verify(location, level)  # type: ignore[arg-type]
 
-    out: list[Target] = [(i.name, i.location, [], checker(storage, i)) for i in infos]
+    out: list[Target] = [(i.name, i.location, [], checker(storage, i.location)) for i in infos]
     out += [(name, storage.location_of(name), [problem], None) for name, problem in bad]
     return out, is_dir
 

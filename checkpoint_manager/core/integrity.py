@@ -15,6 +15,7 @@ from typing import Any, Literal
 from checkpoint_manager.core.checksum import crc32
 from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
+    METADATA_FILE,
     STATE_JSON,
     file_record_problems,
     read_checkpoint_json,
@@ -25,7 +26,6 @@ from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFound
 __all__ = ["Presence", "VerifyLevel", "describe_files", "file_crc32", "read_recorded", "verify"]
 
 VerifyLevel = Literal["off", "sizes", "full"]
-METADATA_FILE = ".metadata"  # dcp_io's name for it (dcp_io imports this module lazily)
 _RANK_JSON = re.compile(r"rank_\d{5}\.json")
 _READ_CHUNK = 8 << 20
 
@@ -47,7 +47,7 @@ class Presence:
             self._marker: str | None = None
             return
         self._identity = (st.st_dev, st.st_ino)
-        self._marker = next((m for m in (CHECKPOINT_JSON, ".metadata") if (self.path / m).exists()), None)
+        self._marker = next((m for m in (CHECKPOINT_JSON, METADATA_FILE) if (self.path / m).exists()), None)
 
     def gone(self) -> bool:
         """True once the checkpoint is deleted (or was missing from the start)."""
@@ -104,22 +104,15 @@ def describe_files(root: Path, known: dict[str, dict[str, int]]) -> dict[str, di
     return out
 
 
-def verify(
-    path: str | Path, level: VerifyLevel = "full", *, storage_options: dict[str, Any] | None = None
-) -> list[str]:
-    """Problems found in the checkpoint at ``path`` (empty: it is intact).
+def verify(path: str | Path, level: VerifyLevel = "full") -> list[str]:
+    """Problems found in the local checkpoint at ``path`` (empty: it is intact).
 
     ``sizes`` checks that every recorded file exists with its size; ``full`` also recomputes every
-    CRC32. A missing or unreadable ``checkpoint.json`` is itself a problem. A local checkpoint that is
-    not there, or is deleted while being verified (a running job's retention pruned it), raises
-    :class:`CheckpointNotFoundError`: it is gone, not damaged. ``path`` may be an fsspec URL
-    (``s3://bucket/prefix/step_00000010``): ``sizes`` then reads a listing, ``full`` downloads the
-    checkpoint (``storage_options`` go to fsspec).
+    CRC32. A missing or unreadable ``checkpoint.json`` is itself a problem. A checkpoint that is not
+    there, or is deleted while being verified (a running job's retention pruned it), raises
+    :class:`CheckpointNotFoundError`: it is gone, not damaged. (:func:`checkpoint_manager.verify`
+    takes URLs too.)
     """
-    from checkpoint_manager.storage.base import is_url
-
-    if is_url(path):
-        return _verify_remote(str(path).rstrip("/"), level, storage_options)
     root = Path(path)
     presence = Presence(root)
     if presence.gone():
@@ -208,23 +201,3 @@ def read_recorded(root: Path, rel: str, meta: dict[str, Any], level: VerifyLevel
                 f"{file}: CRC32 {crc:08x}, {CHECKPOINT_JSON} records {desc['crc32']:08x} (corrupted)"
             )
     return raw
-
-
-def _verify_remote(url: str, level: VerifyLevel, storage_options: dict[str, Any] | None) -> list[str]:
-    from checkpoint_manager.core.layout import info_from_meta
-    from checkpoint_manager.storage.remote import FsspecStorage
-
-    storage = FsspecStorage(url.rsplit("/", 1)[0], storage_options=storage_options)
-    try:
-        meta = storage.read_marker(url)
-    except CheckpointCorruptError as exc:
-        return [str(exc)]
-    info = info_from_meta(Path(storage.key(url.rsplit("/", 1)[-1])), meta, url=url)
-    problems = storage.check_sizes(info) if level != "off" else []
-    if problems or level != "full":
-        return problems
-    local = storage.localize(url)
-    try:  # name the store's objects in the messages, not the downloaded copy
-        return [p.replace(str(local), url) for p in _problems(local, meta, level)]
-    finally:
-        storage.release_local(local)

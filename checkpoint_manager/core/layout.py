@@ -21,13 +21,18 @@ from typing import Annotated, Any, Literal, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from checkpoint_manager.core.naming import format_name, validate_template
+from checkpoint_manager.core.naming import LATEST_POINTER, format_name, validate_template
 from checkpoint_manager.core.safe_io import UnsafeFileError, inside, parse_json, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointVersionError
 
 __all__ = [
     "CHECKPOINT_JSON",
     "FORMAT_VERSION",
+    "LATEST_POINTER",
+    "METADATA_FILE",
+    "PENDING_DIR",
+    "POINTER_LIMIT",
+    "STATE_JSON",
     "CheckpointInfo",
     "Lineage",
     "canonical_digest",
@@ -42,7 +47,12 @@ __all__ = [
 
 CHECKPOINT_JSON = "checkpoint.json"
 STATE_JSON = "state.json"
-LATEST_POINTER = "latest"
+#: DCP's index of a checkpoint's tensors (plain ``dcp.save`` output has it too)
+METADATA_FILE = ".metadata"
+#: a pointer is a name and a few numbers
+POINTER_LIMIT = 64 * 1024
+#: where pending saves (and checkpoints being deleted) live, inside a save directory
+PENDING_DIR = ".pending"
 FORMAT_NAME = "checkpoint-manager"
 FORMAT_VERSION = 1
 #: the key of ``checkpoint.json``'s own checksum (see :func:`canonical_digest`)

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "BEST_LINK",
+    "BEST_POINTER",
+    "LATEST_LINK",
+    "LATEST_POINTER",
     "RESERVED_NAMES",
     "format_name",
     "parse_name",
@@ -25,8 +29,13 @@ __all__ = [
 
 log = logging.getLogger("checkpoint_manager")
 
+#: the pointer files of a save directory, and the optional symlinks beside them
+LATEST_POINTER = "latest"
+BEST_POINTER = "best"
+LATEST_LINK = "latest_checkpoint"
+BEST_LINK = "best_checkpoint"
 #: Entries of a save directory that are not checkpoints; a name equal to one gets a ``_`` appended.
-RESERVED_NAMES = frozenset({"latest", "best", "latest_checkpoint", "best_checkpoint"})
+RESERVED_NAMES = frozenset({LATEST_POINTER, BEST_POINTER, LATEST_LINK, BEST_LINK})
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+\-]")
 _MAX_NAME = 200  # well under the 255-byte limit of common filesystems, leaving room for "-v2" suffixes
 _INT_TYPES = frozenset("dn")

@@ -11,9 +11,7 @@ from checkpoint_manager.formats.bundle import (
     list_bundle,
     list_bundle_cache,
     open_bundle,
-    pack_bundle,
     read_bundle_metadata,
-    resolve_checkpoint_path,
 )
 from checkpoint_manager.formats.convert import (
     convert,
@@ -35,7 +33,9 @@ from checkpoint_manager.formats.hf import (
     is_hf_weights,
     load_hf_weights,
 )
+from checkpoint_manager.formats.pack import pack_bundle
 from checkpoint_manager.formats.peft import PeftExport, export_peft, export_peft_adapter
+from checkpoint_manager.formats.resolve import resolve_checkpoint_path
 from checkpoint_manager.formats.sizes import parse_size
 
 __all__ = [

@@ -21,7 +21,6 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import io
 import json
 import logging
 import lzma
@@ -35,13 +34,12 @@ import tempfile
 import time
 import uuid
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from checkpoint_manager._version import __version__
-from checkpoint_manager.core.layout import CHECKPOINT_JSON, read_checkpoint_json
+from checkpoint_manager.core.layout import CHECKPOINT_JSON, METADATA_FILE, STATE_JSON
 from checkpoint_manager.core.safe_io import SMALL_FILE_LIMIT, open_regular, read_small
 from checkpoint_manager.errors import (
     BundleCacheError,
@@ -68,9 +66,7 @@ __all__ = [
     "list_bundle",
     "list_bundle_cache",
     "open_bundle",
-    "pack_bundle",
     "read_bundle_metadata",
-    "resolve_checkpoint_path",
 ]
 
 log = logging.getLogger("checkpoint_manager")
@@ -90,7 +86,7 @@ DEFAULT_MAX_BYTES = 2**40
 DEFAULT_MAX_RATIO = 100.0
 RATIO_FLOOR = 64 * 2**20  # below this many expanded bytes, any compression ratio is fine
 MAX_MEMBERS = 1_000_000
-_METADATA_NAMES = frozenset({"bundle.json", "checkpoint_config.json", CHECKPOINT_JSON, ".metadata", "state.json"})
+_METADATA_NAMES = frozenset({BUNDLE_JSON, CONFIG_JSON, CHECKPOINT_JSON, METADATA_FILE, STATE_JSON})
 _TENSOR_FILES = (".distcp", ".safetensors")  # in cache entries, hashed only up to _HASHED_TENSOR_BYTES
 _HASHED_TENSOR_BYTES = 2**20
 _RECORD_FORMAT = "checkpoint-manager-bundle-cache"
@@ -112,124 +108,6 @@ class BundleInfo:
 
 
 # -- packing ----------------------------------------------------------------------------------------
-def pack_bundle(
-    checkpoint: str | Path,
-    bundle_path: str | Path,
-    *,
-    config: Any | None = None,
-    artifacts_dir: str | Path | None = None,
-    compression: Compression | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Pack a committed checkpoint (plus optional config and artifacts) into one tar file.
-
-    ``config`` is a :class:`CheckpointConfig` (or any JSON-able mapping). The file appears in one
-    rename once complete; an existing file is replaced only with ``overwrite``.
-    """
-    from checkpoint_manager.lifecycle.resolve import resolve_checkpoint
-
-    found = resolve_checkpoint(checkpoint)  # a save directory: its newest checkpoint
-    if found.url is not None:
-        raise ValueError(f"{checkpoint}: a URL; download it first (checkpoint_manager.lifecycle.resolve.local_checkpoint)")
-    if not found.committed:
-        raise CheckpointNotFoundError(
-            f"{checkpoint}: a plain DCP directory; only committed checkpoints are bundled "
-            "(make one with convert(..., to='dcp'))"
-        )
-    src = found.path
-    meta = read_checkpoint_json(src)  # only committed checkpoints are bundled
-    if compression is not None and compression not in _COMPRESSIONS:
-        raise ValueError(f"compression must be one of {_COMPRESSIONS} or None, got {compression!r}")
-    out = Path(bundle_path)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists (pass overwrite=True to replace it)")
-    config_data = _config_data(config)
-    manifest = {
-        "format": BUNDLE_FORMAT,
-        "format_version": BUNDLE_VERSION,
-        "library_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "step": meta["step"],
-        "name": src.name,
-        "checkpoint": CHECKPOINT_DIR,
-        "artifacts": ARTIFACTS_DIR if artifacts_dir is not None else None,
-        "config": CONFIG_JSON if config_data is not None else None,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
-    mode = f"w:{compression}" if compression else "w"
-    try:
-        with tarfile.open(tmp, mode, format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
-            _add_bytes(tar, BUNDLE_JSON, json.dumps(manifest, indent=1).encode("utf-8"))
-            if config_data is not None:
-                _add_bytes(tar, CONFIG_JSON, json.dumps(config_data, indent=1).encode("utf-8"))
-            if artifacts_dir is not None:
-                art = Path(artifacts_dir)
-                if not art.is_dir():
-                    raise FileNotFoundError(f"artifacts_dir {str(art)!r} is not a directory")
-                _add_tree(tar, art, ARTIFACTS_DIR)
-            _add_tree(tar, src, CHECKPOINT_DIR)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
-
-
-def _config_data(config: Any | None) -> dict[str, Any] | None:
-    if config is None:
-        return None
-    if hasattr(config, "model_dump"):
-        data = config.model_dump(mode="json")
-    elif isinstance(config, Mapping):
-        data = dict(config)
-    else:
-        raise TypeError(f"config must be a CheckpointConfig or a mapping, got {type(config).__name__}")
-    json.dumps(data)  # fail now, with the offending type named, rather than half-way through the tar
-    return dict(data)
-
-
-def _tar_info(name: str, *, size: int = 0, directory: bool = False, mtime: float | None = None) -> tarfile.TarInfo:
-    """Plain, reproducible members: owner root, no user names, ordinary permissions."""
-    info = tarfile.TarInfo(name)
-    info.type = tarfile.DIRTYPE if directory else tarfile.REGTYPE
-    info.mode = 0o755 if directory else 0o644
-    info.size = 0 if directory else size
-    info.mtime = int(mtime if mtime is not None else time.time())
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    return info
-
-
-def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    tar.addfile(_tar_info(name, size=len(data)), io.BytesIO(data))
-
-
-def _add_tree(tar: tarfile.TarFile, root: Path, arcroot: str) -> None:
-    """Directories and regular files only; a symlinked file is stored as the file it points to."""
-    tar.addfile(_tar_info(arcroot, directory=True, mtime=root.stat().st_mtime))
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        rel = Path(dirpath).relative_to(root)
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
-            st = path.stat()  # follows links
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            arcname = posixpath.join(arcroot, *rel.parts, name)
-            with open(path, "rb") as f:
-                tar.addfile(_tar_info(arcname, size=st.st_size, mtime=st.st_mtime), f)
-        for name in list(dirnames):
-            path = Path(dirpath) / name
-            if path.is_symlink():
-                dirnames.remove(name)  # never follow directory links (loops, escapes)
-                continue
-            arcname = posixpath.join(arcroot, *rel.parts, name)
-            tar.addfile(_tar_info(arcname, directory=True, mtime=path.stat().st_mtime))
-
-
-# -- reading ----------------------------------------------------------------------------------------
 def is_bundle(path: str | Path) -> bool:
     """A file that is a tar archive (weights and JSON files never are)."""
     p = Path(path)
@@ -818,27 +696,3 @@ def clear_bundle_cache(cache_dir: str | Path | None = None, *, bundle: str | Pat
             for other in others:
                 _remove(other)
     return removed
-
-
-def resolve_checkpoint_path(path: str | Path, *, cache_dir: str | Path | None = None) -> Path:
-    """The local checkpoint directory ``path`` names, by :func:`checkpoint_manager.lifecycle.resolve.resolve_checkpoint`.
-
-    A directory of DCP files (ours, plain ``dcp.save`` output) as is; a bundle → its unpacked
-    checkpoint; a save directory → its newest committed checkpoint; nothing there →
-    :class:`CheckpointNotFoundError`. URLs: download with :func:`checkpoint_manager.lifecycle.resolve.local_checkpoint`.
-    """
-    from checkpoint_manager.storage.base import is_url
-
-    if is_url(str(path)):
-        raise ValueError(
-            f"{path}: a URL; download it first: `with checkpoint_manager.lifecycle.resolve.local_checkpoint(url) as c: ...(c.path)`"
-        )
-    p = Path(path)
-    if p.is_dir() and (p / ".metadata").is_file():
-        return p
-    if cache_dir is not None and is_bundle(p):
-        return open_bundle(p, cache_dir=cache_dir).checkpoint
-    from checkpoint_manager.lifecycle.resolve import resolve_checkpoint
-
-    return resolve_checkpoint(p).path
-

@@ -33,14 +33,14 @@ from checkpoint_manager.core.layout import (
 from checkpoint_manager.engine.dcp.io import METADATA_FILE
 from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
-from checkpoint_manager.formats.bundle import is_bundle, resolve_checkpoint_path
+from checkpoint_manager.formats.bundle import is_bundle
 from checkpoint_manager.formats.dcp_stream import group_entries, read_entries, tensor_entries
 from checkpoint_manager.formats.hf import export_hf, hf_weight_files, is_hf_weights
 from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
 from checkpoint_manager.formats.publish import publish_dir, staging_dir
+from checkpoint_manager.formats.resolve import is_plain_dcp, resolve_checkpoint_path
 from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
 from checkpoint_manager.formats.sizes import parse_size
-from checkpoint_manager.lifecycle.resolve import is_plain_dcp
 from checkpoint_manager.storage import LocalStorage
 
 __all__ = [

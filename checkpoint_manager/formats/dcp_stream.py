@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 from checkpoint_manager.engine.dcp.reader import CheckpointReader
 from checkpoint_manager.errors import CheckpointNotFoundError
+from checkpoint_manager.state.keys import is_model_key
 
 __all__ = ["TensorEntry", "group_entries", "model_keys", "read_entries", "tensor_entries"]
 
@@ -48,7 +49,7 @@ def model_keys(metadata: Metadata) -> list[str]:
     found: set[str] = set()
     for key in metadata.state_dict_metadata:
         head = key.split(".", 1)[0]
-        if head == "model" or (head.startswith("model_") and head[6:].isdigit()):
+        if is_model_key(head):
             found.add(head)
     return sorted(found, key=lambda k: (len(k), k))
 

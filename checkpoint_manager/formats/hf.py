@@ -30,12 +30,12 @@ from checkpoint_manager.core.codec import dtype_name
 from checkpoint_manager.core.layout import CHECKPOINT_JSON
 from checkpoint_manager.core.safe_io import read_small
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
-from checkpoint_manager.formats.bundle import resolve_checkpoint_path
 from checkpoint_manager.formats.dcp_stream import TensorEntry, group_entries, read_entries, tensor_entries
 from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
 from checkpoint_manager.formats.lora import LoraMerge, adapter_tensor_names, choose_adapter, plan_merge
 from checkpoint_manager.formats.model_config import RecordedConfig, config_with_dtype, read_recorded_config
 from checkpoint_manager.formats.publish import publish_dir, staging_dir
+from checkpoint_manager.formats.resolve import resolve_checkpoint_path
 from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
 from checkpoint_manager.formats.sizes import parse_size
 

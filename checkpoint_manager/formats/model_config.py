@@ -27,6 +27,7 @@ import torch
 from checkpoint_manager.core.codec import dtype_name
 from checkpoint_manager.core.safe_io import read_small
 from checkpoint_manager.errors import CheckpointCorruptError
+from checkpoint_manager.state.keys import model_keys
 
 __all__ = [
     "HF_CONFIG_JSON",
@@ -72,10 +73,6 @@ class _Captured:
     adapters: dict[str, Any]
     active_adapter: str | None
     prefix: str
-
-
-def _model_keys(n: int) -> list[str]:
-    return ["model"] if n == 1 else [f"model_{i}" for i in range(n)]
 
 
 def _is_peft_model(module: Any) -> bool:
@@ -197,7 +194,7 @@ class HFConfigRecorder:
     def capture(models: list[Any]) -> list[_Captured]:
         """Cheap: references only, on the training thread."""
         out: list[_Captured] = []
-        for key, model in zip(_model_keys(len(models)), models, strict=True):
+        for key, model in zip(model_keys(len(models)), models, strict=True):
             try:
                 captured = _capture_one(key, model)
             except Exception as exc:  # recording a config never fails a save

@@ -20,12 +20,12 @@ from typing import Any, Literal
 import torch
 
 from checkpoint_manager.errors import CheckpointMismatchError
-from checkpoint_manager.formats.bundle import resolve_checkpoint_path
 from checkpoint_manager.formats.dcp_stream import TensorEntry, read_entries, tensor_entries
 from checkpoint_manager.formats.keys import resolve_dtype
 from checkpoint_manager.formats.lora import choose_adapter
 from checkpoint_manager.formats.model_config import read_recorded_config
 from checkpoint_manager.formats.publish import publish_dir, staging_dir
+from checkpoint_manager.formats.resolve import resolve_checkpoint_path
 from checkpoint_manager.formats.safetensors_io import save_safetensors
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PeftExport", "export_peft", "export_peft_adapter"]

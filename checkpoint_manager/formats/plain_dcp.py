@@ -37,6 +37,15 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 from checkpoint_manager.errors import CheckpointMismatchError, CheckpointNotFoundError
 from checkpoint_manager.protocol import LoadContext, LoadResult
+from checkpoint_manager.state.keys import (
+    DATALOADER,
+    EXTRA,
+    RNG,
+    SCHEDULER,
+    TRAIN_STATE,
+    extra_key,
+    model_keys,
+)
 
 __all__ = ["OPTIMIZER_SECTIONS", "PlainImport", "load_plain_dcp", "model_entries", "plan_plain_import"]
 
@@ -49,13 +58,13 @@ _NOT_MODEL = (
     "optimizers",
     "lr_scheduler",
     "lr_schedulers",
-    "scheduler",
-    "dataloader",
-    "train_state",
-    "extra",
-    "rng",
+    SCHEDULER,
+    DATALOADER,
+    TRAIN_STATE,
+    EXTRA,
+    RNG,
 )
-_STEP_KEY = "train_state.step"
+_STEP_KEY = f"{TRAIN_STATE}.step"
 
 
 def _tensor_keys(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
@@ -107,7 +116,7 @@ def plan_plain_import(ctx: LoadContext, path: Path, metadata: Metadata, *, model
     if not models:
         raise CheckpointMismatchError(f"{path}: a plain DCP checkpoint restores a model; the context has none")
     for i, model in enumerate(models):
-        key = "model" if len(models) == 1 else f"model_{i}"
+        key = model_keys(len(models))[i]
         entries = model_entries(metadata, key)
         if len(models) > 1 and not any(v.startswith(key + ".") for v in entries.values()):
             entries = {}
@@ -244,7 +253,7 @@ def _plan_rest(
         ("dataloader", ctx.dataloader is not None, ctx.load_dataloader, ("dataloader",)),
         ("rng", True, ctx.load_rng, ("rng",)),
         ("train_state", ctx.train_state is not None, ctx.load_train_state, ("train_state",)),
-        *((f"extra.{name}", True, ctx.load_extra, ("extra",)) for name in ctx.extra),
+        *((extra_key(name), True, ctx.load_extra, (EXTRA,)) for name in ctx.extra),
     ]
     for part, present, wanted, names in parts:
         if not present:

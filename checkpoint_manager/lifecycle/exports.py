@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 
 from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 from checkpoint_manager.errors import CheckpointMismatchError, UnsupportedAdapterError
-from checkpoint_manager.formats.bundle import resolve_checkpoint_path
 from checkpoint_manager.formats.dcp_stream import model_keys, tensor_entries
 from checkpoint_manager.formats.hf import export_hf, is_hf_weights, load_hf_weights
 from checkpoint_manager.formats.lora import adapter_tensor_names
 from checkpoint_manager.formats.model_config import HFConfigRecorder
+from checkpoint_manager.formats.resolve import resolve_checkpoint_path
 from checkpoint_manager.protocol import LoadContext, LoadResult
+from checkpoint_manager.state.keys import extra_key
 
 if TYPE_CHECKING:
     from checkpoint_manager.config import CheckpointConfig
@@ -117,7 +118,7 @@ def load_initial_hf(ctx: LoadContext, path: Path, config: CheckpointConfig) -> L
         "dataloader": ctx.dataloader is not None,
         "train_state": ctx.train_state is not None,
     }
-    skipped = [name for name, here in present.items() if here] + [f"extra.{n}" for n in ctx.extra]
+    skipped = [name for name, here in present.items() if here] + [extra_key(n) for n in ctx.extra]
     return LoadResult(
         path=str(path), step=0, restored=("model",), skipped=tuple(skipped), bytes=report.bytes, seconds=seconds
     )

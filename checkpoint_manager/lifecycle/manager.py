@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import operator
@@ -58,6 +59,7 @@ from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache
 from checkpoint_manager.engine.dcp.planner import load_tensors as dcp_load
 from checkpoint_manager.engine.dcp.planner import save_tensors as dcp_save
 from checkpoint_manager.engine.dcp.reader import CheckpointReader
+from checkpoint_manager.engine.dcp.stream import StreamingWriter
 from checkpoint_manager.engine.dcp.writer import WRITER_ID, CheckpointWriter, chunk_for_bytes, prime_layout
 from checkpoint_manager.engine.staging import StagingBuffers, StagingGate
 from checkpoint_manager.errors import (
@@ -70,6 +72,7 @@ from checkpoint_manager.errors import (
 )
 from checkpoint_manager.formats.hf import is_hf_weights
 from checkpoint_manager.formats.plain_dcp import load_plain_dcp
+from checkpoint_manager.formats.resolve import is_plain_dcp, resolve_checkpoint
 from checkpoint_manager.lifecycle.exports import (
     HFConfigRecorder,
     export_consolidated,
@@ -77,11 +80,9 @@ from checkpoint_manager.lifecycle.exports import (
     resolve_load_path,
 )
 from checkpoint_manager.lifecycle.finite import FiniteCheck, NonFiniteStateError, finite_groups
-from checkpoint_manager.lifecycle.lock import AnyWriterLock, CheckpointLockError, writer_lock_for
 from checkpoint_manager.lifecycle.observe import CheckpointCallback, EventLog, Observers, SaveStartEvent
 from checkpoint_manager.lifecycle.policy import build_save_policy
 from checkpoint_manager.lifecycle.preemption import PreemptionWatcher
-from checkpoint_manager.lifecycle.resolve import is_plain_dcp, resolve_checkpoint
 from checkpoint_manager.lifecycle.retention import Pruner
 from checkpoint_manager.protocol import FinalizeOnExit, LoadContext, LoadResult, SaveContext, SaveResult
 from checkpoint_manager.state.training import (
@@ -91,7 +92,9 @@ from checkpoint_manager.state.training import (
     per_rank_state,
     read_rank_json,
 )
-from checkpoint_manager.storage import FsspecStorage, LocalStorage, basename, is_url, open_storage
+from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, basename, is_url, open_storage
+from checkpoint_manager.storage.base import parent_url
+from checkpoint_manager.storage.lock import AnyWriterLock, CheckpointLockError
 
 __all__ = ["DefaultCheckpointManager"]
 
@@ -364,7 +367,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
             if config.resolved_load_dir == config.save_dir
             else self._open_storage(config.resolved_load_dir)
         )
-        self._local_copies: list[tuple[FsspecStorage, Path]] = []  # downloads made by load()
+        self._local_copies: list[tuple[Storage, Path]] = []  # downloads made by load()
         self._policy = build_save_policy(config, busy=lambda: self.save_in_flight)
         self._closed = False
         self._last_saved_step: int | None = None
@@ -426,15 +429,12 @@ class DefaultCheckpointManager(FinalizeOnExit):
             fsync=c.fsync,
         )
 
-    def _remote_for(self, location: str) -> FsspecStorage:
+    def _remote_for(self, location: str) -> Storage:
         """The object-store root holding the checkpoint at URL ``location``."""
-        parent = location.rstrip("/").rsplit("/", 1)[0]
         for storage in (self._load_storage, self._storage):
-            if isinstance(storage, FsspecStorage) and storage.url == parent:
+            if storage.contains(location):
                 return storage
-        storage = self._open_storage(parent)
-        assert isinstance(storage, FsspecStorage)
-        return storage
+        return self._open_storage(parent_url(location))
 
     def _release_copies(self) -> None:
         """Drop the local copies of object-store checkpoints that earlier loads downloaded."""
@@ -443,7 +443,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
             storage.release_local(local)
 
     def _take_writer_lock(self) -> None:
-        lock = writer_lock_for(self._storage, stale_after_s=self.config.lock_stale_after_s)
+        lock = self._storage.writer_lock(stale_after_s=self.config.lock_stale_after_s)
         self._writer_lock = lock.acquire()
 
     def _holds_writer_lock(self) -> bool:
@@ -537,7 +537,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         return None, False
 
     def _named(self, path: str | Path, step: int | None) -> str:
-        """What a path names, by the one rule of :mod:`checkpoint_manager.lifecycle.resolve`: its location to load
+        """What a path names, by the one rule of :mod:`checkpoint_manager.formats.resolve`: its location to load
         (a bundle stays a bundle: every rank unpacks it in load())."""
         return resolve_checkpoint(
             path,
@@ -888,9 +888,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
 
     def _in_save_dir(self, location: str) -> bool:
         """Whether the checkpoint at ``location`` is one of save_dir's (retention then protects it)."""
-        if isinstance(self._storage, FsspecStorage):
-            return is_url(location) and location.rstrip("/").rsplit("/", 1)[0] == self._storage.url
-        return not is_url(location) and Path(location).parent.resolve() == self._storage.root.resolve()
+        return self._storage.contains(location)
 
     # -- async internals --------------------------------------------------------------------------
     def _save_async(self, ctx: SaveContext, step: int) -> SaveResult | None:
@@ -1127,9 +1125,11 @@ class DefaultCheckpointManager(FinalizeOnExit):
         )
         try:
             writer = (  # object stores: staged locally, or streamed
-                CheckpointWriter(job.pending, fsync=self.config.fsync, direct=self.config.direct_io)
-                if self._storage.is_local
-                else self._storage.dcp_writer(job.pending, fsync=self.config.fsync, direct=self.config.direct_io)
+                StreamingWriter(
+                    job.pending, functools.partial(self._storage.open_output, job.pending), retry=self._storage.retrying
+                )
+                if self._storage.streams
+                else CheckpointWriter(job.pending, fsync=self._storage.fsync, direct=self.config.direct_io)
             )
             writer.objects = job.state.objects  # the non-tensor entries plain DCP loads (dcp_objects)
             with _quiet_single_process(), io.phase(f"step {job.step}: write"):

@@ -7,18 +7,14 @@ read it without listing the directory. Optional relative symlinks serve people b
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import uuid
 from pathlib import Path
 from typing import Any
 
 from checkpoint_manager.core.layout import CheckpointInfo, metric_value
-from checkpoint_manager.core.safe_io import read_json
-from checkpoint_manager.errors import CheckpointCorruptError
+from checkpoint_manager.core.naming import BEST_LINK, BEST_POINTER, LATEST_LINK, LATEST_POINTER
 from checkpoint_manager.storage.base import Storage
-from checkpoint_manager.storage.local import LocalStorage, fsync_dir, mark_in_flight, unmark_in_flight
+from checkpoint_manager.storage.local import LocalStorage
 
 __all__ = [
     "BEST_LINK",
@@ -29,17 +25,9 @@ __all__ = [
     "rank_by_metric",
     "read_pointer",
     "update_pointers",
-    "update_symlink",
 ]
 
 log = logging.getLogger("checkpoint_manager")
-
-LATEST_POINTER = "latest"
-BEST_POINTER = "best"
-LATEST_LINK = "latest_checkpoint"
-#: a pointer is a name and a few numbers
-POINTER_LIMIT = 64 * 1024
-BEST_LINK = "best_checkpoint"
 
 
 def rank_by_metric(checkpoints: list[CheckpointInfo], monitor: str, mode: str) -> list[CheckpointInfo]:
@@ -65,36 +53,9 @@ def best_checkpoint(checkpoints: list[CheckpointInfo], monitor: str, mode: str) 
 
 
 def read_pointer(root: str | Path, kind: str = LATEST_POINTER) -> dict[str, Any] | None:
-    """The JSON of pointer ``kind`` (``latest`` or ``best``), or None if absent or unreadable."""
-    try:  # a FIFO or /dev/zero named ``latest`` must neither block nor fill memory
-        data = read_json(Path(root) / kind, limit=POINTER_LIMIT)
-    except (OSError, CheckpointCorruptError):  # UnsafeFileError is one
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("name"), str) else None
-
-
-def update_symlink(root: Path, link: str, target: str | None) -> None:
-    """Point ``root/link`` at ``target`` (relative) in one step, or remove it if ``target`` is None."""
-    path = root / link
-    if target is None:
-        if path.is_symlink():
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        return
-    if path.is_symlink() and os.readlink(path) == target:
-        return
-    if path.exists() and not path.is_symlink():
-        log.warning("not replacing %s with a symlink: it is not one", path)
-        return
-    tmp = root / f".{link}.{uuid.uuid4().hex[:8]}.tmp"
-    mark_in_flight(tmp)  # a start-up sweep of another manager of this process leaves it alone
-    try:
-        os.symlink(target, tmp)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        unmark_in_flight(tmp)
+    """The JSON of pointer ``kind`` (``latest`` or ``best``) of the save directory ``root``, or None
+    if absent or unreadable (:meth:`~checkpoint_manager.storage.base.Storage.read_pointer`)."""
+    return LocalStorage(root).read_pointer(kind)
 
 
 def update_pointers(
@@ -130,11 +91,7 @@ def update_pointers(
             kept_name = on_disk["name"]
         else:
             storage.remove_pointer(BEST_POINTER)  # it names a checkpoint that is gone
-    if symlinks and isinstance(storage, LocalStorage):
-        root = storage.root
+    if symlinks:
         latest = checkpoints[-1].name if checkpoints else None
-        update_symlink(root, LATEST_LINK, latest)
-        update_symlink(root, BEST_LINK, best.name if best is not None else kept_name)
-        if storage.fsync:
-            fsync_dir(root)
+        storage.link_pointers({LATEST_LINK: latest, BEST_LINK: best.name if best is not None else kept_name})
     return best

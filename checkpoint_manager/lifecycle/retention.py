@@ -13,19 +13,15 @@ against the directory first: a metric no checkpoint logged, or a mode against th
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from checkpoint_manager.config import CheckpointConfig, MonitorMode
 from checkpoint_manager.core.layout import CheckpointInfo, metric_value, order_checkpoints
-from checkpoint_manager.lifecycle.lock import writer_lock_for
+from checkpoint_manager.errors import UnsafeCheckpointError
 from checkpoint_manager.lifecycle.pointers import (
     BEST_POINTER,
     LATEST_POINTER,
@@ -33,7 +29,10 @@ from checkpoint_manager.lifecycle.pointers import (
     rank_by_metric,
     update_pointers,
 )
-from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, fsync_dir, open_storage
+from checkpoint_manager.storage import Storage, open_storage
+
+if TYPE_CHECKING:
+    from checkpoint_manager.config import CheckpointConfig, MonitorMode
 
 __all__ = [
     "KeepAll",
@@ -51,8 +50,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("checkpoint_manager")
-
-_DELETING = "~deleting~"  # "~" never occurs in a checkpoint or pending name (names are sanitized)
 
 
 @runtime_checkable
@@ -268,7 +265,7 @@ class Pruner:
         # older ones, so deletion that falls behind slows saves rather than filling the disk
         self._this_pass: list[Future[None]] = []
         self._last_pass: list[Future[None]] = []
-        self._deleting: set[str] = set()  # hidden directories whose removal is under way
+        self._deleting: set[str] = set()  # hidden checkpoints whose removal is under way
         self._mutex = threading.Lock()
 
     @classmethod
@@ -381,71 +378,31 @@ class Pruner:
         self._bound_backlog()
         self._retry_leftovers()
         for info in plan.delete:
-            if isinstance(self.storage, FsspecStorage):
-                self._delete_remote(self.storage, info, plan)
-                continue
             try:
-                hidden = self._hide(info.path)
-            except OSError as exc:
+                hidden = self.storage.hide(info.name)
+            except (OSError, UnsafeCheckpointError) as exc:  # a .pending that is not a directory
                 log.warning(
                     "could not delete checkpoint %s (%s: %s); retrying at the next prune",
-                    info.path,
+                    info.location,
                     type(exc).__name__,
                     exc,
                 )
                 plan.failed.append(info.name)
                 continue
-            log.info("retention: removed checkpoint %s (step %d)", info.name, info.step)
+            log.info("retention: removed checkpoint %s (step %d)", info.location, info.step)
             self._remove(hidden)
         return plan
 
-    def _delete_remote(self, storage: FsspecStorage, info: CheckpointInfo, plan: RetentionPlan) -> None:
-        """Object stores: the marker goes first (one DELETE unlists it), the prefix's objects follow,
-        in the background if configured; a failure leaves a marker-less prefix the next start sweeps."""
-        try:
-            storage.unlist(info.name)
-        except OSError as exc:
-            log.warning(
-                "could not delete checkpoint %s (%s: %s); retrying at the next prune",
-                info.location,
-                type(exc).__name__,
-                exc,
-            )
-            plan.failed.append(info.name)
-            return
-        log.info("retention: removed checkpoint %s (step %d)", info.location, info.step)
-        if not self.background:
-            self._purge(storage, info.name)
-            return
-        self._submit(self._purge, storage, info.name)
-
-    @staticmethod
-    def _purge(storage: FsspecStorage, name: str) -> None:
-        try:
-            storage.purge(name)
-        except OSError as exc:
-            log.warning("could not finish deleting %s (%s); the next start sweeps it", storage.location_of(name), exc)
-
-    def _hide(self, path: Path) -> Path:
-        """Move a checkpoint out of the listing in one rename; the slow removal can follow later."""
-        assert isinstance(self.storage, LocalStorage)
-        pending = self.storage.pending_root
-        pending.mkdir(exist_ok=True)
-        hidden = pending / f"{path.name}.{_DELETING}{uuid.uuid4().hex[:8]}"
-        os.rename(path, hidden)
-        if self.storage.fsync:
-            fsync_dir(self.storage.root)
-        return hidden
-
-    def _remove(self, hidden: Path) -> None:
+    def _remove(self, hidden: str) -> None:
+        """Delete a hidden checkpoint's files, in the background if configured (once at a time)."""
         with self._mutex:
-            if hidden.name in self._deleting:
+            if hidden in self._deleting:
                 return
-            self._deleting.add(hidden.name)
+            self._deleting.add(hidden)
         if not self.background:
-            self._rmtree(hidden)
+            self._purge(hidden)
             return
-        self._submit(self._rmtree, hidden)
+        self._submit(self._purge, hidden)
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> None:
         if self._executor is None:
@@ -462,30 +419,24 @@ class Pruner:
         for future in older:
             future.result()
 
-    def _rmtree(self, hidden: Path) -> None:
+    def _purge(self, hidden: str) -> None:
         try:
-            shutil.rmtree(hidden)
-        except FileNotFoundError:
-            pass
+            self.storage.purge(hidden)
         except OSError as exc:
             log.warning("could not finish deleting %s (%s); retrying at the next prune", hidden, exc)
         finally:
             with self._mutex:
-                self._deleting.discard(hidden.name)
+                self._deleting.discard(hidden)
 
     def _retry_leftovers(self) -> None:
-        """Finish deletions that failed or were interrupted before (object stores: the start sweep does)."""
-        if not isinstance(self.storage, LocalStorage):
-            return
+        """Finish deletions that failed or were interrupted before (either spelling of their name)."""
         try:
-            entries = [e for e in os.scandir(self.storage.pending_root) if _DELETING in e.name]
-        except FileNotFoundError:
+            leftovers = self.storage.unfinished_deletions()
+        except (OSError, UnsafeCheckpointError) as exc:
+            log.warning("could not look for unfinished deletions in %s: %s", self.storage.url, exc)
             return
-        except OSError as exc:
-            log.warning("could not look for unfinished deletions in %s: %s", self.storage.pending_root, exc)
-            return
-        for entry in entries:
-            self._remove(Path(entry.path))
+        for hidden in leftovers:
+            self._remove(hidden)
 
     def wait(self) -> None:
         """Block until background deletions are done (errors were already logged)."""
@@ -535,11 +486,11 @@ def prune(
     if policy is None:
         raise ValueError("prune needs at least one of keep_last, keep_best or keep_every_n_steps")
     storage = open_storage(directory, storage_options, fsync=fsync)
-    if isinstance(storage, LocalStorage) and not storage.root.is_dir():
-        raise FileNotFoundError(f"prune: {str(directory)!r} is not a directory")
+    if not storage.is_present():
+        raise FileNotFoundError(f"prune: {str(directory)!r} is not a directory (nothing is stored there)")
     pruner = Pruner(storage, policy, monitor=monitor, mode=mode, owns_pointers=False, force=force)
     if dry_run:
         return pruner.prune(protected, dry_run=True).delete
-    with writer_lock_for(storage):
+    with storage.writer_lock():
         plan = pruner.prune(protected)
     return [c for c in plan.delete if c.name not in plan.failed]

@@ -20,6 +20,7 @@ from torch.utils.data import Sampler
 
 from checkpoint_manager.core.codec import decode, encode
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
+from checkpoint_manager.state.keys import DATALOADER, RNG
 
 __all__ = [
     "RESHARD_KEY",
@@ -271,19 +272,19 @@ def reshard_per_rank_state(
     (``RESHARD_KEY``) and RNG derived by :func:`derived_rng_state`, as encoded JSON."""
     out: dict[str, Any] = {}
     first = _decoded(path, 0, read)
-    if "dataloader" in affected:
+    if DATALOADER in affected:
         out[RESHARD_KEY] = encode(_agreed_position(path, first, saved_world_size, world_size, read))
-    if "rng" in affected:
+    if RNG in affected:
         from checkpoint_manager.state.training import _check_rng
 
-        rng = first.get("rng")
+        rng = first.get(RNG)
         try:
             _check_rng(rng)
             assert isinstance(rng, dict)  # _check_rng: a dict with its python and torch parts
             derived = derived_rng_state(rng, rank=rank, world_size=world_size)
         except (ValueError, TypeError, KeyError, struct.error) as exc:
             raise CheckpointCorruptError(f"{path}: rank 0's RNG state is damaged ({exc})") from exc
-        out["rng"] = encode(derived)
+        out[RNG] = encode(derived)
     return out
 
 
@@ -311,7 +312,7 @@ def _agreed_position(
     agreed: dict[str, Any] | None = None
     for r in range(saved_world_size):
         data = first if r == 0 else _decoded(path, r, read)
-        states = sampler_states(data.get("dataloader"))
+        states = sampler_states(data.get(DATALOADER))
         if not states:
             raise CheckpointMismatchError(
                 f"{path} was saved by {saved_world_size} rank(s) and is being loaded by {world_size}: rank {r}'s "
@@ -322,7 +323,7 @@ def _agreed_position(
                 "on_world_size_change='restart_per_rank_state' to start the data order fresh, or pass "
                 "LoadContext(load_dataloader=False)"
             )
-        behind = _steps_behind(data.get("dataloader"))
+        behind = _steps_behind(data.get(DATALOADER))
         if behind:
             raise CheckpointMismatchError(
                 f"{path}: rank {r}'s StatefulDataLoader returned {behind} batch(es) after its last snapshot "

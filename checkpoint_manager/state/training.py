@@ -48,6 +48,7 @@ from checkpoint_manager.state.data_order import (
     restart_loader,
     sampler_states,
 )
+from checkpoint_manager.state.keys import OPTIM, PER_RANK_PARTS, SCHEDULER, extra_key, model_keys, numbered
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
@@ -64,8 +65,6 @@ __all__ = [
 
 log = logging.getLogger("checkpoint_manager")
 
-#: What is saved per rank (``rank_XXXXX.json``), as opposed to global state that DCP reshards.
-PER_RANK_PARTS = ("rng", "dataloader")
 
 try:
     import numpy as np
@@ -100,10 +99,6 @@ def _nbytes(t: torch.Tensor) -> int:
         return t.nbytes
     local = t.to_local() if hasattr(t, "to_local") else t
     return int(local.numel() * local.element_size())
-
-
-def _model_keys(n: int) -> list[str]:
-    return ["model"] if n == 1 else [f"model_{i}" for i in range(n)]
 
 
 def _pairs(models: list[nn.Module], optims: list[Optimizer]) -> list[tuple[nn.Module, list[Optimizer]]]:
@@ -173,17 +168,17 @@ def _gather_state(ctx: SaveContext) -> GatheredState:
     leaves: list[tuple[str, Any]] = []  # the non-tensor values, for plain DCP (dcp_objects)
     models = ctx.models()
     state_dicts = _state_dicts(models, ctx.optimizers(), with_optim=True)
-    for key, (msd, _) in zip(_model_keys(len(models)), state_dicts, strict=True):
+    for key, (msd, _) in zip(model_keys(len(models)), state_dicts, strict=True):
         part, skeleton = split_tensors(msd, key, leaves=leaves)
         tensors.update(part)
         global_json[key] = skeleton
     for i, (_, osd) in enumerate(sd for sd in state_dicts if sd[1] is not None):
-        key = "optim" if i == 0 else f"optim_{i}"
+        key = numbered(OPTIM, i)
         part, skeleton = split_tensors(osd, key, leaves=leaves)
         tensors.update(part)
         global_json[key] = skeleton
     for i, sched in enumerate(ctx.schedulers()):
-        key = "scheduler" if i == 0 else f"scheduler_{i}"
+        key = numbered(SCHEDULER, i)
         part, skeleton = split_tensors(sched.state_dict(), key, leaves=leaves)
         tensors.update(part)
         global_json[key] = skeleton
@@ -191,7 +186,7 @@ def _gather_state(ctx: SaveContext) -> GatheredState:
     for name, obj in ctx.extra.items():
         if not isinstance(obj, Stateful):
             raise TypeError(f"extra[{name!r}] has no state_dict/load_state_dict ({type(obj).__name__})")
-        part, skeleton = split_tensors(obj.state_dict(), f"extra.{name}", leaves=leaves)
+        part, skeleton = split_tensors(obj.state_dict(), extra_key(name), leaves=leaves)
         tensors.update(part)
         extras[name] = skeleton
     if extras:
@@ -335,20 +330,20 @@ class StateLoader:
         models = ctx.models()
         want_optim = ctx.load_optimizer and not self.model_only
         pairs = _pairs(models, ctx.optimizers())
-        for key in _model_keys(len(models)):
+        for key in model_keys(len(models)):
             self._need(key)
         if want_optim:
             for i in range(len(pairs)):
-                self._need("optim" if i == 0 else f"optim_{i}")
+                self._need(numbered(OPTIM, i))
         # without the optimizers when they are not loaded: their state would be initialized
         state_dicts = _state_dicts(models, ctx.optimizers(), with_optim=want_optim)
-        for key, model, (msd, _) in zip(_model_keys(len(models)), models, state_dicts, strict=True):
+        for key, model, (msd, _) in zip(model_keys(len(models)), models, state_dicts, strict=True):
             live = collect_tensors(msd, key)
             out.update(self._check(key, live, available, strict=ctx.strict))
             self._plans.append(("model", (key, model, msd), live))
         osds = [osd for _, osd in state_dicts if osd is not None]
         for i, (model, optims) in enumerate(pairs):
-            key = "optim" if i == 0 else f"optim_{i}"
+            key = numbered(OPTIM, i)
             if not want_optim:
                 self.skipped.append(key)
                 continue
@@ -357,7 +352,7 @@ class StateLoader:
             out.update(self._check(key, live, available, strict=ctx.strict))
             self._plans.append(("optim", (key, model, optims, live_osd), live))
         for i, sched in enumerate(ctx.schedulers()):
-            key = "scheduler" if i == 0 else f"scheduler_{i}"
+            key = numbered(SCHEDULER, i)
             if not ctx.load_scheduler or self.model_only:
                 self.skipped.append(key)
                 continue
@@ -369,7 +364,7 @@ class StateLoader:
         if not isinstance(saved_extra, dict):
             raise CheckpointCorruptError(f"{self.source}: damaged state ('extra' is a {type(saved_extra).__name__})")
         for name, obj in ctx.extra.items():
-            key = f"extra.{name}"
+            key = extra_key(name)
             if not ctx.load_extra or self.model_only:
                 self.skipped.append(key)
                 continue
@@ -595,7 +590,7 @@ class StateLoader:
             else:
                 key, obj = args
                 obj.load_state_dict(sd)
-                key = f"extra.{key}"
+                key = extra_key(key)
             self.restored.append(key)
         if ctx.train_state is not None:
             if ctx.load_train_state and not self.model_only and self.train_state is not None:

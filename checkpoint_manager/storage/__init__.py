@@ -8,11 +8,14 @@ the marker last).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from checkpoint_manager.storage.base import Storage, basename, is_url
+from checkpoint_manager.storage.base import Storage, basename, is_url, parent_url
 from checkpoint_manager.storage.local import LocalStorage, fsync_dir
 from checkpoint_manager.storage.remote import FsspecStorage, UploadMode
+
+if TYPE_CHECKING:
+    from checkpoint_manager.core.integrity import VerifyLevel
 
 __all__ = [
     "FsspecStorage",
@@ -23,6 +26,7 @@ __all__ = [
     "fsync_dir",
     "is_url",
     "open_storage",
+    "verify",
 ]
 
 
@@ -55,3 +59,20 @@ def open_storage(
         if text.startswith(scheme):
             text = text[len(scheme) :]
     return LocalStorage(text, fsync=fsync)
+
+
+def verify(
+    path: str | Path, level: VerifyLevel = "full", *, storage_options: dict[str, Any] | None = None
+) -> list[str]:
+    """Problems found in the checkpoint at ``path`` (empty: it is intact).
+
+    ``sizes`` checks that every recorded file exists with its size; ``full`` also recomputes every
+    CRC32. A missing or unreadable ``checkpoint.json`` is itself a problem. A checkpoint that is not
+    there, or is deleted while being verified (a running job's retention pruned it), raises
+    :class:`CheckpointNotFoundError`: it is gone, not damaged. ``path`` may be an fsspec URL
+    (``s3://bucket/prefix/step_00000010``): ``sizes`` then reads a listing, ``full`` downloads the
+    checkpoint (``storage_options`` go to fsspec).
+    """
+    text = str(path).rstrip("/")
+    root = parent_url(text) if is_url(text) else Path(text).parent
+    return open_storage(root, storage_options, fsync=False).verify(text, level)

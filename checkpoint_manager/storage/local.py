@@ -16,25 +16,36 @@ import shutil
 import stat
 import threading
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-from checkpoint_manager.errors import PostCommitError, UnsafeCheckpointError
-from checkpoint_manager.storage.base import json_bytes
+from checkpoint_manager.core.integrity import check, verify
+from checkpoint_manager.core.layout import (
+    PENDING_DIR,
+    POINTER_LIMIT,
+    CheckpointInfo,
+    info_from_meta,
+    read_checkpoint_json,
+    scan_checkpoints,
+)
+from checkpoint_manager.core.safe_io import read_small
+from checkpoint_manager.errors import CheckpointCorruptError, PostCommitError, UnsafeCheckpointError
+from checkpoint_manager.storage.base import deleting_name, is_deleting, json_bytes, parse_pointer
+from checkpoint_manager.storage.lock import WriterLock
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
-    from checkpoint_manager.core.layout import CheckpointInfo
-    from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
-__all__ = ["LocalStorage", "fsync_dir"]
+__all__ = ["LocalStorage", "fsync_dir", "update_symlink"]
 
 log = logging.getLogger("checkpoint_manager")
 
-PENDING_DIR = ".pending"
-# What a save of ours leaves in ``.pending``: ``<name>.<12 hex>`` (a save in progress), and a
-# checkpoint being deleted, ``<name>.deleting.<8 hex>`` or ``<name>.~deleting~<8 hex>`` (retention).
-_OURS_PENDING = re.compile(r"[^/]+\.(?:[0-9a-f]{12}|deleting\.[0-9a-f]{8}|~deleting~[0-9a-f]{8})")
+_T = TypeVar("_T")
+
+# What a save of ours leaves in ``.pending``: ``<name>.<12 hex>`` (a save in progress); a checkpoint
+# being deleted is ``is_deleting`` (either spelling).
+_SAVE_PENDING = re.compile(r"[^/]+\.[0-9a-f]{12}")
 # Pending directories (and pointer temporaries) a save of this process is writing now (real paths).
 # Another manager of this process shares its writer lock, so its start-up sweep may run while they
 # are written: it skips them.
@@ -105,10 +116,60 @@ def fsync_tree(path: Path, *, top_files_durable: bool = False) -> None:
         fsync_dir(root)
 
 
+def update_symlink(root: Path, link: str, target: str | None) -> None:
+    """Point ``root/link`` at ``target`` (relative) in one step, or remove it if ``target`` is None."""
+    path = root / link
+    if target is None:
+        if path.is_symlink():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        return
+    if path.is_symlink() and os.readlink(path) == target:
+        return
+    if path.exists() and not path.is_symlink():
+        log.warning("not replacing %s with a symlink: it is not one", path)
+        return
+    replace_via_aside(path, lambda tmp: os.symlink(target, tmp))
+
+
+def replace_via_aside(path: Path, write: Callable[[Path], object]) -> None:
+    """Make ``path`` what ``write(aside)`` creates, with one rename: readers see the old or the new.
+
+    ``aside`` is ``.<name>.<8 hex>.tmp`` beside ``path`` (the sweep removes it if a crash leaves it),
+    marked in flight meanwhile so that the start-up sweep of another manager of this process leaves
+    it alone.
+    """
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    mark_in_flight(tmp)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        unmark_in_flight(tmp)
+
+
+def tree_size(path: Path) -> int:
+    """Bytes of the regular files below ``path``, or of the file ``path`` (links are not followed):
+    what a checkpoint occupies, before block rounding."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for dirpath, _dirs, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+    return total
+
+
 class LocalStorage:
     """A checkpoint root directory on a local or POSIX-shared filesystem."""
 
     is_local = True
+    streams = False
 
     def __init__(self, root: str | Path, *, fsync: bool = True) -> None:
         self.root = Path(root)
@@ -143,27 +204,47 @@ class LocalStorage:
             )
         return path
 
-    def path_of(self, name: str) -> Path:
-        return self.root / name
-
     def location_of(self, name: str) -> str:
         return str(self.root / name)
 
+    def contains(self, location: str) -> bool:
+        if "://" in location:
+            return False
+        return Path(location).parent.resolve() == self.root.resolve()
+
+    def is_present(self) -> bool:
+        return self.root.is_dir()
+
     # -- discovery --------------------------------------------------------------------------------
     def scan(self) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
-        from checkpoint_manager.core.layout import scan_checkpoints
-
         return scan_checkpoints(self.root, self.list_names())
 
-    def read_pointer(self, kind: str) -> dict[str, Any] | None:
-        from checkpoint_manager.lifecycle.pointers import read_pointer
+    def info_at(self, location: str) -> CheckpointInfo:
+        path = Path(location)
+        return info_from_meta(path, read_checkpoint_json(path))
 
-        return read_pointer(self.root, kind)
+    def read_pointer(self, kind: str) -> dict[str, Any] | None:
+        try:  # a FIFO or /dev/zero named ``latest`` must neither block nor fill memory
+            return parse_pointer(read_small(self.root / kind, limit=POINTER_LIMIT))
+        except (OSError, CheckpointCorruptError):  # UnsafeFileError is one
+            return None
 
     def check_info(self, info: CheckpointInfo, level: VerifyLevel) -> None:
-        from checkpoint_manager.core.integrity import check
-
         check(info.path, info.meta, level)
+
+    def verify(self, location: str, level: VerifyLevel) -> list[str]:
+        return verify(Path(location), level)
+
+    def size_of(self, location: str) -> int:
+        return tree_size(Path(location))
+
+    def fetch(self, location: str, rels: list[str], into: Path) -> list[str]:
+        got: list[str] = []
+        for rel in rels:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.copyfile(Path(location) / rel, into / rel, follow_symlinks=False)
+                got.append(rel)
+        return got
 
     def localize(self, location: str) -> Path:
         return Path(location)
@@ -172,10 +253,16 @@ class LocalStorage:
         return None
 
     # -- the save path (the manager's hooks; local files need no upload) --------------------------
-    def dcp_writer(self, pending: Path, *, fsync: bool, direct: bool) -> CheckpointWriter:
-        from checkpoint_manager.engine.dcp.writer import CheckpointWriter
+    def writer_lock(self, *, stale_after_s: float | None = None) -> WriterLock:
+        return WriterLock(self.root, stale_after_s=stale_after_s)
 
-        return CheckpointWriter(pending, fsync=fsync, direct=direct)
+    def open_output(self, pending: Path, rel: str) -> BinaryIO:
+        path = pending / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "wb")
+
+    def retrying(self, fn: Callable[[], _T], what: str) -> _T:
+        return fn()
 
     def upload_part(self, pending: Path, rank: int, files: list[str]) -> None:
         return None
@@ -185,6 +272,12 @@ class LocalStorage:
 
         return describe_files(pending, known)
 
+    def link_pointers(self, targets: Mapping[str, str | None]) -> None:
+        for link, target in targets.items():
+            update_symlink(self.root, link, target)
+        if self.fsync:
+            fsync_dir(self.root)
+
     def write_pointer(self, kind: str, data: dict[str, Any]) -> None:
         self.write_json_atomic(self.root / kind, data)
 
@@ -193,7 +286,38 @@ class LocalStorage:
             (self.root / kind).unlink()
 
     def delete_checkpoint(self, name: str) -> None:
-        self.remove_tree(self.root / name)
+        self.purge(self.hide(name))
+
+    def hide(self, name: str) -> str:
+        """Rename checkpoint ``name`` into ``.pending`` (one step): it leaves the listing at once."""
+        pending_root = self.checked_pending_root(create=True)
+        assert pending_root is not None
+        doomed = pending_root / deleting_name(name, uuid.uuid4().hex[:8])
+        mark_in_flight(doomed)  # being removed by us: another manager's sweep leaves it to us
+        try:
+            os.rename(self.root / name, doomed)
+        except BaseException:
+            unmark_in_flight(doomed)
+            raise
+        if self.fsync:
+            fsync_dir(self.root)
+        return str(doomed)
+
+    def purge(self, hidden: str) -> None:
+        path = Path(hidden)
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+        finally:
+            unmark_in_flight(path)
+
+    def unfinished_deletions(self) -> list[str]:
+        pending_root = self.checked_pending_root(create=False)
+        if pending_root is None:
+            return []
+        with os.scandir(pending_root) as it:
+            return sorted(e.path for e in it if is_deleting(e.name) and e.is_dir(follow_symlinks=False))
 
     def check_root(self) -> None:
         """A clear error now if the root exists but is a file, rather than an errno later."""
@@ -251,15 +375,7 @@ class LocalStorage:
 
     def write_json_atomic(self, path: Path, data: Any) -> None:
         """Replace ``path`` in one step (for pointers): write aside, fsync, rename, fsync the directory."""
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        mark_in_flight(tmp)  # another manager of this process may sweep meanwhile: not this one
-        try:
-            self.write_json(tmp, data)
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            unmark_in_flight(tmp)
+        replace_via_aside(path, lambda tmp: self.write_json(tmp, data))
         if self.fsync:
             fsync_dir(path.parent)
 
@@ -305,17 +421,8 @@ class LocalStorage:
             unmark_in_flight(path)
             return
         if path.parent == self.root:
-            doomed = self.pending_root / f"{path.name}.deleting.{uuid.uuid4().hex[:8]}"
-            self.checked_pending_root(create=True)
-            mark_in_flight(doomed)  # being removed by us: another manager's sweep leaves it to us
-            try:
-                os.rename(path, doomed)
-            except BaseException:
-                unmark_in_flight(doomed)
-                raise
-            if self.fsync:
-                fsync_dir(self.root)
-            path = doomed
+            self.purge(self.hide(path.name))
+            return
         try:
             shutil.rmtree(path, ignore_errors=False)
         finally:
@@ -338,7 +445,7 @@ class LocalStorage:
             for entry in entries:
                 if entry.name in busy:
                     continue  # another manager of this process is writing it
-                if not _OURS_PENDING.fullmatch(entry.name):
+                if not (_SAVE_PENDING.fullmatch(entry.name) or is_deleting(entry.name)):
                     log.warning("sweep: leaving %s alone: no save of ours makes that name", entry.path)
                     continue
                 try:

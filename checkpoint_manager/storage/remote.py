@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import re
@@ -23,44 +24,50 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar, cast
 
 from checkpoint_manager.core.checksum import crc32
+from checkpoint_manager.core.integrity import describe_files, verify
 from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
+    METADATA_FILE,
+    PENDING_DIR,
     CheckpointInfo,
     info_from_meta,
     order_checkpoints,
     parse_checkpoint_json,
     rank_file,
 )
-from checkpoint_manager.errors import CheckpointCorruptError
-from checkpoint_manager.storage.base import json_bytes
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
+from checkpoint_manager.storage.base import json_bytes, parse_pointer
 from checkpoint_manager.storage.local import (
-    PENDING_DIR,
     LocalStorage,
     in_flight_names,
     mark_in_flight,
     unmark_in_flight,
 )
+from checkpoint_manager.storage.lock import ObjectWriterLock
 from checkpoint_manager.storage.retry import RetryPolicy, is_transient
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
     from checkpoint_manager.core.integrity import VerifyLevel
-    from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
 __all__ = ["FsspecStorage", "UploadMode"]
 
 log = logging.getLogger("checkpoint_manager")
 
 UploadMode = Literal["staged", "stream"]
+_T = TypeVar("_T")
 
 CACHE_DIR = ".cache"
-METADATA_FILE = ".metadata"
+#: multipart part size of a streamed file: large parts mean few requests; memory holds about one part
+PART_BYTES = 64 << 20
 # what a save of ours puts under a checkpoint prefix: only prefixes made of these are ever swept
 _OURS = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank_\d+\.json|state\.json|hf/.+)$")
 _RANK_JSON = re.compile(r"^rank_\d+\.json$")
@@ -68,15 +75,50 @@ _CACHE_STALE_S = 3600.0  # a download this old belongs to no running load
 _TRANSFERS = 8  # files moved at once (each big one is itself a concurrent multipart transfer)
 
 
-class FsspecStorage:
-    """A checkpoint root at an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``).
+class _Upload(io.RawIOBase):
+    """A file streamed to the store: the object appears whole on a clean close; an exception inside
+    ``with`` aborts the multipart upload, so no partial object is ever left behind."""
 
-    ``storage_options`` go to fsspec unchanged (credentials, ``client_kwargs={"endpoint_url": ...}``);
-    they are never logged or shown in ``repr``. ``staging_dir`` (default: a directory in the system
-    temp dir, one per URL) holds pending saves and downloaded copies.
-    """
+    def __init__(self, out: Any) -> None:
+        super().__init__()
+        self._out = out
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self._out.write(data)
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._out.close()
+        super().close()
+
+    def discard(self) -> None:
+        """Abort the upload (nothing appears in the store)."""
+        discard = getattr(self._out, "discard", None)
+        if callable(discard):
+            discard()
+            with contextlib.suppress(AttributeError):
+                self._out.closed = True  # a discarded file must not be completed when collected
+        super().close()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
+
+
+class _ObjectRoot:
+    """A checkpoint root at an fsspec URL, read side: names, discovery, checks, downloads."""
 
     is_local = False
+    #: a save's local files are staging copies: the store, not the disk, makes them durable
+    fsync = False
 
     def __init__(
         self,
@@ -99,7 +141,7 @@ class FsspecStorage:
         self.root: str = root.rstrip("/")
         self.upload_mode: UploadMode = upload_mode
         self.retry = RetryPolicy(attempts=retries + 1, backoff_s=retry_backoff_s)
-        self.fsync = fsync
+        del fsync  # accepted like open_storage's other backends; nothing here is fsynced (see ``fsync``)
         if staging_dir is None:
             digest = hashlib.sha1(self.url.encode("utf-8")).hexdigest()[:12]
             staging_dir = Path(tempfile.gettempdir()) / f"checkpoint-manager-staging-{digest}"
@@ -113,6 +155,10 @@ class FsspecStorage:
     def __repr__(self) -> str:  # never the options: they may hold credentials
         return f"FsspecStorage({self.url!r}, upload_mode={self.upload_mode!r})"
 
+    @property
+    def streams(self) -> bool:
+        return self.upload_mode == "stream"
+
     # -- names ------------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -124,12 +170,21 @@ class FsspecStorage:
         stripped: str = self.fs._strip_protocol(location)
         return stripped.rstrip("/")
 
+    def contains(self, location: str) -> bool:
+        return "://" in location and location.rstrip("/").rsplit("/", 1)[0] == self.url
+
+    def is_present(self) -> bool:
+        return self._exists(self.root)
+
     def remote_dir(self, pending: Path) -> str:
         """The prefix a pending directory uploads to: its name without the random suffix."""
         return self.key(pending.name.rsplit(".", 1)[0])
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return self.retry.call(lambda: fn(*args, **kwargs), what)
+
+    def retrying(self, fn: Callable[[], _T], what: str) -> _T:
+        return self.retry.call(fn, what)
 
     def _exists(self, key: str) -> bool:
         self.fs.invalidate_cache(key.rsplit("/", 1)[0])
@@ -202,10 +257,9 @@ class FsspecStorage:
     def read_pointer(self, kind: str) -> dict[str, Any] | None:
         try:
             raw = self._call(f"read {self.url}/{kind}", self.fs.cat_file, self.key(kind))
-            data = json.loads(bytes(raw).decode("utf-8"))
-        except (FileNotFoundError, ValueError):
+        except FileNotFoundError:
             return None
-        return data if isinstance(data, dict) and isinstance(data.get("name"), str) else None
+        return parse_pointer(bytes(raw))
 
     def read_marker(self, location: str) -> dict[str, Any]:
         """The checked ``checkpoint.json`` of the checkpoint at ``location`` (typed errors name it)."""
@@ -215,6 +269,10 @@ class FsspecStorage:
         except FileNotFoundError:
             raise CheckpointCorruptError(f"{label}: missing (not a committed checkpoint)") from None
         return parse_checkpoint_json(bytes(raw), label)
+
+    def info_at(self, location: str) -> CheckpointInfo:
+        location = location.rstrip("/")
+        return info_from_meta(Path(self._key_of_location(location)), self.read_marker(location), url=location)
 
     def check_sizes(self, info: CheckpointInfo) -> list[str]:
         """Problems visible without downloading: files the marker lists that are missing or resized."""
@@ -245,6 +303,50 @@ class FsspecStorage:
         if problems:
             raise CheckpointCorruptError("; ".join(problems))
 
+    def verify(self, location: str, level: VerifyLevel) -> list[str]:
+        """Sizes from one listing; ``full`` also downloads the checkpoint and recomputes every CRC32
+        (problems name the store's objects, not the downloaded copy)."""
+        location = location.rstrip("/")
+        try:
+            info = self.info_at(location)
+        except CheckpointCorruptError as exc:
+            return [str(exc)]
+        if level == "off":
+            return []
+        problems = self.check_sizes(info)
+        if not problems and level == "full":
+            try:
+                local = self.localize(location)
+            except CheckpointCorruptError:  # its marker went while listing: pruned (checked below)
+                problems = [f"{location}/{CHECKPOINT_JSON}: missing"]
+            else:
+                try:
+                    problems = [p.replace(str(local), location) for p in verify(local, "full")]
+                finally:
+                    self.release_local(local)
+        if problems and self._marker_gone(location):
+            raise CheckpointNotFoundError(f"{location}: deleted while being verified (pruned by a running job?)")
+        return problems
+
+    def _marker_gone(self, location: str) -> bool:
+        """Deletion removes the marker first: without it the checkpoint is gone, not damaged."""
+        return not self._exists(f"{self._key_of_location(location)}/{CHECKPOINT_JSON}")
+
+    def size_of(self, location: str) -> int:
+        key = self._key_of_location(location)
+        self.fs.invalidate_cache(key)
+        listing = self._call(f"list {location}", self.fs.find, key, detail=True)
+        return sum(int(i.get("size") or 0) for i in dict(listing).values())
+
+    def fetch(self, location: str, rels: list[str], into: Path) -> list[str]:
+        key = self._key_of_location(location)
+        got: list[str] = []
+        for rel in rels:
+            with contextlib.suppress(FileNotFoundError):
+                self._call(f"download {location}/{rel}", self.fs.get_file, f"{key}/{rel}", str(into / rel))
+                got.append(rel)
+        return got
+
     def localize(self, location: str) -> Path:
         """Download the checkpoint at ``location`` into the cache (then our fast reader and the CRC
         check run on the copy). Only a committed checkpoint is downloaded."""
@@ -264,6 +366,27 @@ class FsspecStorage:
     def release_local(self, local: Path) -> None:
         if self.cache_root in local.parents:
             shutil.rmtree(local, ignore_errors=True)
+
+    def _transfer(self, what: str, fn: Any, pairs: list[tuple[str, str]]) -> None:
+        """``fn(src, dst)`` for every pair, a few at a time, each retried on its own (a batch retried
+        as a whole would redo the files that already made it, and fail forever under steady errors)."""
+        if len(pairs) <= 1:
+            for src, dst in pairs:
+                self._call(f"{what} {src}", fn, src, dst)
+            return
+        with ThreadPoolExecutor(max_workers=min(_TRANSFERS, len(pairs)), thread_name_prefix="checkpoint-io") as pool:
+            futures = [pool.submit(self._call, f"{what} {src}", fn, src, dst) for src, dst in pairs]
+            for future in futures:
+                future.result()
+
+
+class FsspecStorage(_ObjectRoot):
+    """A checkpoint root at an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``).
+
+    ``storage_options`` go to fsspec unchanged (credentials, ``client_kwargs={"endpoint_url": ...}``);
+    they are never logged or shown in ``repr``. ``staging_dir`` (default: a directory in the system
+    temp dir, one per URL) holds pending saves and downloaded copies.
+    """
 
     # -- writing ----------------------------------------------------------------------------------
     def check_root(self) -> None:
@@ -293,27 +416,15 @@ class FsspecStorage:
             raise
         return path
 
-    def dcp_writer(self, pending: Path, *, fsync: bool, direct: bool) -> CheckpointWriter:
-        if self.upload_mode == "stream":
-            from checkpoint_manager.engine.dcp.stream import StreamingWriter
+    def writer_lock(self, *, stale_after_s: float | None = None) -> ObjectWriterLock:
+        return ObjectWriterLock(self, stale_after_s=stale_after_s)
 
-            return StreamingWriter(pending, fs=self.fs, remote_dir=self.remote_dir(pending), retry=self.retry)
-        from checkpoint_manager.engine.dcp.writer import CheckpointWriter
-
-        # the staging copy is uploaded at once: its durability comes from the store, not from fsync
-        return CheckpointWriter(pending, fsync=False, direct=direct)
-
-    def _transfer(self, what: str, fn: Any, pairs: list[tuple[str, str]]) -> None:
-        """``fn(src, dst)`` for every pair, a few at a time, each retried on its own (a batch retried
-        as a whole would redo the files that already made it, and fail forever under steady errors)."""
-        if len(pairs) <= 1:
-            for src, dst in pairs:
-                self._call(f"{what} {src}", fn, src, dst)
-            return
-        with ThreadPoolExecutor(max_workers=min(_TRANSFERS, len(pairs)), thread_name_prefix="checkpoint-io") as pool:
-            futures = [pool.submit(self._call, f"{what} {src}", fn, src, dst) for src, dst in pairs]
-            for future in futures:
-                future.result()
+    def open_output(self, pending: Path, rel: str) -> BinaryIO:
+        """``upload_mode="stream"``: straight into the store's multipart upload; else the staging file."""
+        if not self.streams:
+            return self._local.open_output(pending, rel)
+        out = self.fs.open(f"{self.remote_dir(pending)}/{rel}", "wb", block_size=PART_BYTES)
+        return cast(BinaryIO, _Upload(out))
 
     def _put(self, pending: Path, rels: list[str]) -> None:
         rels = [r for r in rels if (pending / r).is_file()]
@@ -342,8 +453,6 @@ class FsspecStorage:
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
         """Every rank's files as the store lists them (sizes), CRC32s from the rank JSONs; the small
         files this process still holds (state, export) are described from the local copy."""
-        from checkpoint_manager.core.integrity import file_crc32
-
         remote = self.remote_dir(pending)
         self.fs.invalidate_cache(remote)
         try:
@@ -356,14 +465,7 @@ class FsspecStorage:
             if _RANK_JSON.match(rel) and not (pending / rel).is_file():  # a rank on another host
                 raw = self._call(f"read {rel}", self.fs.cat_file, f"{remote}/{rel}")
                 known.update(json.loads(bytes(raw).decode("utf-8")).get("files", {}))
-        out: dict[str, dict[str, int]] = {}
-        for rel in self._local_files(pending):
-            if rel == CHECKPOINT_JSON:
-                continue
-            size = (pending / rel).stat().st_size
-            entry = known.get(rel)
-            crc = int(entry["crc32"]) if entry and entry.get("size") == size else file_crc32(pending / rel)
-            out[rel] = {"size": size, "crc32": crc}
+        out = describe_files(pending, known)
         for rel, size in sizes.items():
             if rel in out or rel == CHECKPOINT_JSON or not rel:
                 continue
@@ -415,10 +517,21 @@ class FsspecStorage:
         with contextlib.suppress(FileNotFoundError):
             self._call(f"delete {self.url}/{kind}", self.fs.rm_file, self.key(kind))
 
+    def link_pointers(self, targets: Mapping[str, str | None]) -> None:
+        """Object stores have no symlinks."""
+
     def delete_checkpoint(self, name: str) -> None:
         """Marker first (the checkpoint leaves the listing at once), then the rest."""
+        self.purge(self.hide(name))
+
+    def hide(self, name: str) -> str:
+        """Delete the marker: the prefix is then pending (unlisted); returns ``name`` for :meth:`purge`."""
         self.unlist(name)
-        self.purge(name)
+        return name
+
+    def unfinished_deletions(self) -> list[str]:
+        """None to retry here: a prefix without its marker is swept at the next start (:meth:`sweep_pending`)."""
+        return []
 
     def unlist(self, name: str) -> None:
         """Delete the marker: one request, and the checkpoint is pending (unlisted, swept later)."""

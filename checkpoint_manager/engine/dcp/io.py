@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from checkpoint_manager.core.layout import METADATA_FILE
 from checkpoint_manager.core.safe_io import UnsafeFileError, inside, open_regular
 from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
 
@@ -75,7 +76,6 @@ def _quiet_dcp_debug_log() -> None:
 
 _quiet_dcp_debug_log()
 
-METADATA_FILE = ".metadata"
 
 # Everything a DCP ``.metadata`` pickle legitimately references, and nothing else.
 _ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(

@@ -1,18 +1,20 @@
-"""A DCP writer that streams each rank's tensor file straight into an object store.
+"""A DCP writer that streams each rank's tensor file through a file object the storage opens.
 
 The bytes are the same as our local writer's (standard torch.save records inside a DCP file, CRC32
-computed on the way), but they go from the tensors' memory into the store's multipart upload, never
-touching the local disk; only DCP's small ``.metadata`` is written locally (and uploaded with the
-rank's JSON). A transient failure restarts the file's upload from its first byte (the data is still
-in memory); a failed upload is discarded, so it never leaves a partial object behind.
+computed on the way), but they go from the tensors' memory into ``open_output``'s file (an object
+store's multipart upload, never touching the local disk); only DCP's small ``.metadata`` is written
+locally (and uploaded with the rank's JSON). A failure that ``retry`` deems transient restarts the
+file from its first byte (the data is still in memory); a failed file is discarded by its ``with``
+block, so it never leaves a partial object behind.
 """
 
 from __future__ import annotations
 
 import ctypes
 import io
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import BinaryIO, TypeVar
 
 import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo, _StoragePrefix
@@ -23,15 +25,23 @@ from torch.futures import Future
 from checkpoint_manager.core.checksum import crc32, crc32_combine
 from checkpoint_manager.engine.dcp.envelope import envelope_for
 from checkpoint_manager.engine.dcp.writer import CheckpointWriter
-from checkpoint_manager.storage.retry import RetryPolicy
 
-if TYPE_CHECKING:
-    from fsspec import AbstractFileSystem
+__all__ = ["OpenOutput", "Retry", "StreamingWriter"]
 
-__all__ = ["StreamingWriter"]
+_T = TypeVar("_T")
 
-#: multipart part size: large parts mean few requests; memory holds about one part per rank
-PART_BYTES = 64 << 20
+#: ``open_output(rel)``: a file of the pending checkpoint, by its relative path, opened for writing
+#: (``EngineContext.open_output``; the storage's ``open_output`` with the pending directory bound)
+OpenOutput = Callable[[str], BinaryIO]
+#: ``retry(fn, what)``: ``fn()``, retried while it fails transiently
+Retry = Callable[[Callable[[], _T], str], _T]
+
+#: bytes handed to the file at once: a large tensor is not copied whole into its buffer
+CHUNK_BYTES = 64 << 20
+
+
+def _once(fn: Callable[[], _T], what: str) -> _T:
+    return fn()
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
@@ -43,36 +53,34 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 class StreamingWriter(CheckpointWriter):
-    """:class:`~checkpoint_manager.engine.dcp.writer.CheckpointWriter` whose tensor file goes to ``remote_dir``."""
+    """:class:`~checkpoint_manager.engine.dcp.writer.CheckpointWriter` whose tensor file goes through
+    ``open_output(name)`` (see :meth:`~checkpoint_manager.storage.base.Storage.open_output`)."""
 
     def __init__(
         self,
         pending: str | Path,
+        open_output: OpenOutput,
         *,
-        fs: AbstractFileSystem,
-        remote_dir: str,
-        retry: RetryPolicy,
-        part_bytes: int = PART_BYTES,
+        retry: Retry[tuple[list[WriteResult], int, int]] = _once,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         super().__init__(pending, fsync=False, direct=False)
-        self.store = fs  # not self.fs: DCP's own local file system writes .metadata in finish()
-        self.remote_dir = remote_dir
+        self.open_output = open_output
         self.retry = retry
-        self.part_bytes = part_bytes
+        self.chunk_bytes = chunk_bytes
 
-    def _write_file(self, remote: str, file_name: str, plan: SavePlan, planner: SavePlanner) -> tuple[list[WriteResult], int, int]:
-        out: Any = self.store.open(remote, "wb", block_size=self.part_bytes)
+    def _write_file(self, file_name: str, plan: SavePlan, planner: SavePlanner) -> tuple[list[WriteResult], int, int]:
         results: list[WriteResult] = []
         file_crc = 0
         position = 0
+        with self.open_output(file_name) as out:
 
-        def put(data: bytes | memoryview) -> None:
-            nonlocal position
-            for start in range(0, len(data), self.part_bytes):
-                out.write(data[start : start + self.part_bytes])
-            position += len(data)
+            def put(data: bytes | memoryview) -> None:
+                nonlocal position
+                for start in range(0, len(data), self.chunk_bytes):
+                    out.write(data[start : start + self.chunk_bytes])
+                position += len(data)
 
-        try:
             for item in plan.items:
                 data = planner.resolve_data(item)
                 offset = position
@@ -107,21 +115,12 @@ class StreamingWriter(CheckpointWriter):
             if tail:
                 put(tail)
                 file_crc = crc32_combine(file_crc, crc32(tail), len(tail))
-            out.close()  # completes the multipart upload: the object appears whole
-        except BaseException:
-            discard = getattr(out, "discard", None)
-            if callable(discard):
-                discard()  # abort the multipart upload
-            raise
         return results, position, file_crc
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         storage_plan: _StoragePrefix = plan.storage_data
         file_name = f"{storage_plan.prefix}0{DEFAULT_SUFFIX}"
-        remote = f"{self.remote_dir}/{file_name}"
-        results, size, crc = self.retry.call(
-            lambda: self._write_file(remote, file_name, plan, planner), f"upload {file_name}"
-        )
+        results, size, crc = self.retry(lambda: self._write_file(file_name, plan, planner), f"write {file_name}")
         self.checksums[file_name] = {"size": size, "crc32": crc}
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)

@@ -36,14 +36,23 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from checkpoint_manager.core.safe_io import UnsafeFileError, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError
 
 if TYPE_CHECKING:
-    from checkpoint_manager.storage.base import Storage
-    from checkpoint_manager.storage.remote import FsspecStorage
+    from checkpoint_manager.storage.retry import RetryPolicy
+
+
+class _ObjectStore(Protocol):
+    """What the object lock needs of its storage (:class:`~checkpoint_manager.storage.remote.FsspecStorage`)."""
+
+    url: str
+    fs: Any
+    retry: RetryPolicy
+
+    def key(self, *parts: str) -> str: ...
 
 try:
     import fcntl
@@ -51,6 +60,7 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
+    "GUARD_FILE",
     "LOCK_FILE",
     "AnyWriterLock",
     "CheckpointLockError",
@@ -58,13 +68,12 @@ __all__ = [
     "ObjectWriterLock",
     "WriterLock",
     "read_lock_owner",
-    "writer_lock_for",
 ]
 
 log = logging.getLogger("checkpoint_manager")
 
 LOCK_FILE = ".writer.lock"
-_GUARD_FILE = ".writer.lock.guard"  # only where a directory cannot be flocked (and older versions')
+GUARD_FILE = ".writer.lock.guard"  # only where a directory cannot be flocked (and older versions')
 _LOCK_FILE_LIMIT = 64 * 1024  # a lock file is a few hundred bytes
 _PID_MAX = 2**31  # pid_t is a signed 32-bit integer
 _GUARD_TIMEOUT_S = 10.0
@@ -450,7 +459,7 @@ def _guard(directory: Path) -> Iterator[None]:
 def _guard_file(directory: Path, *, create: bool) -> int:
     """The guard file's descriptor (-1: none there and not ``create``); never a symlink or a FIFO."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-    path = directory / _GUARD_FILE
+    path = directory / GUARD_FILE
     try:
         fd = os.open(path, flags, 0o644)
     except FileNotFoundError:
@@ -576,7 +585,7 @@ _object_registry: dict[str, tuple[LockOwner, list[int], threading.Event]] = {}
 class ObjectWriterLock:
     """The writer lock of a save directory in an object store: ``<root>/.writer.lock``, heartbeated."""
 
-    def __init__(self, storage: FsspecStorage, *, stale_after_s: float | None = None) -> None:
+    def __init__(self, storage: _ObjectStore, *, stale_after_s: float | None = None) -> None:
         if stale_after_s is not None and not stale_after_s > 0:
             raise ValueError(f"stale_after_s must be > 0, got {stale_after_s}")
         self.storage = storage
@@ -712,15 +721,3 @@ def _forget_holds_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_holds_in_child)
-
-
-def writer_lock_for(storage: Storage, *, stale_after_s: float | None = None) -> AnyWriterLock:
-    """The writer lock of a checkpoint root: a lock file locally, a heartbeated object in a store."""
-    from checkpoint_manager.storage.local import LocalStorage
-    from checkpoint_manager.storage.remote import FsspecStorage
-
-    if isinstance(storage, LocalStorage):
-        return WriterLock(storage.root, stale_after_s=stale_after_s)
-    if isinstance(storage, FsspecStorage):
-        return ObjectWriterLock(storage, stale_after_s=stale_after_s)
-    raise TypeError(f"no writer lock for {type(storage).__name__}")

@@ -19,18 +19,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from checkpoint_manager.core.layout import pick_step
+from checkpoint_manager.core.layout import METADATA_FILE, POINTER_LIMIT, pick_step
+from checkpoint_manager.core.naming import BEST_POINTER, LATEST_POINTER
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
+from checkpoint_manager.storage.base import is_url
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.layout import CheckpointInfo
-    from checkpoint_manager.storage import FsspecStorage, LocalStorage
+    from checkpoint_manager.storage import Storage
 
 __all__ = [
     "CheckpointKind",
@@ -39,14 +40,15 @@ __all__ = [
     "local_checkpoint",
     "newest_committed",
     "resolve_checkpoint",
+    "resolve_checkpoint_path",
+    "resolve_remote",
 ]
 
 #: ``committed``: a checkpoint directory of ours; ``plain_dcp``: what ``dcp.save`` wrote, without our
 #: ``checkpoint.json``; ``bundle``: a ``.tar`` holding one of ours; ``remote``: one of ours at a URL.
 CheckpointKind = Literal["committed", "plain_dcp", "bundle", "remote"]
 
-_POINTERS = ("latest", "best")
-_METADATA = ".metadata"
+_POINTERS = (LATEST_POINTER, BEST_POINTER)
 
 
 @dataclass(frozen=True)
@@ -88,14 +90,14 @@ def is_plain_dcp(path: str | Path) -> bool:
     from checkpoint_manager.core.layout import CHECKPOINT_JSON, STATE_JSON, rank_file
 
     return (
-        (p / _METADATA).is_file()
+        (p / METADATA_FILE).is_file()
         and not (p / CHECKPOINT_JSON).exists()
         and not (p / STATE_JSON).exists()
         and not (p / rank_file(0)).exists()
     )
 
 
-def newest_committed(storage: LocalStorage | FsspecStorage) -> CheckpointInfo | None:
+def newest_committed(storage: Storage) -> CheckpointInfo | None:
     """The checkpoint a save directory stands for: the newest committed one, as discovery ranks them."""
     infos, _bad = storage.scan()
     return infos[-1] if infos else None
@@ -121,7 +123,7 @@ def resolve_checkpoint(
 
     given = str(path_or_url)
     if is_url(given):
-        return _resolve_remote(given, step, storage_options)[0]
+        return resolve_remote(given, step, storage_options)[0]
     text = given
     for scheme in ("file://", "local://"):
         if text.startswith(scheme):
@@ -152,14 +154,15 @@ def _resolve_file(given: str, path: Path, step: int | None, verify_checksum: boo
 def _resolve_pointer(given: str, path: Path, step: int | None, verify_checksum: bool = True) -> ResolvedCheckpoint:
     """A save directory's ``latest`` / ``best`` file: the committed checkpoint it names."""
     from checkpoint_manager.core.safe_io import read_small
+    from checkpoint_manager.storage.base import parse_pointer
 
     try:
-        data = json.loads(read_small(path, limit=1 << 20, follow=True).decode("utf-8"))
-    except (OSError, ValueError) as exc:
+        data = parse_pointer(read_small(path, limit=POINTER_LIMIT, follow=True))
+    except OSError as exc:
         raise CheckpointCorruptError(f"{given}: not a readable {path.name} pointer ({exc})") from exc
-    name = data.get("name") if isinstance(data, dict) else None
-    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+    if data is None:
         raise CheckpointCorruptError(f"{given}: not a {path.name} pointer (no checkpoint name in it)")
+    name = data["name"]
     target = path.parent / name
     if not target.is_dir():
         raise CheckpointNotFoundError(f"{given}: names {name}, which is not in {path.parent} (pruned?)")
@@ -174,7 +177,7 @@ def _resolve_dir(given: str, path: Path, step: int | None, verify_checksum: bool
         meta = read_checkpoint_json(path, verify_checksum=verify_checksum)
         _check_step(given, int(meta["step"]), step, "one checkpoint")
         return ResolvedCheckpoint("committed", path, int(meta["step"]), given, meta)
-    if (path / _METADATA).is_file():
+    if (path / METADATA_FILE).is_file():
         if (path / STATE_JSON).exists() or (path / rank_file(0)).exists():
             raise CheckpointCorruptError(
                 f"{path / CHECKPOINT_JSON}: missing (not a committed checkpoint); its files are a save of ours "
@@ -202,7 +205,7 @@ def _resolve_dir(given: str, path: Path, step: int | None, verify_checksum: bool
     if bad:
         name, problem = bad[-1]
         raise CheckpointCorruptError(f"{given}: holds no intact committed checkpoint; {name}: {problem}")
-    plain = sorted(n for n in storage.list_names() if (path / n / _METADATA).is_file())
+    plain = sorted(n for n in storage.list_names() if (path / n / METADATA_FILE).is_file())
     hint = f"; plain DCP checkpoints inside: {', '.join(plain[:5])} (name one)" if plain else ""
     raise CheckpointNotFoundError(f"{given}: no committed checkpoint here (not a checkpoint or save directory){hint}")
 
@@ -218,16 +221,15 @@ def _check_step(given: str, actual: int, step: int | None, what: str) -> None:
         )
 
 
-def _resolve_remote(
+def resolve_remote(
     url: str, step: int | None, storage_options: dict[str, Any] | None
-) -> tuple[ResolvedCheckpoint, FsspecStorage]:
+) -> tuple[ResolvedCheckpoint, Storage]:
     """A save root's newest (or ``step``) checkpoint, or the one checkpoint at ``url``; and its storage."""
-    from checkpoint_manager.core.layout import info_from_meta
-    from checkpoint_manager.storage import FsspecStorage, open_storage
+    from checkpoint_manager.storage import open_storage
+    from checkpoint_manager.storage.base import parent_url
 
     url = url.rstrip("/")
     storage = open_storage(url, storage_options, fsync=False)
-    assert isinstance(storage, FsspecStorage)
     infos, _bad = storage.scan()
     if infos:
         if step is None:
@@ -239,18 +241,17 @@ def _resolve_remote(
             return _from_remote(url, match, f"step {step} of {url}"), storage
         steps = ", ".join(str(i.step) for i in infos)
         raise CheckpointNotFoundError(f"{url}: no checkpoint at step {step} (steps here: {steps})")
-    parent_url, _, name = url.rpartition("/")
-    if "://" in parent_url and not parent_url.endswith(":/"):
-        parent = open_storage(parent_url, storage_options, fsync=False)
-        assert isinstance(parent, FsspecStorage)
+    root = parent_url(url)
+    if "://" in root and not root.endswith(":/"):
+        parent = open_storage(root, storage_options, fsync=False)
         try:
-            meta = parent.read_marker(url)
+            info = parent.info_at(url)
         except CheckpointCorruptError as exc:
             if "missing" not in str(exc):
                 raise
         else:
-            _check_step(url, int(meta["step"]), step, "one checkpoint")
-            return _from_remote(url, info_from_meta(Path(parent.key(name)), meta, url=url), None), parent
+            _check_step(url, info.step, step, "one checkpoint")
+            return _from_remote(url, info, None), parent
     raise CheckpointNotFoundError(f"{url}: no committed checkpoint here (not a checkpoint or save root)")
 
 
@@ -274,10 +275,32 @@ def local_checkpoint(
     if not is_url(str(path_or_url)):
         yield resolve_checkpoint(path_or_url, step=step, storage_options=storage_options)
         return
-    resolved, storage = _resolve_remote(str(path_or_url), step, storage_options)
+    resolved, storage = resolve_remote(str(path_or_url), step, storage_options)
     assert resolved.url is not None
     local = storage.localize(resolved.url)
     try:
         yield dataclasses.replace(resolved, path=local)
     finally:
         storage.release_local(local)
+
+
+def resolve_checkpoint_path(path: str | Path, *, cache_dir: str | Path | None = None) -> Path:
+    """The local checkpoint directory ``path`` names, by :func:`checkpoint_manager.formats.resolve.resolve_checkpoint`.
+
+    A directory of DCP files (ours, plain ``dcp.save`` output) as is; a bundle → its unpacked
+    checkpoint; a save directory → its newest committed checkpoint; nothing there →
+    :class:`CheckpointNotFoundError`. URLs: download with :func:`checkpoint_manager.formats.resolve.local_checkpoint`.
+    """
+    if is_url(str(path)):
+        raise ValueError(
+            f"{path}: a URL; download it first: `with checkpoint_manager.formats.resolve.local_checkpoint(url) as c: ...(c.path)`"
+        )
+    p = Path(path)
+    if p.is_dir() and (p / METADATA_FILE).is_file():
+        return p
+    if cache_dir is not None:
+        from checkpoint_manager.formats.bundle import is_bundle, open_bundle
+
+        if is_bundle(p):
+            return open_bundle(p, cache_dir=cache_dir).checkpoint
+    return resolve_checkpoint(p).path

@@ -1,0 +1,179 @@
+"""The package's shape: no import cycle, imports run down the layers, no class over 400 lines.
+
+Every import counts, function-local ones too (a lazy import is still a dependency), except those
+under ``if TYPE_CHECKING:``, which never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "checkpoint_manager"
+
+#: low -> high; a module may import its own layer and the layers below it
+LAYERS: dict[str, int] = {
+    "errors": 0,
+    "_version": 0,
+    "core": 0,
+    "storage": 1,
+    "state": 2,
+    "protocol": 2,  # the contexts and results state/ and everything above use
+    "engine": 3,
+    "formats": 4,
+    "config": 5,  # validated with formats' size parser; read by the lifecycle
+    "lifecycle": 6,
+    "factory": 7,  # builds the lifecycle's manager from a config
+    "cli": 8,
+    "integrations": 8,
+    "testing": 9,
+    "__init__": 10,
+    "__main__": 10,
+}
+#: the one import allowed to run upward (empty: none)
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
+MAX_CLASS_LINES = 400
+#: being split elsewhere; the class-size check names every other class
+SPLITTING = {"checkpoint_manager.lifecycle.manager.DefaultCheckpointManager", "checkpoint_manager.config.CheckpointConfig"}
+
+
+def _modules() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for file in PACKAGE.rglob("*.py"):
+        parts = file.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = file
+    return out
+
+
+def _runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement but those only type checkers see."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for other in child.orelse:
+                    visit_one(other)
+                continue
+            visit_one(child)
+
+    def visit_one(node: ast.AST) -> None:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        visit(node)
+
+    visit(tree)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, file in modules.items():
+        package = name if file.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _runtime_imports(ast.parse(file.read_text(), str(file))):
+            targets: list[str | None] = []
+            if isinstance(node, ast.Import):
+                targets = [known(alias.name) for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    parts = parts[: len(parts) - (node.level - 1)]
+                    base = ".".join([*parts, *([node.module] if node.module else [])])
+                for alias in node.names:  # ``from pkg import submodule`` depends on the submodule
+                    full = f"{base}.{alias.name}"
+                    targets.append(full if full in modules else known(base))
+            graph[name].update(t for t in targets if t is not None and t != name)
+    return graph
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    key = "__init__" if len(parts) == 1 else parts[1]
+    assert key in LAYERS, f"{module}: in no layer (add its package to LAYERS in {__file__})"
+    return LAYERS[key]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component: list[str] = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_the_graph_sees_function_local_imports_but_not_type_checking_ones() -> None:
+    graph = _graph()
+    # resolve's import of the bundle reader is function-local
+    assert "checkpoint_manager.formats.bundle" in graph["checkpoint_manager.formats.resolve"]
+    # retention names CheckpointConfig for the type checker only
+    assert "checkpoint_manager.config" not in graph["checkpoint_manager.lifecycle.retention"]
+
+
+def test_no_import_cycle() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_imports_run_down_the_layers() -> None:
+    graph = _graph()
+    upward = sorted(
+        (module, target) for module, targets in graph.items() for target in targets if _layer(target) > _layer(module)
+    )
+    assert len(upward) <= 1 and set(upward) <= ALLOWED_UPWARD, upward
+
+
+def _class_sizes() -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for name, file in _modules().items():
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                sizes[f"{name}.{node.name}"] = node.end_lineno - node.lineno + 1
+    return sizes
+
+
+def test_no_class_over_400_lines() -> None:
+    large = {name: n for name, n in _class_sizes().items() if n > MAX_CLASS_LINES and name not in SPLITTING}
+    assert large == {}
+
+
+@pytest.mark.xfail(strict=False, reason="DefaultCheckpointManager and CheckpointConfig are being split")
+def test_manager_and_config_classes_under_400_lines() -> None:
+    sizes = _class_sizes()
+    assert {name: sizes[name] for name in SPLITTING if sizes.get(name, 0) > MAX_CLASS_LINES} == {}
