@@ -35,7 +35,7 @@ from checkpoint_manager import (
     TrainState,
 )
 from checkpoint_manager.state.data_order import derived_rng_state, sampler_states
-from checkpoint_manager.state.training import capture_rng
+from checkpoint_manager.state.rng import capture_rng
 
 EXAMPLE = ROOT / "examples" / "data_order.py"
 CHILD = ROOT / "tests" / "_data_order_child.py"

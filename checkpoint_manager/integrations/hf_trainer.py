@@ -27,8 +27,8 @@ from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.errors import CheckpointMismatchError
 from checkpoint_manager.integrations._common import resolve_manager, scalar_metrics
 from checkpoint_manager.protocol import CheckpointManager, LoadContext, LoadResult, SaveContext, SaveResult
+from checkpoint_manager.state.rng import capture_rng, restore_rng
 from checkpoint_manager.state.train_state import TrainState
-from checkpoint_manager.state.training import capture_rng, restore_rng
 
 if TYPE_CHECKING:
     _TrainerBase = Trainer

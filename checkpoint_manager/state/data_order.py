@@ -21,6 +21,7 @@ from torch.utils.data import Sampler
 from checkpoint_manager.core.codec import decode, encode
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
 from checkpoint_manager.state.keys import DATALOADER, RNG
+from checkpoint_manager.state.rng import check_rng
 
 __all__ = [
     "RESHARD_KEY",
@@ -275,12 +276,10 @@ def reshard_per_rank_state(
     if DATALOADER in affected:
         out[RESHARD_KEY] = encode(_agreed_position(path, first, saved_world_size, world_size, read))
     if RNG in affected:
-        from checkpoint_manager.state.training import _check_rng
-
         rng = first.get(RNG)
         try:
-            _check_rng(rng)
-            assert isinstance(rng, dict)  # _check_rng: a dict with its python and torch parts
+            check_rng(rng)
+            assert isinstance(rng, dict)  # check_rng: a dict with its python and torch parts
             derived = derived_rng_state(rng, rank=rank, world_size=world_size)
         except (ValueError, TypeError, KeyError, struct.error) as exc:
             raise CheckpointCorruptError(f"{path}: rank 0's RNG state is damaged ({exc})") from exc

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ from checkpoint_manager.state.data_order import (
     sampler_states,
 )
 from checkpoint_manager.state.keys import OPTIM, PER_RANK_PARTS, SCHEDULER, extra_key, model_keys, numbered
+from checkpoint_manager.state.rng import capture_rng, check_rng, restore_rng
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
@@ -64,12 +64,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("checkpoint_manager")
-
-
-try:
-    import numpy as np
-except ImportError:  # pragma: no cover
-    np = None  # type: ignore[assignment]
 
 
 @dataclass
@@ -135,25 +129,6 @@ def _state_dicts(
         else:
             out.append((get_model_state_dict(model), None))
     return out
-
-
-def capture_rng() -> dict[str, Any]:
-    """Every global RNG a training step may draw from."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if np is not None:
-        state["numpy"] = np.random.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state and np is not None:
-        np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def gather_state(ctx: SaveContext) -> GatheredState:
@@ -456,7 +431,7 @@ class StateLoader:
             self._resharded = (_check_samplers(self.source, ctx.dataloader, [state], required=True), state)
         if ctx.load_rng and not self.model_only and "rng" in rank_json:
             rng = decode(rank_json["rng"])
-            _check_rng(rng)
+            check_rng(rng)
             self._rng_state = rng
 
     def _like_live(self, key: str, sd: Any, live: dict[str, Any], *, exact: bool) -> None:
@@ -632,25 +607,6 @@ def _check_samplers(source: str, loader: Any, states: list[Any], *, required: bo
         except ValueError as exc:
             raise CheckpointMismatchError(f"{source}: dataloader: {exc}") from exc
     return sampler
-
-
-def _check_rng(state: Any) -> None:
-    """Raise ValueError unless ``state`` is what :func:`restore_rng` accepts: tried on throwaway
-    generators, so a damaged state never reaches the global ones half-way."""
-    if not isinstance(state, dict) or "python" not in state or "torch" not in state:
-        raise ValueError("RNG state lacks its 'python' or 'torch' part")
-    try:
-        random.Random().setstate(state["python"])
-        torch.Generator().set_state(state["torch"])
-        if "numpy" in state and np is not None:
-            np.random.RandomState().set_state(state["numpy"])
-        cuda = state.get("cuda", [])
-        if not isinstance(cuda, list) or not all(
-            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda
-        ):
-            raise ValueError("its CUDA part is not a list of byte tensors")
-    except (TypeError, ValueError, RuntimeError, IndexError) as exc:
-        raise ValueError(f"RNG state is not restorable ({type(exc).__name__}: {exc})") from exc
 
 
 _SCALARS = (int, float, bool, type(None))
