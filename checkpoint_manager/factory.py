@@ -3,7 +3,7 @@
 The name may be ``None`` (the default manager), an entry point registered by an installed package,
 or a dotted path. Each way fails with a typed error that names the ``manager`` field and its value,
 and the class is checked method by method (see :mod:`checkpoint_manager.core.plugins`). Engines are
-resolved the same way by :mod:`checkpoint_manager.engine.registry`, re-exported here.
+resolved the same way by :mod:`checkpoint_manager.lifecycle.engines`, re-exported here.
 """
 
 
@@ -32,13 +32,13 @@ from checkpoint_manager.core.plugins import (
     find_plugin,
     qualname,
 )
-from checkpoint_manager.engine.registry import (
+from checkpoint_manager.errors import UnsupportedConfigWarning
+from checkpoint_manager.lifecycle.engines import (
     ENGINE_ENTRY_POINT_GROUP,
     check_engine_class,
     create_engine,
     load_engine_class,
 )
-from checkpoint_manager.errors import UnsupportedConfigWarning
 from checkpoint_manager.protocol import CheckpointManager
 
 __all__ = [

@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "engine": 3,
     "formats": 4,
     "config": 5,  # validated with formats' size parser; read by the lifecycle
+    "config_fields": 5,
     "lifecycle": 6,
     "factory": 7,  # builds the lifecycle's manager from a config
     "cli": 8,

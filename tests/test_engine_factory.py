@@ -25,7 +25,7 @@ from checkpoint_manager import (
 )
 from checkpoint_manager.core.plugins import ENGINE
 from checkpoint_manager.engine.base import EngineContext, EngineState, TensorInfo
-from checkpoint_manager.engine.registry import BUILTIN_ENGINES
+from checkpoint_manager.lifecycle.engines import BUILTIN_ENGINES
 
 MOD = zoo.__name__
 
