@@ -681,38 +681,33 @@ def check_load_path(make_manager: MakeManager, work: Path) -> None:
 
 
 def check_final_save_once(make_manager: MakeManager, work: Path) -> None:
-    """``save(final=True)`` at a step just saved (by the policy, or by a final save) writes nothing more."""
+    """A save at the step a final save just wrote (``final=True`` again, or the policy's save of that
+    step) returns None and writes nothing: the end of training is saved once."""
     save_dir = work / "checkpoints"
     rig = Rig.build(seed=0)
     manager = _make(make_manager, save_dir, save_every_n_steps=2)
-    rig.advance_to(2)
-    result = _save(manager, rig, "save(SaveContext()) at step 2 with save_every_n_steps=2")
-    if result is None:
-        raise ConformanceError("save at step 2 with save_every_n_steps=2 returned None; expected a SaveResult")
-    for earlier in ("a save by the policy", "save(SaveContext(final=True))"):
+    for step, again, kwargs in ((3, "save(SaveContext(final=True))", {"final": True}), (4, "save(SaveContext())", {})):
+        rig.advance_to(step)
+        what = f"save(SaveContext(final=True)) at step {step}"
+        result = _save(manager, rig, what, final=True)
+        if result is None or result.step != step or not result.committed:
+            raise ConformanceError(f"{what} returned {result!r}; expected a committed SaveResult for step {step}")
         call("finalize_async_saves(blocking=True)", lambda: manager.finalize_async_saves(blocking=True))
         before = tree(save_dir)
-        step = rig.train_state.step
-        what = f"save(SaveContext(final=True)) at step {step}, right after {earlier} at step {step}"
-        again = _save(manager, rig, what, final=True)
+        what = f"{again} at step {step}, right after save(SaveContext(final=True)) at step {step}"
+        result = _save(manager, rig, what, **kwargs)
         call("finalize_async_saves(blocking=True)", lambda: manager.finalize_async_saves(blocking=True))
-        if again is not None:
-            raise ConformanceError(f"{what} returned {again!r}; expected None (this step is already saved)")
+        if result is not None:
+            raise ConformanceError(f"{what} returned {result!r}; expected None (this step is already saved)")
         change = tree_change(before, tree(save_dir))
         if change:
-            raise ConformanceError(f"{what} wrote a second checkpoint of step {step}: {change} in the save_dir")
-        rig.advance_to(3)
-        if earlier == "a save by the policy":
-            what = "save(SaveContext(final=True)) at step 3"
-            result = _save(manager, rig, what, final=True)
-            if result is None or result.step != 3 or not result.committed:
-                raise ConformanceError(f"{what} returned {result!r}; expected a committed SaveResult for step 3")
+            raise ConformanceError(f"{what} wrote a second checkpoint of step {step}: {change} under the save_dir")
     _close(manager)
     expected = rig.snapshot()
     fresh = _fresh_rig(expected)
     loader = _make(make_manager, save_dir)
-    _check_step(_load(loader, fresh, "load(LoadContext) after the final save"), 3, "load after the final save")
-    _assert_restored(fresh, expected, "after the final save")
+    _check_step(_load(loader, fresh, "load(LoadContext) after the final saves"), 4, "load after the final saves")
+    _assert_restored(fresh, expected, "after the final saves")
     _close(loader)
 
 
