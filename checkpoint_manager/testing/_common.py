@@ -101,7 +101,7 @@ def same_tensor(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     )
 
 
-def assert_same(actual: Any, expected: Any, where: str, *, was: str = "what was saved") -> None:
+def assert_same(actual: Any, expected: Any, where: str, *, was: str | None = None) -> None:
     """Recursive equality of state dicts: tensors bit for bit with their dtype, other values by ==.
     ``was`` names what ``expected`` is, for the message."""
     if isinstance(expected, torch.Tensor):
@@ -112,7 +112,7 @@ def assert_same(actual: Any, expected: Any, where: str, *, was: str = "what was 
                 f"{where} is {actual.dtype}{list(actual.shape)}, expected {expected.dtype}{list(expected.shape)}"
             )
         if not same_tensor(actual, expected):
-            raise ConformanceError(f"{where} differs from {was}")
+            raise ConformanceError(f"{where} differs from {was or 'what was saved'}")
     elif isinstance(expected, Mapping):
         if not isinstance(actual, Mapping) or set(actual) != set(expected):
             keys = sorted(map(str, actual)) if isinstance(actual, Mapping) else type(actual).__name__
@@ -125,7 +125,7 @@ def assert_same(actual: Any, expected: Any, where: str, *, was: str = "what was 
         for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_same(a, e, f"{where}[{i}]", was=was)
     elif actual != expected or isinstance(actual, bool) != isinstance(expected, bool):
-        raise ConformanceError(f"{where} is {actual!r}, expected {expected!r}")
+        raise ConformanceError(f"{where} is {actual!r}, expected {expected!r}" + (f" ({was})" if was else ""))
 
 
 def tree(root: Path, *, skip: Path | None = None) -> dict[str, tuple[int, int]]:

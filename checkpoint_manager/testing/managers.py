@@ -490,7 +490,7 @@ def _assert_part(actual: dict[str, Any], expected: dict[str, Any], part: str, wh
             got = actual["rng"].get(generator)
             if got != want:
                 raise ConformanceError(
-                    f"{what}: the {generator} RNG's next draws are {got}, expected {want} ({was}'s next draws)"
+                    f"{what}: the {generator} RNG's next draws are {got}, expected {want} ({was})"
                 )
     else:
         assert_same(actual[part], expected[part], f"{what}: {part}", was=was)
