@@ -13,6 +13,16 @@ whose message says what broke.
 from __future__ import annotations
 
 from checkpoint_manager.testing._common import ConformanceError
+from checkpoint_manager.testing.engines import (
+    ENGINE_CHECKS,
+    LIFECYCLE_CHECKS,
+    OPTIONAL_ENGINE_CHECKS,
+    MakeEngine,
+    run_engine_check,
+    run_engine_suite,
+    run_lifecycle_check,
+    run_lifecycle_suite,
+)
 from checkpoint_manager.testing.managers import (
     CONFORMANCE_CHECKS,
     MakeManager,
@@ -23,9 +33,17 @@ from checkpoint_manager.testing.managers import (
 
 __all__ = [
     "CONFORMANCE_CHECKS",
+    "ENGINE_CHECKS",
+    "LIFECYCLE_CHECKS",
+    "OPTIONAL_ENGINE_CHECKS",
     "ConformanceError",
+    "MakeEngine",
     "MakeManager",
     "manager_maker",
     "run_conformance_check",
     "run_conformance_suite",
+    "run_engine_check",
+    "run_engine_suite",
+    "run_lifecycle_check",
+    "run_lifecycle_suite",
 ]
