@@ -137,6 +137,14 @@ class BoolAsUint8(StagingSafetensorsEngine):
         return {k: t.to(torch.uint8) if t.dtype == torch.bool else t for k, t in tensors.items()}, metadata
 
 
+class RoundsFloat32(StagingSafetensorsEngine):
+    """dtypes (and every bit-exact resume): keeps float32 only to bfloat16 precision."""
+
+    def encode(self, state: EngineState) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        tensors, metadata = super().encode(state)
+        return {k: t.bfloat16().float() if t.dtype == torch.float32 else t for k, t in tensors.items()}, metadata
+
+
 class IgnoresViewOffset(StagingSafetensorsEngine):
     """shapes: writes a view from the start of its storage (its storage offset lost)."""
 
