@@ -124,6 +124,49 @@ def test_unknown_engine_check(tmp_path: Path) -> None:
         run_engine_check("nope", fx.SafetensorsEngine, tmp_path)
 
 
+# ---- the real engines -----------------------------------------------------------------------------
+
+
+def _dcp_engine() -> Any:
+    from checkpoint_manager.engine.dcp.engine import DCPEngine  # type: ignore[import-not-found, unused-ignore]
+
+    return DCPEngine
+
+
+@needs_engine_seam
+@pytest.mark.parametrize(
+    "check",
+    [
+        pytest.param(
+            check,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="DCPEngine.save leaves '.metadata' (written by DCP's finish) out of its records; the "
+                "contract asks for a record of every file written: record it, or say in engine/base.py that "
+                "records may be partial",
+            ),
+        )
+        if check == "records"
+        else check
+        # no_pickle: DCP's .metadata is a pickle, read through an allow-listed unpickler (its opt-out)
+        for check in ENGINE_CHECKS
+        if check != "no_pickle"
+    ],
+)
+def test_the_dcp_engine_passes(check: str, tmp_path: Path) -> None:
+    run_engine_check(check, _dcp_engine(), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [("cm_safetensors.engine", "SafetensorsEngine"), ("cm_torch_checkpointing.engine", "TorchCheckpointingEngine")],
+)
+def test_the_plugin_engines_pass_every_check(module: str, name: str, tmp_path: Path) -> None:
+    # TEMPORARY(needs_engine_seam): the plugins are engines once the seam is merged; skipped until then
+    engine = getattr(pytest.importorskip(module, reason="needs_engine_seam: the plugin is not an engine yet"), name)
+    run_engine_suite(engine, tmp_path)
+
+
 # ---- the engine inside the lifecycle --------------------------------------------------------------
 
 
