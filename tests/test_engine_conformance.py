@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-import fixtures_engines as fx
+import fixtures_conformance_engines as fx
 import pytest
 
 from checkpoint_manager.config import CheckpointConfig
@@ -28,7 +28,7 @@ needs_engine_seam = pytest.mark.skipif(
     reason="TEMPORARY needs_engine_seam: CheckpointConfig has no `engine` field yet",
 )
 
-REFERENCE = "fixtures_engines:SafetensorsEngine"
+REFERENCE = "fixtures_conformance_engines:SafetensorsEngine"
 
 
 def test_every_engine_check_is_registered() -> None:
@@ -171,7 +171,7 @@ def test_the_plugin_engines_pass_every_check(module: str, name: str, tmp_path: P
 
 
 @needs_engine_seam
-@pytest.mark.parametrize("engine", [REFERENCE, "fixtures_engines:StagingSafetensorsEngine", "dcp"])
+@pytest.mark.parametrize("engine", [REFERENCE, "fixtures_conformance_engines:StagingSafetensorsEngine", "dcp"])
 @pytest.mark.parametrize("check", list(LIFECYCLE_CHECKS))
 def test_engine_in_the_lifecycle(check: str, engine: str, tmp_path: Path) -> None:
     run_lifecycle_check(check, engine, tmp_path)
@@ -188,7 +188,7 @@ def test_an_engine_class_works_too(tmp_path: Path) -> None:
     [
         (
             "manager_suite",
-            "fixtures_engines:RoundsFloat32",
+            "fixtures_conformance_engines:RoundsFloat32",
             "round_trip: after save -> new manager -> load: model['0.weight'] differs from what was saved",
         ),
     ],

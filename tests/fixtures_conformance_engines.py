@@ -1,6 +1,6 @@
 """A small correct engine (one safetensors file per rank) and engines that each break one promise.
 
-A real module, so the lifecycle finds the classes by dotted path (``fixtures_engines:SafetensorsEngine``)
+A real module, so the lifecycle finds the classes by dotted path (``fixtures_conformance_engines:SafetensorsEngine``)
 the way it finds a user's engine.
 """
 
