@@ -53,6 +53,20 @@ def test_every_documented_check_is_registered() -> None:
         "context_manager",
         "load_step",
         "load_context_step",
+        "dataloader",
+        "rng",
+        "extras",
+        "scheduler",
+        "train_state",
+        "strict",
+        "load_path",
+        "load_optimizer",
+        "load_scheduler",
+        "load_rng",
+        "load_dataloader",
+        "load_train_state",
+        "load_extra",
+        "final_save_once",
     ]
 
 

@@ -51,6 +51,10 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.uint16,
         torch.uint32,
         torch.uint64,
+        torch.complex32,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
+        *[getattr(torch, n) for n in ("float8_e8m0fnu",) if hasattr(torch, n)],  # newer torch only
     )
 }
 

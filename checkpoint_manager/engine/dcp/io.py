@@ -119,6 +119,7 @@ _DTYPE_NAMES = frozenset(
         "uint32",
         "uint64",
         "complex32",
+        "float8_e8m0fnu",
         "qint8",
         "quint8",
         "qint32",

@@ -282,6 +282,8 @@ class TorchCheckpointingManager(FinalizeOnExit):
             return self._save_async(ctx, step)
         self._collect(wait=True)
         result = self._write_and_commit(self._prepare(ctx, step, async_save=False))
+        with self._lock:
+            self._last_saved = step  # a final save of this very step is not repeated
         self._observers.save_committed(result)
         return result
 
