@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from nodes import Job, can_isolate_nodes
+from replica_nodes import Job, can_isolate_nodes
 from safetensors.torch import load_file
 
 from checkpoint_manager import create_checkpoint_manager

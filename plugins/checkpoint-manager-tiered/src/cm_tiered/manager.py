@@ -31,7 +31,7 @@ from checkpoint_manager import (
 from checkpoint_manager.factory import fields_set
 from checkpoint_manager.protocol import FinalizeOnExit
 from cm_tiered.config import LOCAL_POLICY_FIELDS, SHARED_FIELDS, TieredConfig
-from cm_tiered.replicas import NodeLocalManager, Replicator, Resumer
+from cm_tiered.replicas import NodeLocalManager, ReplicationStats, Replicator, Resumer
 
 __all__ = ["TieredCheckpointManager", "tier_configs"]
 
@@ -155,6 +155,11 @@ class TieredCheckpointManager(FinalizeOnExit):
                 finally:
                     if terminate:
                         self._replicator.close()
+
+    @property
+    def last_replication(self) -> ReplicationStats | None:
+        """The newest finished replication on this rank (step, seconds, bytes sent and received); None without replicas."""
+        return None if self._replicator is None else self._replicator.last
 
     @property
     def save_in_flight(self) -> bool:

@@ -48,7 +48,14 @@ from checkpoint_manager.core.checksum import crc32
 from checkpoint_manager.core.dist import DistContext
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, seal_checkpoint_json
 
-__all__ = ["NodeLocalManager", "NodeTopology", "ReplicaStore", "ReplicationError", "Replicator"]
+__all__ = [
+    "NodeLocalManager",
+    "NodeTopology",
+    "ReplicaStore",
+    "ReplicationError",
+    "ReplicationStats",
+    "Replicator",
+]
 
 log = logging.getLogger("cm_tiered")
 
@@ -374,6 +381,8 @@ def _place(src: Path, dst: Path, *, move: bool) -> None:
 
 @dataclasses.dataclass
 class ReplicationStats:
+    """One rank's side of one replication: its step, wall time in the background, bytes sent and received."""
+
     step: int = -1
     seconds: float = 0.0
     bytes_sent: int = 0
