@@ -4,7 +4,7 @@ A 2-node job on loopback (two torchrun agents, each node's local disk a director
 ``local_dir`` path in the node's own mount namespace; needs root and ``unshare``), ``--nproc`` ranks
 per node, each rank holding ``--mib`` MiB of its own parameters.
 
-* save: two steps (the 2nd also durable), each save timed on the training thread (the stall),
+* save: four steps (the 4th also durable), each save timed on the training thread (the stall),
   the replication timed on its background thread, with the bytes it sent; with ``replicas=1``
   and, as the baseline, ``replicas=0`` (on a directory both nodes share: what the tiered manager
   needs without replicas).
@@ -60,7 +60,7 @@ def worker(root: Path, out: Path, phase: str, mib: int, replicas: int) -> None:
         "local_dir": str(root / "local"),
         "fsync": False,
         "save_every_n_steps": 1,
-        "durable_every_n_steps": 2,
+        "durable_every_n_steps": 4,
         "local_keep_last": 2,
         "keep_last": 2,
         "replicas": replicas,
@@ -70,7 +70,7 @@ def worker(root: Path, out: Path, phase: str, mib: int, replicas: int) -> None:
     with create_checkpoint_manager(config) as manager:
         if phase == "save":
             stalls, background, sent = [], [], []
-            for _ in range(2):
+            for _ in range(4):  # steps 1-3 local only, step 4 local and durable
                 state.step += 1
                 t0 = time.perf_counter()
                 manager.save(SaveContext(model=model, train_state=state))
@@ -82,7 +82,7 @@ def worker(root: Path, out: Path, phase: str, mib: int, replicas: int) -> None:
                     sent.append(stats.bytes_sent)
             record.update(stall_s=stalls, replication_s=background, bytes_sent=sent)
         else:
-            ctx = LoadContext(model=model, train_state=state)
+            ctx = LoadContext(model=model, train_state=state, strict=False)  # each rank: its own key
             t0 = time.perf_counter()
             assert manager.should_load(ctx)
             result = manager.load(ctx)
@@ -177,6 +177,11 @@ def main() -> None:
     def worst(recs: list[dict[str, Any]], key: str) -> float:
         return max(max(r[key]) if isinstance(r[key], list) else r[key] for r in recs)
 
+    def local_stall(recs: list[dict[str, Any]]) -> float:
+        """The median over the local-only saves (steps 1-3) of the slowest rank's stall."""
+        per_step = [max(r["stall_s"][i] for r in recs) for i in range(3)]
+        return sorted(per_step)[1]
+
     table = {
         "mib_per_rank": args.mib,
         "ranks": 2 * args.nproc,
@@ -184,8 +189,8 @@ def main() -> None:
         "recovery_from_durable_s": worst(durable, "load_s"),
         "peers_step": peers[0]["step"],
         "durable_step": durable[0]["step"],
-        "save_stall_replicas_1_s": worst(saved, "stall_s"),
-        "save_stall_replicas_0_s": worst(baseline, "stall_s"),
+        "save_stall_replicas_1_s": local_stall(saved),
+        "save_stall_replicas_0_s": local_stall(baseline),
         "replication_background_s": worst(saved, "replication_s"),
         "replication_bytes_sent_per_rank": max(max(r["bytes_sent"]) for r in saved),
         "cpus": os.cpu_count(),
@@ -197,8 +202,8 @@ def main() -> None:
     print(f"| recovery of a lost node from peers (step {table['peers_step']}) | {table['recovery_from_peers_s']:.2f} |")
     print(f"| recovery from the durable tier, cache evicted (step {table['durable_step']}) | "
           f"{table['recovery_from_durable_s']:.2f} |")
-    print(f"| save stall, replicas=1 (worst rank, worst of 2) | {table['save_stall_replicas_1_s']:.2f} |")
-    print(f"| save stall, replicas=0 (worst rank, worst of 2) | {table['save_stall_replicas_0_s']:.2f} |")
+    print(f"| local save stall, replicas=1 (slowest rank, median of 3) | {table['save_stall_replicas_1_s']:.2f} |")
+    print(f"| local save stall, replicas=0 (slowest rank, median of 3) | {table['save_stall_replicas_0_s']:.2f} |")
     print(f"| replication in the background (worst rank) | {table['replication_background_s']:.2f} |")
     print(f"| bytes sent per rank per save | {table['replication_bytes_sent_per_rank'] / 2**20:.0f} MiB |")
 

@@ -66,7 +66,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run whose node 1 was SIGKILLed mid-training (then node 0 too: the scheduler restarts the job)."""
     root = tmp_path_factory.mktemp("killed")
-    job = Job(root / "run", root / "out", STEPS, extra=("--signal-at", "6", "--step-sleep", "0.5"))
+    # async saves here (the reference saves synchronously): the replication of a background save, too
+    job = Job(root / "run", root / "out", STEPS, extra=("--signal-at", "6", "--step-sleep", "0.5", "--async"))
     job.start()
     job.wait_for(root / "out" / "reached", JOB_TIMEOUT)
     job.kill(1)  # node 1 dies with its processes

@@ -93,6 +93,7 @@ class TieredCheckpointManager(FinalizeOnExit):
                     config.replicas,
                     config.local_keep_last,
                     config.collective_timeout_s,
+                    fsync=config.fsync,
                 )
                 self.local.add_callback(_Committed(self._committed))
         except BaseException:
@@ -229,6 +230,17 @@ class TieredCheckpointManager(FinalizeOnExit):
         return dataclasses.replace(result, path=location)
 
     def load(self, ctx: LoadContext) -> LoadResult:
+        result = self._load(ctx)
+        rep = self._replicator
+        if rep is not None:
+            # the run goes on from this step: the local steps above it (a line this run abandons) and
+            # unfinished replications are never resumed from again
+            if rep.topo.local_rank == 0:  # one rank per node looks after the node's store
+                rep.store.drop_newer_than(result.step)
+            rep.ctl.barrier("replicas: store after the resume")
+        return result
+
+    def _load(self, ctx: LoadContext) -> LoadResult:
         """The newest checkpoint of either tier that loads; a damaged one falls back to the next.
 
         The default manager verifies a checkpoint (``verify_on_load``) and decodes its JSON before

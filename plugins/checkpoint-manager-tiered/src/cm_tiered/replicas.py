@@ -227,26 +227,31 @@ class ReplicaStore:
         if not path.exists():
             return
         doomed = self.root / f".{name}.deleting.{uuid.uuid4().hex[:8]}"
-        os.rename(path, doomed)  # out of sight first: never half-listed
+        try:
+            os.rename(path, doomed)  # out of sight first: never half-listed
+        except FileNotFoundError:
+            return
         shutil.rmtree(doomed, ignore_errors=True)
 
+    def drop_newer_than(self, step: int) -> None:
+        """Remove every step above ``step``: written by a run this one went back before."""
+        for name in self.names():
+            marker = self.marker(name)
+            newer = marker is not None and int(marker["step"]) > step
+            if newer or marker is None:  # an unfinished replication is never finished now
+                self.remove(name)
+
     def prune(self, keep: int) -> None:
-        """Keep the newest ``keep`` committed steps; drop older ones and unfinished ones below them."""
+        """Keep the newest ``keep`` committed steps. Unfinished ones are left alone: one may be the
+        replication this node's other ranks are placing now (they go at the next resume)."""
         marked = []
         for name in self.names():
             marker = self.marker(name)
             if marker is not None:
                 marked.append((int(marker["step"]), name))
         marked.sort()
-        kept = {name for _, name in marked[-keep:]}
-        oldest_kept = marked[-keep][0] if len(marked) >= keep else None
-        for _step, name in marked:
-            if name not in kept:
-                self.remove(name)
-        if oldest_kept is not None:
-            for name in self.names():
-                if name not in kept and self.marker(name) is None:
-                    self.remove(name)  # a replication that never completed, superseded by newer ones
+        for _step, name in marked[:-keep]:
+            self.remove(name)
         for leftover in self.root.glob(".*.deleting.*"):
             shutil.rmtree(leftover, ignore_errors=True)
 
@@ -295,7 +300,7 @@ def send_files(ctx: DistContext, root: Path, files: list[str], dst: int, phase: 
 
 
 def recv_files(
-    ctx: DistContext, root: Path, manifest: dict[str, dict[str, int]], src: int, phase: str
+    ctx: DistContext, root: Path, manifest: dict[str, dict[str, int]], src: int, phase: str, *, fsync: bool = True
 ) -> tuple[int, list[str]]:
     """Receive the files of ``manifest`` (sorted) from ``src`` into ``root``; returns the bytes and the
     files whose CRC32 did not match (received in full all the same: the sender's stream stays aligned)."""
@@ -318,8 +323,9 @@ def recv_files(
                 crc = crc32(view, crc)
                 f.write(view)
                 received += n
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         if crc != expected:
             bad.append(rel)
     return received, bad
@@ -392,8 +398,10 @@ class ReplicationStats:
 class Replicator:
     """Runs the replication of each committed local checkpoint on a background thread, in order."""
 
-    def __init__(self, local: NodeLocalManager, local_dir: str, k: int, keep: int, timeout_s: float) -> None:
-        self.local, self.k, self.keep = local, k, keep
+    def __init__(
+        self, local: NodeLocalManager, local_dir: str, k: int, keep: int, timeout_s: float, *, fsync: bool = True
+    ) -> None:
+        self.local, self.k, self.keep, self.fsync = local, k, keep, fsync
         self.store = ReplicaStore(local_dir)
         self.local_dir = Path(local_dir)
         self.ctl = DistContext(timeout_s)  # the training thread's collectives (decisions, resume)
@@ -452,7 +460,8 @@ class Replicator:
         topo, io = self.topo, self.io
         rank = io.rank
         on_coord_node = topo.node == topo.nodes[0]
-        written = Path(committed_path) if on_coord_node else self.local.written.pop(step, None)
+        pending = self.local.written.pop(step, None)
+        written = Path(committed_path) if on_coord_node else pending
         failure: BaseException | None = None
         manifest: dict[str, dict[str, int]] = {}
         try:
@@ -555,9 +564,9 @@ class Replicator:
         # senders and receivers pair up on a ring: break the cycle by node parity
         if self.topo.node % 2 == 0:
             sent = send_files(self.io, mine, sorted(manifests[rank]), dst, phase)
-            _, bad = recv_files(self.io, tmp, manifests[src], src, phase)
+            _, bad = recv_files(self.io, tmp, manifests[src], src, phase, fsync=self.fsync)
         else:
-            _, bad = recv_files(self.io, tmp, manifests[src], src, phase)
+            _, bad = recv_files(self.io, tmp, manifests[src], src, phase, fsync=self.fsync)
             sent = send_files(self.io, mine, sorted(manifests[rank]), dst, phase)
         if bad:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -722,7 +731,7 @@ class Resumer:
                 elif ctl.rank == dst:
                     target = store.share(pick.name, share)
                     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
-                    _, bad = recv_files(ctl, tmp, manifests[share], src, phase)
+                    _, bad = recv_files(ctl, tmp, manifests[share], src, phase, fsync=self.rep.fsync)
                     if bad:
                         shutil.rmtree(tmp, ignore_errors=True)
                         raise ReplicationError(f"rank {share}'s share from node {src_node} arrived damaged: {bad}")
