@@ -126,6 +126,14 @@ class TieredCheckpointManager(FinalizeOnExit):
             )
         results = _both(self._tiers, lambda tier: tier.save(ctx), "save")
         self._replicate_committed()
+        if self._replicator is not None:
+            # Backpressure: the replications handed over by an earlier save call must have landed
+            # before this call returns, so replicas never fall behind the local tier's retention. Only
+            # earlier calls' ones: every rank has handed those over (each rank finished its earlier
+            # call before this call's collective save decision), so no rank waits on one that another
+            # rank has yet to start, while that rank waits for it in a training collective.
+            self._replicator.collect(wait=True, before=self._replicator.generation)
+            self._replicator.generation += 1
         durable, local = results["durable"], results["local"]
         return durable if durable is not None else local
 

@@ -408,7 +408,9 @@ class Replicator:
         self.io = DistContext(timeout_s)  # the background thread's: never interleaved with ctl's
         self.topo = NodeTopology.gather(self.ctl, k)
         self._executor: ThreadPoolExecutor | None = None
-        self._futures: list[Future[ReplicationStats]] = []
+        self._futures: list[tuple[int, Future[ReplicationStats]]] = []
+        #: the manager's save calls so far: each replication is tagged with the call that handed it over
+        self.generation = 0
         self.last = ReplicationStats()
         if self.topo.local_rank == 0 and self.topo.node != self.topo.nodes[0]:
             self._sweep_foreign_pending()
@@ -425,19 +427,24 @@ class Replicator:
     def submit(self, step: int, name: str, committed_path: str) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-replicas")
-        self._futures.append(self._executor.submit(self._replicate, step, name, committed_path))
+        future = self._executor.submit(self._replicate, step, name, committed_path)
+        self._futures.append((self.generation, future))
 
     @property
     def in_flight(self) -> bool:
-        return any(not f.done() for f in self._futures)
+        return any(not f.done() for _, f in self._futures)
 
-    def collect(self, *, wait: bool) -> None:
-        """Raise the first failed replication (its step stays uncommitted locally), never swallow it."""
-        keep: list[Future[ReplicationStats]] = []
+    def collect(self, *, wait: bool, before: int | None = None) -> None:
+        """Raise the first failed replication (its step stays uncommitted locally), never swallow it.
+
+        ``wait``: wait for those handed over before save call ``before`` (all, when None).
+        """
+        keep: list[tuple[int, Future[ReplicationStats]]] = []
         first: BaseException | None = None
-        for future in self._futures:
-            if not wait and not future.done():
-                keep.append(future)
+        for generation, future in self._futures:
+            waits = wait and (before is None or generation < before)
+            if not waits and not future.done():
+                keep.append((generation, future))
                 continue
             try:
                 self.last = future.result()
@@ -739,10 +746,9 @@ class Resumer:
                         shutil.rmtree(target)
                     os.replace(tmp, target)
                     log.info("pulled rank %d's share of local step %d from node %d", share, pick.step, src_node)
-            except ReplicationError as exc:
-                failure = str(exc)
+            except ReplicationError as exc:  # the other moves still run: no peer is left waiting
+                failure = failure or str(exc)
                 log.warning("%s", exc)
-                break
         if not ctl.all_ok(failure is None, "replicas: pulls done"):
             return False
         if topo.local_rank == 0 and store.marker(pick.name) is None:
