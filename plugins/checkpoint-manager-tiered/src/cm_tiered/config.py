@@ -68,6 +68,14 @@ class TieredConfig(CheckpointConfig):
         "saves are durable.",
     )
 
+    replicas: int = Field(
+        default=0,
+        ge=0,
+        description="Also hold each rank's local checkpoint on this many ranks of other nodes (peer "
+        "replication, see docs/replicas.md): a job that loses a node resumes from the peers' copies "
+        "instead of the durable tier. 0: each node's local checkpoints live only there.",
+    )
+
     @field_validator("local_dir")
     @classmethod
     def _local_path(cls, value: str) -> str:
@@ -77,7 +85,7 @@ class TieredConfig(CheckpointConfig):
             raise ValueError(f"local_dir must be a local directory (the fast tier), got the URL {value!r}")
         return value
 
-    @field_validator("local_keep_last", "durable_every_n_steps", mode="before")
+    @field_validator("local_keep_last", "durable_every_n_steps", "replicas", mode="before")
     @classmethod
     def _no_bools(cls, value: Any, info: Any) -> Any:
         if isinstance(value, bool):

@@ -31,13 +31,14 @@ from checkpoint_manager import (
 from checkpoint_manager.factory import fields_set
 from checkpoint_manager.protocol import FinalizeOnExit
 from cm_tiered.config import LOCAL_POLICY_FIELDS, SHARED_FIELDS, TieredConfig
+from cm_tiered.replicas import NodeLocalManager, ReplicationStats, Replicator, Resumer
 
 __all__ = ["TieredCheckpointManager", "tier_configs"]
 
 log = logging.getLogger("cm_tiered")
 
 _T = TypeVar("_T")
-_TIERED_ONLY = frozenset({"local_dir", "local_keep_last", "durable_every_n_steps", "manager"})
+_TIERED_ONLY = frozenset({"local_dir", "local_keep_last", "durable_every_n_steps", "replicas", "manager"})
 _LOAD_FIELDS = frozenset({"load_mode", "load_step"})
 
 
@@ -80,13 +81,30 @@ class TieredCheckpointManager(FinalizeOnExit):
             config = TieredConfig.model_validate(fields_set(config))
         self.config: TieredConfig = config
         local_cfg, durable_cfg = tier_configs(config)
-        self.local = DefaultCheckpointManager(local_cfg)
+        self.local = NodeLocalManager(local_cfg) if config.replicas else DefaultCheckpointManager(local_cfg)
+        self._replicator: Replicator | None = None
+        self._committed: list[SaveResult] = []  # local commits waiting to be replicated
         try:
             self.durable = DefaultCheckpointManager(durable_cfg)
+            if config.replicas:
+                self._replicator = Replicator(
+                    self.local,  # type: ignore[arg-type]
+                    config.local_dir,
+                    config.replicas,
+                    config.local_keep_last,
+                    config.collective_timeout_s,
+                    fsync=config.fsync,
+                )
+                self.local.add_callback(_Committed(self._committed))
         except BaseException:
             self.local.finalize_async_saves(terminate=True)
+            if hasattr(self, "durable"):
+                self.durable.finalize_async_saves(terminate=True)
             raise
         self._tiers = {"local": self.local, "durable": self.durable}
+        # with replicas, a node's local directory holds only part of a checkpoint: resume goes through
+        # the replica store (every share, from whichever node holds it), never the local listing
+        self._listed = {"durable": self.durable} if self._replicator else self._tiers
         self._closed = False
 
     def add_callback(self, callback: CheckpointCallback) -> None:
@@ -107,37 +125,130 @@ class TieredCheckpointManager(FinalizeOnExit):
                 "create a new one to save again"
             )
         results = _both(self._tiers, lambda tier: tier.save(ctx), "save")
+        self._replicate_committed()
+        if self._replicator is not None:
+            # Backpressure: the replications handed over by an earlier save call must have landed
+            # before this call returns, so replicas never fall behind the local tier's retention. Only
+            # earlier calls' ones: every rank has handed those over (each rank finished its earlier
+            # call before this call's collective save decision), so no rank waits on one that another
+            # rank has yet to start, while that rank waits for it in a training collective.
+            self._replicator.collect(wait=True, before=self._replicator.generation)
+            self._replicator.generation += 1
         durable, local = results["durable"], results["local"]
         return durable if durable is not None else local
+
+    def _replicate_committed(self, *, wait: bool = False) -> None:
+        """Hand each committed local checkpoint to the replicator (in commit order, the same on every rank)."""
+        rep = self._replicator
+        if rep is None:
+            return
+        while self._committed:
+            result = self._committed.pop(0)
+            rep.submit(result.step, Path(result.path).name, result.path)
+        rep.collect(wait=wait)
 
     def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None:
         """Both tiers, always both: their background errors are raised, never swallowed."""
         if terminate:
             self._closed = True
-        _both(
-            self._tiers,
-            lambda tier: tier.finalize_async_saves(blocking=blocking, terminate=terminate),
-            "finalize_async_saves",
-        )
+        try:
+            _both(
+                self._tiers,
+                lambda tier: tier.finalize_async_saves(blocking=blocking, terminate=terminate),
+                "finalize_async_saves",
+            )
+        finally:
+            if self._replicator is not None:
+                try:
+                    self._replicate_committed(wait=blocking or terminate)
+                finally:
+                    if terminate:
+                        self._replicator.close()
+
+    @property
+    def last_replication(self) -> ReplicationStats | None:
+        """The newest finished replication on this rank (step, seconds, bytes sent and received); None without replicas."""
+        return None if self._replicator is None else self._replicator.last
 
     @property
     def save_in_flight(self) -> bool:
-        """Whether either tier's async save is still writing."""
-        return self.local.save_in_flight or self.durable.save_in_flight
+        """Whether either tier's async save, or a replication, is still in flight."""
+        replicating = self._replicator is not None and self._replicator.in_flight
+        return self.local.save_in_flight or self.durable.save_in_flight or replicating
 
     # -- load -------------------------------------------------------------------------------------
     def list_checkpoints(self) -> dict[str, list[int]]:
-        """Committed steps per tier, oldest first."""
-        return {name: [info.step for info in tier.list_checkpoints()] for name, tier in self._tiers.items()}
+        """Committed steps per tier, oldest first (with replicas: the local steps this node holds committed)."""
+        listing = {name: [info.step for info in tier.list_checkpoints()] for name, tier in self._tiers.items()}
+        if self._replicator is not None:
+            store = self._replicator.store
+            listing["local"] = sorted(int(m["step"]) for n in store.names() if (m := store.marker(n)) is not None)
+        return listing
 
     def should_load(self, ctx: LoadContext) -> bool:
         if ctx.path is not None:
             return self._tier_for_path(str(ctx.path)).should_load(ctx)
+        if self._replicator is not None and self._replica_step(ctx) is not None:
+            return True
         if self._candidates(ctx):
             return True
         return self._initial_weights(ctx)
 
+    def _replica_step(self, ctx: LoadContext) -> int | None:
+        """The newest local step every share of which survives (collective), unless a durable one is newer."""
+        assert self._replicator is not None
+        step = ctx.step if ctx.step is not None else self.config.load_step
+        if step is None and self.config.load_mode == "never":
+            return None
+        pick, _ = Resumer(self._replicator).pick(step)
+        if pick is None:
+            return None
+        durable = [s for s in self.list_checkpoints()["durable"] if step is None or s == step]
+        return pick.step if not durable or pick.step >= max(durable) else None
+
+    def _load_replicated(self, ctx: LoadContext) -> LoadResult | None:
+        """Resume from the nodes' local tiers (pulling lost shares from peers), or None: use the durable tier."""
+        assert self._replicator is not None
+        step = ctx.step if ctx.step is not None else self.config.load_step
+        if step is None and self.config.load_mode == "never":
+            return None
+        resumer = Resumer(self._replicator)
+        durable = [s for s in self.list_checkpoints()["durable"] if step is None or s == step]
+        first, notes = resumer.pick(step)
+        for note in notes:
+            log.warning("not resuming from the local tiers' %s", note)
+        if first is None or (durable and first.step < max(durable)):
+            if notes:
+                log.warning("falling back to the durable tier (%s)", self.config.save_dir)
+            return None
+        pick, more = resumer.verify_and_pull(step)
+        for note in more:
+            if note not in notes:
+                log.warning("not resuming from the local tiers' %s", note)
+        if pick is None or (durable and pick.step < max(durable)):
+            log.warning(
+                "falling back to the durable tier (%s): no newer local step survives intact on the peers",
+                self.config.save_dir,
+            )
+            return None
+        with resumer.assembled(pick) as path:
+            result = self.local.load(dataclasses.replace(ctx, path=str(path), step=None))
+        location = str(Path(self.config.local_dir) / pick.name)
+        log.info("resumed from the local tiers (with their replicas): %s (step %d)", location, result.step)
+        return dataclasses.replace(result, path=location)
+
     def load(self, ctx: LoadContext) -> LoadResult:
+        result = self._load(ctx)
+        rep = self._replicator
+        if rep is not None:
+            # the run goes on from this step: the local steps above it (a line this run abandons) and
+            # unfinished replications are never resumed from again
+            if rep.topo.local_rank == 0:  # one rank per node looks after the node's store
+                rep.store.drop_newer_than(result.step)
+            rep.ctl.barrier("replicas: store after the resume")
+        return result
+
+    def _load(self, ctx: LoadContext) -> LoadResult:
         """The newest checkpoint of either tier that loads; a damaged one falls back to the next.
 
         The default manager verifies a checkpoint (``verify_on_load``) and decodes its JSON before
@@ -145,6 +256,10 @@ class TieredCheckpointManager(FinalizeOnExit):
         """
         if ctx.path is not None:
             return self._tier_for_path(str(ctx.path)).load(ctx)
+        if self._replicator is not None:
+            replicated = self._load_replicated(ctx)
+            if replicated is not None:
+                return replicated
         candidates = self._candidates(ctx)
         if not candidates:
             if self._initial_weights(ctx):
@@ -183,7 +298,7 @@ class TieredCheckpointManager(FinalizeOnExit):
             return []
         found = [
             _Candidate(info.step, name, info.location)
-            for name, tier in self._tiers.items()
+            for name, tier in self._listed.items()
             for info in tier.list_checkpoints()
         ]
         if step is not None:
@@ -211,6 +326,16 @@ class TieredCheckpointManager(FinalizeOnExit):
         if "://" in path:
             return self.durable
         return self.local if Path(self.config.local_dir).resolve() in Path(path).resolve().parents else self.durable
+
+
+class _Committed(CheckpointCallback):
+    """Collects the local tier's commits (sync ones at once, async ones when collected)."""
+
+    def __init__(self, into: list[SaveResult]) -> None:
+        self.into = into
+
+    def on_save_committed(self, result: SaveResult) -> None:
+        self.into.append(result)
 
 
 def _both(

@@ -1,0 +1,777 @@
+"""Peer-replicated local checkpoints: each rank's share of a local checkpoint also held on other nodes.
+
+A *node* is what torchrun says it is (``GROUP_RANK``; else ``rank // LOCAL_WORLD_SIZE``). Each
+node's local tier lives on that node's own disk, under the same ``local_dir`` path on every node.
+
+**Shares.** Rank ``r``'s share of a checkpoint is what it wrote: its DCP data files and its rank
+JSON; rank 0's share also holds the files rank 0 alone writes (``.metadata``, ``state.json``) and a
+``checkpoint.json`` whose ``files`` map describes the whole checkpoint (every rank's files, with
+their sizes and CRC32s). Every node keeps the shares it holds under
+``<local_dir>/.replicas/<checkpoint name>/rank_<r>/``.
+
+**Peer rule.** Rank ``r`` (node ``n``, local rank ``l``) sends its share, for ``i = 1..K``, to the rank
+with local rank ``l`` on node ``(n + i) % nnodes``.
+
+**Committed.** After the local tier commits step ``s``, a background thread on every rank places
+its own share in the store and sends it to its K peers over a gloo group of the plugin's own; a
+receiver checks every file's CRC32 against the sender's manifest. Then every rank votes; only when
+every rank reports every replica in place does each node write ``committed.json`` beside the
+shares: a local checkpoint without it is never resumed from.
+
+**Resume.** The ranks gather what every surviving node holds; the newest step with a
+``committed.json`` on some node whose every share has a surviving copy (size-checked, then
+CRC-checked by its holder) is chosen; every node then pulls the shares it lacks from a holder
+(verified on receipt), assembles the checkpoint from hard links and loads it. A step with a share
+that no node holds intact is skipped with a warning that names the rank whose share is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoint_manager import CheckpointError, DefaultCheckpointManager
+from checkpoint_manager.core.checksum import crc32
+from checkpoint_manager.core.dist import DistContext
+from checkpoint_manager.core.layout import CHECKPOINT_JSON, seal_checkpoint_json
+
+__all__ = [
+    "NodeLocalManager",
+    "NodeTopology",
+    "ReplicaStore",
+    "ReplicationError",
+    "ReplicationStats",
+    "Replicator",
+]
+
+log = logging.getLogger("cm_tiered")
+
+STORE_DIR = ".replicas"
+RESUME_DIR = ".resume"
+MARKER = "committed.json"
+#: the largest piece of a file sent in one message (bytes): bounds the buffers of a transfer
+CHUNK = 64 << 20
+
+
+class ReplicationError(CheckpointError):
+    """A local checkpoint's replicas could not be put in place: that step is not committed locally."""
+
+
+# ---- who is where --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeTopology:
+    """Every rank's node and local rank, as the ranks reported them (identical on every rank)."""
+
+    rank: int
+    nodes: tuple[int, ...]  # node of each rank
+    local_ranks: tuple[int, ...]  # local rank of each rank
+
+    @property
+    def node(self) -> int:
+        return self.nodes[self.rank]
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_ranks[self.rank]
+
+    @property
+    def nnodes(self) -> int:
+        return len(set(self.nodes))
+
+    @property
+    def local_world_size(self) -> int:
+        return self.nodes.count(self.node)
+
+    def rank_at(self, node: int, local_rank: int) -> int:
+        for r, (n, lr) in enumerate(zip(self.nodes, self.local_ranks, strict=True)):
+            if n == node and lr == local_rank:
+                return r
+        raise ReplicationError(f"no rank with local rank {local_rank} on node {node}")
+
+    def peers(self, rank: int, k: int) -> list[int]:
+        """The K ranks holding ``rank``'s replicas: same local rank, the next K nodes round the ring."""
+        node, lr = self.nodes[rank], self.local_ranks[rank]
+        return [self.rank_at((node + i) % self.nnodes, lr) for i in range(1, k + 1)]
+
+    def sources(self, rank: int, k: int) -> list[int]:
+        """The K ranks whose replicas ``rank`` holds (the inverse of :meth:`peers`)."""
+        node, lr = self.nodes[rank], self.local_ranks[rank]
+        return [self.rank_at((node - i) % self.nnodes, lr) for i in range(1, k + 1)]
+
+    def node_leader(self, node: int) -> int:
+        return min(r for r, n in enumerate(self.nodes) if n == node)
+
+    @classmethod
+    def gather(cls, ctx: DistContext, k: int) -> NodeTopology:
+        """Every rank's (node, local rank) from torchrun's environment; refused when K cannot be met."""
+        env = os.environ
+        local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        local_rank = int(env.get("LOCAL_RANK", str(ctx.rank % max(local_world, 1))))
+        node = int(env["GROUP_RANK"]) if "GROUP_RANK" in env else ctx.rank // max(local_world, 1)
+        reports = ctx.all_gather_json([node, local_rank], "replicas: node topology")
+        topo = cls(ctx.rank, tuple(int(n) for n, _ in reports), tuple(int(lr) for _, lr in reports))
+        names = sorted(set(topo.nodes))
+        if names != list(range(len(names))):
+            raise ValueError(f"replicas: node numbers must be 0..nnodes-1, got {names}")
+        per_node = {n: sorted(lr for m, lr in zip(topo.nodes, topo.local_ranks, strict=True) if m == n) for n in names}
+        shapes = {tuple(v) for v in per_node.values()}
+        if len(shapes) != 1 or list(next(iter(shapes))) != list(range(len(per_node[0]))):
+            raise ValueError(f"replicas: every node must run the same local ranks 0..n-1, got {per_node}")
+        if topo.nnodes < k + 1:
+            raise ValueError(
+                f"replicas={k} needs at least {k + 1} nodes (each rank's checkpoint held on {k} other "
+                f"node(s)), but this job has {topo.nnodes} node(s) of {len(topo.nodes)} rank(s)"
+            )
+        return topo
+
+
+# ---- the local tier's writer: each node writes into its own disk ---------------------------------
+
+
+class NodeLocalManager(DefaultCheckpointManager):
+    """The local tier when every node has its own ``local_dir``.
+
+    The default manager names a save's pending directory on rank 0 and every rank writes into it,
+    which needs a directory shared by all ranks. Here every rank creates the same pending directory
+    on its own node's disk (overriding the private hook ``_new_pending``, the one place that
+    assumes a shared directory), so each node's disk holds what its ranks wrote. Rank 0's node
+    commits as usual; the other nodes' parts are moved into the replica store by
+    :class:`Replicator`.
+    """
+
+    def __init__(self, config: Any) -> None:
+        self.written: dict[int, Path] = {}  # step -> this node's pending directory of that save
+        super().__init__(config)
+
+    def _new_pending(self, dist: DistContext, name: str, step: int) -> Path:
+        path: Path = super()._new_pending(dist, name, step)
+        path.mkdir(parents=True, exist_ok=True)  # on rank 0's node it exists; elsewhere it is ours
+        self.written[step] = path
+        return path
+
+
+# ---- one node's store of shares ------------------------------------------------------------------
+
+
+def _share_dir(rank: int) -> str:
+    return f"rank_{rank:05d}"
+
+
+class ReplicaStore:
+    """``<local_dir>/.replicas/<name>/rank_<r>/``: the shares this node holds, and its markers."""
+
+    def __init__(self, local_dir: str | Path) -> None:
+        self.root = Path(local_dir) / STORE_DIR
+
+    def step_dir(self, name: str) -> Path:
+        return self.root / name
+
+    def share(self, name: str, rank: int) -> Path:
+        return self.root / name / _share_dir(rank)
+
+    def marker(self, name: str) -> dict[str, Any] | None:
+        try:
+            with open(self.root / name / MARKER, "rb") as f:
+                data = json.loads(f.read().decode("utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def write_marker(self, name: str, data: dict[str, Any]) -> None:
+        path = self.root / name / MARKER
+        tmp = path.with_name(f".{MARKER}.{uuid.uuid4().hex[:8]}")
+        with open(tmp, "wb") as f:
+            f.write(json.dumps(data, sort_keys=True).encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def names(self) -> list[str]:
+        try:
+            return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except FileNotFoundError:
+            return []
+
+    def holdings(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{name: {rank: {file: size}}}`` of every share present (sizes only: cheap to gather)."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for name in self.names():
+            shares: dict[str, dict[str, int]] = {}
+            with contextlib.suppress(FileNotFoundError):
+                for entry in (self.root / name).iterdir():
+                    if not entry.name.startswith("rank_") or not entry.is_dir():
+                        continue
+                    shares[str(int(entry.name[5:]))] = {
+                        str(p.relative_to(entry)): p.stat().st_size for p in entry.rglob("*") if p.is_file()
+                    }
+            out[name] = shares
+        return out
+
+    def remove(self, name: str) -> None:
+        path = self.root / name
+        if not path.exists():
+            return
+        doomed = self.root / f".{name}.deleting.{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(path, doomed)  # out of sight first: never half-listed
+        except FileNotFoundError:
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def drop_newer_than(self, step: int) -> None:
+        """Remove every step above ``step``: written by a run this one went back before."""
+        for name in self.names():
+            marker = self.marker(name)
+            newer = marker is not None and int(marker["step"]) > step
+            if newer or marker is None:  # an unfinished replication is never finished now
+                self.remove(name)
+
+    def prune(self, keep: int) -> None:
+        """Keep the newest ``keep`` committed steps. Unfinished ones are left alone: one may be the
+        replication this node's other ranks are placing now (they go at the next resume)."""
+        marked = []
+        for name in self.names():
+            marker = self.marker(name)
+            if marker is not None:
+                marked.append((int(marker["step"]), name))
+        marked.sort()
+        for _step, name in marked[:-keep]:
+            self.remove(name)
+        for leftover in self.root.glob(".*.deleting.*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+# ---- bytes over gloo -----------------------------------------------------------------------------
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    """A writable view of a CPU uint8 tensor's memory (no numpy needed)."""
+    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
+
+
+def _chunks(size: int) -> Iterator[tuple[int, int]]:
+    offset = 0
+    while offset < size or (size == 0 and offset == 0):
+        n = min(CHUNK, size - offset)
+        yield offset, n
+        offset += max(n, 1)
+        if size == 0:
+            return
+
+
+def send_files(ctx: DistContext, root: Path, files: list[str], dst: int, phase: str) -> int:
+    """Send ``files`` (relative to ``root``) to rank ``dst`` in chunks; returns the bytes sent."""
+    sent = 0
+    buf = torch.empty(0, dtype=torch.uint8)
+    for rel in files:
+        with open(root / rel, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            for _, n in _chunks(size):
+                if n == 0:
+                    continue
+                if buf.numel() < n:
+                    buf = torch.empty(n, dtype=torch.uint8)
+                piece = buf[:n]
+                view = _view(piece)
+                got = 0
+                while got < n:
+                    r = f.readinto(view[got:])
+                    if not r:
+                        raise ReplicationError(f"{root / rel}: shorter than its recorded size while sending")
+                    got += r
+                _p2p(ctx, dist.isend, piece, dst, phase)
+                sent += n
+    return sent
+
+
+def recv_files(
+    ctx: DistContext, root: Path, manifest: dict[str, dict[str, int]], src: int, phase: str, *, fsync: bool = True
+) -> tuple[int, list[str]]:
+    """Receive the files of ``manifest`` (sorted) from ``src`` into ``root``; returns the bytes and the
+    files whose CRC32 did not match (received in full all the same: the sender's stream stays aligned)."""
+    received, bad = 0, []
+    buf = torch.empty(0, dtype=torch.uint8)
+    for rel in sorted(manifest):
+        size, expected = int(manifest[rel]["size"]), int(manifest[rel]["crc32"])
+        target = root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        crc = 0
+        with open(target, "wb") as f:
+            for _, n in _chunks(size):
+                if n == 0:
+                    continue
+                if buf.numel() < n:
+                    buf = torch.empty(n, dtype=torch.uint8)
+                piece = buf[:n]
+                _p2p(ctx, dist.irecv, piece, src, phase)
+                view = _view(piece)
+                crc = crc32(view, crc)
+                f.write(view)
+                received += n
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        if crc != expected:
+            bad.append(rel)
+    return received, bad
+
+
+def _p2p(ctx: DistContext, op: Any, tensor: torch.Tensor, peer: int, phase: str) -> None:
+    try:
+        work = op(tensor, peer, group=ctx.group)
+        work.wait(timeout=ctx.timeout)
+    except Exception as exc:
+        raise ReplicationError(
+            f"rank {ctx.rank}: '{phase}' with rank {peer} failed or timed out "
+            f"({ctx.timeout.total_seconds():g}s); that rank probably died: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+# ---- helpers on shares ---------------------------------------------------------------------------
+
+
+def file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK):
+            crc = crc32(chunk, crc)
+    return crc
+
+
+def manifest_of(root: Path, known: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """``{file: {size, crc32}}`` of every file below ``root`` (CRC32s from ``known`` where the size matches)."""
+    out: dict[str, dict[str, int]] = {}
+    for p in sorted(root.rglob("*")):
+        if not p.is_file():
+            continue
+        rel = str(p.relative_to(root))
+        size = p.stat().st_size
+        entry = known.get(rel)
+        if isinstance(entry, dict) and entry.get("size") == size and "crc32" in entry:
+            out[rel] = {"size": size, "crc32": int(entry["crc32"])}
+        else:
+            out[rel] = {"size": size, "crc32": file_crc(p)}
+    return out
+
+
+def _place(src: Path, dst: Path, *, move: bool) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if move:
+        os.replace(src, dst)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            dst.unlink()
+        try:
+            os.link(src, dst)  # node 0: the local tier's committed files, shared, not copied
+        except OSError:
+            shutil.copy2(src, dst)
+
+
+# ---- after a local commit: place, send, vote, mark -----------------------------------------------
+
+
+@dataclasses.dataclass
+class ReplicationStats:
+    """One rank's side of one replication: its step, wall time in the background, bytes sent and received."""
+
+    step: int = -1
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class Replicator:
+    """Runs the replication of each committed local checkpoint on a background thread, in order."""
+
+    def __init__(
+        self, local: NodeLocalManager, local_dir: str, k: int, keep: int, timeout_s: float, *, fsync: bool = True
+    ) -> None:
+        self.local, self.k, self.keep, self.fsync = local, k, keep, fsync
+        self.store = ReplicaStore(local_dir)
+        self.local_dir = Path(local_dir)
+        self.ctl = DistContext(timeout_s)  # the training thread's collectives (decisions, resume)
+        self.io = DistContext(timeout_s)  # the background thread's: never interleaved with ctl's
+        self.topo = NodeTopology.gather(self.ctl, k)
+        self._executor: ThreadPoolExecutor | None = None
+        self._futures: list[tuple[int, Future[ReplicationStats]]] = []
+        #: the manager's save calls so far: each replication is tagged with the call that handed it over
+        self.generation = 0
+        self.last = ReplicationStats()
+        if self.topo.local_rank == 0 and self.topo.node != self.topo.nodes[0]:
+            self._sweep_foreign_pending()
+        self.ctl.barrier("replicas: start")
+
+    def _sweep_foreign_pending(self) -> None:
+        """On nodes other than rank 0's, the local tier never commits (nor sweeps) its pending parts."""
+        pending = self.local_dir / ".pending"
+        if pending.is_dir():
+            for entry in pending.iterdir():
+                shutil.rmtree(entry, ignore_errors=True)
+
+    # -- scheduling --------------------------------------------------------------------------------
+    def submit(self, step: int, name: str, committed_path: str) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-replicas")
+        future = self._executor.submit(self._replicate, step, name, committed_path)
+        self._futures.append((self.generation, future))
+
+    @property
+    def in_flight(self) -> bool:
+        return any(not f.done() for _, f in self._futures)
+
+    def collect(self, *, wait: bool, before: int | None = None) -> None:
+        """Raise the first failed replication (its step stays uncommitted locally), never swallow it.
+
+        ``wait``: wait for those handed over before save call ``before`` (all, when None).
+        """
+        keep: list[tuple[int, Future[ReplicationStats]]] = []
+        first: BaseException | None = None
+        for generation, future in self._futures:
+            waits = wait and (before is None or generation < before)
+            if not waits and not future.done():
+                keep.append((generation, future))
+                continue
+            try:
+                self.last = future.result()
+            except BaseException as exc:
+                first = first or exc
+        self._futures = keep
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # -- the background job ------------------------------------------------------------------------
+    def _replicate(self, step: int, name: str, committed_path: str) -> ReplicationStats:
+        import time
+
+        t0 = time.perf_counter()
+        topo, io = self.topo, self.io
+        rank = io.rank
+        on_coord_node = topo.node == topo.nodes[0]
+        pending = self.local.written.pop(step, None)
+        written = Path(committed_path) if on_coord_node else pending
+        failure: BaseException | None = None
+        manifest: dict[str, dict[str, int]] = {}
+        try:
+            if written is None or not written.is_dir():
+                raise ReplicationError(f"rank {rank}: the local files of step {step} are gone ({written})")
+            rank_json = written / f"rank_{rank:05d}.json"
+            with open(rank_json, "rb") as f:
+                known = json.loads(f.read().decode("utf-8")).get("files", {})
+            mine = sorted({*known, rank_json.name})
+        except BaseException as exc:
+            failure, mine, known = exc, [], {}
+        claims = io.all_gather_json(mine, f"replicas step {step}: shares")
+        stats = ReplicationStats(step=step)
+        try:
+            if failure is not None:
+                raise failure
+            assert written is not None
+            if rank == 0:  # rank 0's share: also every file of its directory no other rank wrote
+                others = {f for r, files in enumerate(claims) if r != 0 for f in files}
+                mine = sorted(
+                    str(p.relative_to(written))
+                    for p in written.rglob("*")
+                    if p.is_file() and str(p.relative_to(written)) not in others
+                    and str(p.relative_to(written)) != CHECKPOINT_JSON
+                )
+            share = self.store.share(name, rank)
+            tmp = share.with_name(f".{share.name}.{uuid.uuid4().hex[:8]}")
+            for rel in mine:
+                _place(written / rel, tmp / rel, move=not on_coord_node)
+            if share.exists():
+                shutil.rmtree(share)
+            os.replace(tmp, share)
+            manifest = manifest_of(share, known)
+        except BaseException as exc:
+            failure = exc
+        manifests = io.all_gather_json(
+            None if failure is not None else manifest, f"replicas step {step}: manifests"
+        )
+        ok = failure is None and all(m is not None for m in manifests)
+        if ok and rank == 0:  # the whole checkpoint's files map, sealed into rank 0's share
+            try:
+                self._write_full_checkpoint_json(Path(committed_path), self.store.share(name, 0), manifests)
+                manifests[0] = manifest_of(self.store.share(name, 0), manifests[0])
+            except BaseException as exc:
+                failure, ok = exc, False
+        ok = io.all_ok(ok, f"replicas step {step}: shares placed")
+        if ok:
+            manifests[0] = io.broadcast_json(manifests[0], f"replicas step {step}: manifest of rank 0")
+            try:
+                for i in range(1, self.k + 1):
+                    dst = topo.peers(rank, self.k)[i - 1]
+                    src = topo.sources(rank, self.k)[i - 1]
+                    stats.bytes_sent += self._exchange(name, rank, dst, src, manifests, step)
+                stats.bytes_received = sum(
+                    sum(int(e["size"]) for e in manifests[s].values()) for s in topo.sources(rank, self.k)
+                )
+            except BaseException as exc:
+                failure = exc
+        landed = io.all_gather_json(
+            None if failure is None else f"{type(failure).__name__}: {failure}", f"replicas step {step}: vote"
+        )
+        bad = {r: why for r, why in enumerate(landed) if why is not None}
+        if bad or not ok:
+            detail = "; ".join(f"rank {r}: {why}" for r, why in bad.items()) or "a rank failed to place its share"
+            error = ReplicationError(f"the replicas of local step {step} ({name}) are not in place: {detail}")
+            raise error from failure
+        if topo.local_rank == 0:
+            self.store.write_marker(
+                name,
+                {
+                    "step": step,
+                    "name": name,
+                    "world_size": len(topo.nodes),
+                    "replicas": self.k,
+                    "nodes": list(topo.nodes),
+                    "local_ranks": list(topo.local_ranks),
+                    "manifests": {str(r): m for r, m in enumerate(manifests)},
+                },
+            )
+            if not on_coord_node and written is not None:
+                shutil.rmtree(written, ignore_errors=True)  # its files were moved into the store
+            self.store.prune(self.keep)
+        stats.seconds = time.perf_counter() - t0
+        log.info(
+            "local step %d replicated to %d peer(s): %.3f GB sent in %.2fs",
+            step, self.k, stats.bytes_sent / 1e9, stats.seconds,
+        )
+        return stats
+
+    def _exchange(
+        self, name: str, rank: int, dst: int, src: int, manifests: list[dict[str, dict[str, int]]], step: int
+    ) -> int:
+        """Send my share to ``dst`` while receiving ``src``'s (ordered by rank parity: no deadlock)."""
+        phase = f"replicas step {step}: rank {rank} <-> peers"
+        mine = self.store.share(name, rank)
+        theirs = self.store.share(name, src)
+        tmp = theirs.with_name(f".{theirs.name}.{uuid.uuid4().hex[:8]}")
+        sent = 0
+        bad: list[str] = []
+        # senders and receivers pair up on a ring: break the cycle by node parity
+        if self.topo.node % 2 == 0:
+            sent = send_files(self.io, mine, sorted(manifests[rank]), dst, phase)
+            _, bad = recv_files(self.io, tmp, manifests[src], src, phase, fsync=self.fsync)
+        else:
+            _, bad = recv_files(self.io, tmp, manifests[src], src, phase, fsync=self.fsync)
+            sent = send_files(self.io, mine, sorted(manifests[rank]), dst, phase)
+        if bad:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ReplicationError(f"the replica of rank {src}'s share arrived damaged (CRC32 mismatch): {bad}")
+        if theirs.exists():
+            shutil.rmtree(theirs)
+        os.replace(tmp, theirs)
+        return sent
+
+    @staticmethod
+    def _write_full_checkpoint_json(
+        committed: Path, share0: Path, manifests: list[dict[str, dict[str, int]]]
+    ) -> None:
+        """Rank 0's ``checkpoint.json`` lists what rank 0's node holds; the replica's lists every rank's files."""
+        with open(committed / CHECKPOINT_JSON, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+        files: dict[str, dict[str, int]] = {}
+        for m in manifests:
+            files.update({k: v for k, v in m.items() if k != CHECKPOINT_JSON})
+        meta["files"] = dict(sorted(files.items()))
+        data = json.dumps(seal_checkpoint_json(meta), indent=1, sort_keys=False).encode("utf-8")
+        with open(share0 / CHECKPOINT_JSON, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+# ---- resume: agree on a step, pull what is missing, assemble -------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalPick:
+    """The newest step every share of which survives somewhere, and who holds what."""
+
+    step: int
+    name: str
+    marker: dict[str, Any]
+    holders: dict[int, list[int]]  # share rank -> nodes holding it intact
+
+
+def decide(
+    reports: list[dict[str, Any]], world_size: int, step: int | None, skip: set[str]
+) -> tuple[LocalPick | None, list[str]]:
+    """The same answer on every rank: the newest committed local step all of whose shares survive.
+
+    ``reports`` are the nodes' holdings and markers (one per rank; duplicates of a node agree).
+    Returns the pick (or None) and the reasons newer steps were passed over (for the log).
+    """
+    markers: dict[str, dict[str, Any]] = {}
+    holdings: dict[str, dict[int, dict[int, dict[str, int]]]] = {}  # name -> node -> share -> sizes
+    for report in reports:
+        node = int(report["node"])
+        for name, marker in report["markers"].items():
+            markers.setdefault(name, marker)
+        for name, shares in report["holdings"].items():
+            holdings.setdefault(name, {})[node] = {int(r): sizes for r, sizes in shares.items()}
+    why: list[str] = []
+    for name, marker in sorted(markers.items(), key=lambda kv: -int(kv[1]["step"])):
+        if name in skip:
+            continue
+        if step is not None and int(marker["step"]) != step:
+            continue
+        if int(marker["world_size"]) != world_size:
+            why.append(f"local step {marker['step']} was saved by {marker['world_size']} ranks, not {world_size}")
+            continue
+        manifests = {int(r): m for r, m in marker["manifests"].items()}
+        holders: dict[int, list[int]] = {}
+        missing: list[int] = []
+        for share, manifest in sorted(manifests.items()):
+            want = {f: int(e["size"]) for f, e in manifest.items()}
+            holders[share] = sorted(
+                node for node, shares in holdings.get(name, {}).items() if shares.get(share) == want
+            )
+            if not holders[share]:
+                missing.append(share)
+        if missing:
+            why.append(
+                f"local step {marker['step']} ({name}): no surviving intact copy of the share of rank(s) "
+                f"{', '.join(map(str, missing))}"
+            )
+            continue
+        return LocalPick(int(marker["step"]), name, marker, holders), why
+    return None, why
+
+
+class Resumer:
+    """The collective resume from the nodes' local tiers (training thread, the ``ctl`` group)."""
+
+    def __init__(self, rep: Replicator) -> None:
+        self.rep = rep
+
+    def report(self) -> dict[str, Any]:
+        store, topo = self.rep.store, self.rep.topo
+        if topo.local_rank != 0:  # one report per node: its leader's
+            return {"node": topo.node, "markers": {}, "holdings": {}}
+        holdings = store.holdings()
+        markers = {name: m for name in holdings if (m := store.marker(name)) is not None}
+        return {"node": topo.node, "markers": markers, "holdings": holdings}
+
+    def pick(self, step: int | None) -> tuple[LocalPick | None, list[str]]:
+        reports = self.rep.ctl.all_gather_json(self.report(), "replicas: what survives")
+        return decide(reports, len(self.rep.topo.nodes), step, set())
+
+    def verify_and_pull(self, step: int | None) -> tuple[LocalPick | None, list[str]]:
+        """Pick, CRC-check the holders' copies, pull what each node lacks; the next step on a damaged copy."""
+        ctl, topo, store = self.rep.ctl, self.rep.topo, self.rep.store
+        reports = ctl.all_gather_json(self.report(), "replicas: what survives")
+        skip: set[str] = set()
+        notes: list[str] = []
+        while True:
+            pick, why = decide(reports, len(topo.nodes), step, skip)
+            notes += why
+            if pick is None:
+                return None, notes
+            # each node's ranks share the CRC check of the shares the node holds
+            manifests = {int(r): m for r, m in pick.marker["manifests"].items()}
+            damaged: list[list[int]] = []
+            held = [s for s, nodes in pick.holders.items() if topo.node in nodes]
+            for i, share in enumerate(held):
+                if i % topo.local_world_size != topo.local_rank:
+                    continue
+                root = store.share(pick.name, share)
+                bad = [f for f, e in manifests[share].items() if file_crc(root / f) != int(e["crc32"])]
+                if bad:
+                    log.warning(
+                        "the copy of rank %d's share of local step %d on node %d is damaged (CRC32 mismatch: "
+                        "%s): not used", share, pick.step, topo.node, ", ".join(bad),
+                    )
+                    damaged.append([topo.node, share])
+            everyone = ctl.all_gather_json(damaged, f"replicas: check local step {pick.step}")
+            bad_copies = {(int(n), int(s)) for rank_list in everyone for n, s in rank_list}
+            if bad_copies:
+                for report in reports:  # the damaged copies do not count any more
+                    shares = report["holdings"].get(pick.name)
+                    if shares is not None:
+                        for n, s in bad_copies:
+                            if int(report["node"]) == n:
+                                shares.pop(str(s), None)
+                continue  # decide again: another copy, or an older step
+            if self._pull(pick, manifests):
+                return pick, notes
+            skip.add(pick.name)
+            notes.append(f"local step {pick.step}: a transfer failed; trying an older one")
+
+    def _pull(self, pick: LocalPick, manifests: dict[int, dict[str, dict[str, int]]]) -> bool:
+        """Every node gets the shares it lacks from the first node holding each (CRC-checked on receipt)."""
+        ctl, topo, store = self.rep.ctl, self.rep.topo, self.rep.store
+        lw = topo.local_world_size
+        failure: str | None = None
+        moves = []  # (share, from node, to node): the same list, in the same order, on every rank
+        for node in sorted(set(topo.nodes)):
+            for share, nodes in sorted(pick.holders.items()):
+                if node not in nodes:
+                    moves.append((share, nodes[0], node))
+        for share, src_node, dst_node in moves:
+            lr = share % lw  # the local rank that moves this share, on both nodes
+            src, dst = topo.rank_at(src_node, lr), topo.rank_at(dst_node, lr)
+            phase = f"replicas: pull rank {share}'s share of local step {pick.step}"
+            try:
+                if ctl.rank == src:
+                    send_files(ctl, store.share(pick.name, share), sorted(manifests[share]), dst, phase)
+                elif ctl.rank == dst:
+                    target = store.share(pick.name, share)
+                    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
+                    _, bad = recv_files(ctl, tmp, manifests[share], src, phase, fsync=self.rep.fsync)
+                    if bad:
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        raise ReplicationError(f"rank {share}'s share from node {src_node} arrived damaged: {bad}")
+                    if target.exists():
+                        shutil.rmtree(target)
+                    os.replace(tmp, target)
+                    log.info("pulled rank %d's share of local step %d from node %d", share, pick.step, src_node)
+            except ReplicationError as exc:  # the other moves still run: no peer is left waiting
+                failure = failure or str(exc)
+                log.warning("%s", exc)
+        if not ctl.all_ok(failure is None, "replicas: pulls done"):
+            return False
+        if topo.local_rank == 0 and store.marker(pick.name) is None:
+            store.write_marker(pick.name, pick.marker)  # this node holds a complete copy again
+        return True
+
+    @contextlib.contextmanager
+    def assembled(self, pick: LocalPick) -> Iterator[Path]:
+        """The checkpoint, as one directory of hard links to the shares, on every node."""
+        ctl, topo, store = self.rep.ctl, self.rep.topo, self.rep.store
+        path = self.rep.local_dir / RESUME_DIR / pick.name
+        if topo.local_rank == 0:
+            if path.exists():
+                shutil.rmtree(path)
+            for share in sorted(pick.holders):
+                root = store.share(pick.name, share)
+                for p in root.rglob("*"):
+                    if p.is_file():
+                        _place(p, path / p.relative_to(root), move=False)
+        ctl.barrier("replicas: assembled")
+        try:
+            yield path
+        finally:
+            ctl.barrier("replicas: loaded")
+            if topo.local_rank == 0:
+                shutil.rmtree(self.rep.local_dir / RESUME_DIR, ignore_errors=True)

@@ -1,0 +1,160 @@
+"""Peer-replicated local checkpoints, for real: two torchrun agents on loopback as two nodes.
+
+Each node has its own local disk (a directory bound, in the node's own mount namespace, at the one
+``local_dir`` path both use); the durable tier is shared. A node is killed with SIGKILL mid-training,
+its disk wiped, and the job restarted: it must resume from the newest local step, pulling the lost
+shares from the peer, bit for bit as a run that never stopped, without the durable tier.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from replica_nodes import Job, can_isolate_nodes
+from safetensors.torch import load_file
+
+from checkpoint_manager import create_checkpoint_manager
+
+STEPS = 10
+JOB_TIMEOUT = 400  # seconds: four processes importing torch on a busy 2-core machine take a while
+
+pytestmark = [
+    pytest.mark.timeout(1500),
+    pytest.mark.skipif(not can_isolate_nodes(), reason="needs root and unshare (a mount namespace per node)"),
+]
+
+
+def outputs(out: Path) -> dict[int, dict[str, torch.Tensor]]:
+    return {r: load_file(str(out / f"rank_{r}.safetensors")) for r in range(4)}
+
+
+def assert_bit_exact(actual: Path, expected: Path) -> None:
+    got, want = outputs(actual), outputs(expected)
+    for rank in range(4):
+        assert got[rank].keys() == want[rank].keys()
+        for key, tensor in want[rank].items():
+            assert torch.equal(got[rank][key], tensor), (rank, key)
+
+
+def result(out: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((out / "result.json").read_text())
+    return data
+
+
+def logs(out: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(out.glob("node*.log")))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run that never stopped."""
+    root = tmp_path_factory.mktemp("reference")
+    job = Job(root / "run", root / "out", STEPS)
+    job.start()
+    job.wait(JOB_TIMEOUT)
+    assert result(root / "out")["resumed"]["step"] is None
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run whose node 1 was SIGKILLed mid-training (then node 0 too: the scheduler restarts the job)."""
+    root = tmp_path_factory.mktemp("killed")
+    # async saves here (the reference saves synchronously): the replication of a background save, too
+    job = Job(root / "run", root / "out", STEPS, extra=("--signal-at", "7", "--step-sleep", "0.5", "--async"))
+    job.start()
+    job.wait_for(root / "out" / "reached", JOB_TIMEOUT)
+    job.kill(1)  # node 1 dies with its processes
+    time.sleep(1.0)
+    job.kill(0)
+    return root / "run"
+
+
+def restart(tmp_path: Path, killed: Path) -> tuple[Path, Path]:
+    run = tmp_path / "run"
+    shutil.copytree(killed, run, symlinks=True)
+    for name in ("node0", "node1"):  # nothing of the killed job's processes may survive in them
+        assert (run / name).is_dir()
+    return run, tmp_path / "out"
+
+
+def newest_replicated(node_dir: Path) -> int:
+    steps = []
+    for marker in (node_dir / ".replicas").glob("*/committed.json"):
+        steps.append(json.loads(marker.read_text())["step"])
+    return max(steps, default=-1)
+
+
+def test_lost_node_resumes_from_peers_bit_exact(tmp_path: Path, reference: Path, killed: Path) -> None:
+    run, out = restart(tmp_path, killed)
+    newest = newest_replicated(run / "node0")
+    shutil.rmtree(run / "node1")  # the node is replaced: an empty local disk
+    (run / "node1").mkdir()
+    durable_steps = sorted(int(p.name[5:]) for p in (run / "durable").glob("step_*"))
+    assert durable_steps and max(durable_steps) < newest
+    hidden = run.parent / "durable-away"
+    (run / "durable").rename(hidden)  # the durable tier cannot be read during the resume
+    job = Job(run, out, STEPS)
+    job.start()
+    job.wait(JOB_TIMEOUT)
+    resumed = result(out)["resumed"]
+    assert resumed == {"step": newest, "path": str(run / "local" / f"step_{newest:08d}")}
+    text = logs(out)
+    assert "pulled rank 2's share" in text and "pulled rank 3's share" in text
+    assert "resumed from the local tiers" in text
+    assert_bit_exact(out, reference)
+    # the replaced node holds its shares again (and its peer's), under the same retention
+    assert newest_replicated(run / "node1") == STEPS
+
+
+def test_both_copies_lost_falls_back_to_durable(tmp_path: Path, reference: Path, killed: Path) -> None:
+    run, out = restart(tmp_path, killed)
+    shutil.rmtree(run / "node1")
+    (run / "node1").mkdir()
+    for share in (run / "node0" / ".replicas").glob("*/rank_0000[23]"):
+        shutil.rmtree(share)  # node 0's replicas of node 1's ranks are lost too
+    durable = max(int(p.name[5:]) for p in (run / "durable").glob("step_*"))
+    job = Job(run, out, STEPS)
+    job.start()
+    job.wait(JOB_TIMEOUT)
+    assert result(out)["resumed"] == {"step": durable, "path": str(run / "durable" / f"step_{durable:08d}")}
+    text = logs(out)
+    assert "no surviving intact copy of the share of rank(s) 2, 3" in text
+    assert "falling back to the durable tier" in text
+    assert_bit_exact(out, reference)
+
+
+def test_corrupted_copy_uses_the_next_one(tmp_path: Path, reference: Path, killed: Path) -> None:
+    run, out = restart(tmp_path, killed)
+    newest = max(newest_replicated(run / "node0"), newest_replicated(run / "node1"))
+    name = f"step_{newest:08d}"
+    data = sorted((run / "node1" / ".replicas" / name / "rank_00002").glob("*.distcp"))
+    assert data, "rank 2 wrote no data file"
+    raw = bytearray(data[0].read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, one flipped byte: only the CRC32 sees it
+    data[0].write_bytes(bytes(raw))
+    job = Job(run, out, STEPS)
+    job.start()
+    job.wait(JOB_TIMEOUT)
+    assert result(out)["resumed"]["step"] == newest
+    text = logs(out)
+    assert f"the copy of rank 2's share of local step {newest} on node 1 is damaged" in text
+    assert "pulled rank 2's share" in text  # from node 0's replica
+    assert_bit_exact(out, reference)
+
+
+def test_replicas_need_enough_nodes(tmp_path: Path) -> None:
+    fields = {
+        "manager": "tiered",
+        "save_dir": str(tmp_path / "durable"),
+        "local_dir": str(tmp_path / "local"),
+        "replicas": 1,
+    }
+    with pytest.raises(ValueError, match=r"replicas=1 needs at least 2 nodes .* this job has 1 node\(s\) of 1 rank\(s\)"):
+        create_checkpoint_manager(fields)
