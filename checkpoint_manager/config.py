@@ -68,6 +68,11 @@ class CheckpointConfig(BaseModel):
         description="None for the default DCP manager, an entry-point name registered in group "
         "'checkpoint_manager.managers', or a dotted path 'pkg.mod.Class' / 'pkg.mod:Class'.",
     )
+    engine: str = Field(
+        default="dcp",
+        description="The engine that writes and reads a checkpoint's files: 'dcp', an entry-point name "
+        "registered in group 'checkpoint_manager.engines', or a dotted path 'pkg.mod.Class' / 'pkg.mod:Class'.",
+    )
     on_unsupported_field: Literal["warn", "error"] = Field(
         default="warn",
         description="What setting a field that the chosen manager declares it does not implement "

@@ -32,7 +32,9 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "check_manager_class",
     "create_checkpoint_manager",
+    "create_engine",
     "fields_set",
+    "load_engine_class",
     "resolve_manager_class",
     "validate_config_for",
 ]
@@ -429,3 +431,30 @@ def _describe(obj: object) -> str:
     if inspect.isroutine(obj):
         return f"the function {getattr(obj, '__qualname__', obj)!r}"
     return f"a value of type {type(obj).__name__} ({obj!r})"
+
+
+def load_engine_class(name: str) -> type[Any]:
+    """The engine class ``name`` names: ``"dcp"`` or a dotted path ``pkg.mod:Class`` / ``pkg.mod.Class``
+    (TEMP stub: the entry-point group and signature checks come with the factory's own version)."""
+    if name == "dcp":
+        from checkpoint_manager.engine.dcp.engine import DCPEngine
+
+        return DCPEngine
+    module_name, sep, attr = name.partition(":")
+    if not sep:
+        module_name, _, attr = name.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"engine {name!r} is not installed: expected 'dcp' or a dotted path 'pkg.mod:Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"engine {name!r} is not installed: cannot import {module_name!r} ({exc})") from exc
+    cls = getattr(module, attr, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"engine {name!r} is not installed: {module_name!r} has no class {attr!r}")
+    return cls
+
+
+def create_engine(config: CheckpointConfig) -> Any:
+    """The engine ``config.engine`` names, built as ``cls(config)`` (TEMP stub)."""
+    return load_engine_class(config.engine)(config)
