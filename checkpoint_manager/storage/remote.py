@@ -25,7 +25,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 from checkpoint_manager.core.checksum import crc32
 from checkpoint_manager.core.layout import (
@@ -65,6 +65,7 @@ METADATA_FILE = ".metadata"
 _OURS = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank_\d+\.json|state\.json|hf/.+)$")
 _RANK_JSON = re.compile(r"^rank_\d+\.json$")
 _CACHE_STALE_S = 3600.0  # a download this old belongs to no running load
+_PART_BYTES = 64 << 20  # a streamed upload's multipart part: few requests, about one part in memory per rank
 _TRANSFERS = 8  # files moved at once (each big one is itself a concurrent multipart transfer)
 
 
@@ -297,11 +298,17 @@ class FsspecStorage:
         if self.upload_mode == "stream":
             from checkpoint_manager.engine.dcp.stream import StreamingWriter
 
-            return StreamingWriter(pending, fs=self.fs, remote_dir=self.remote_dir(pending), retry=self.retry)
+            return StreamingWriter(pending, open_output=lambda rel: self.open_output(pending, rel), retry=self.retry)
         from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
         # the staging copy is uploaded at once: its durability comes from the store, not from fsync
         return CheckpointWriter(pending, fsync=False, direct=direct)
+
+    def open_output(self, pending: Path, rel: str) -> BinaryIO:
+        """A new object for the file ``rel`` of the save in ``pending``, written straight into the
+        store in multipart parts (``close`` completes it, ``discard`` aborts it)."""
+        out: BinaryIO = self.fs.open(f"{self.remote_dir(pending)}/{rel}", "wb", block_size=_PART_BYTES)
+        return out
 
     def _transfer(self, what: str, fn: Any, pairs: list[tuple[str, str]]) -> None:
         """``fn(src, dst)`` for every pair, a few at a time, each retried on its own (a batch retried

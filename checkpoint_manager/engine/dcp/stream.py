@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import io
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo, _StoragePrefix
@@ -24,9 +25,6 @@ from checkpoint_manager.core.checksum import crc32, crc32_combine
 from checkpoint_manager.engine.dcp.envelope import envelope_for
 from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 from checkpoint_manager.storage.retry import RetryPolicy
-
-if TYPE_CHECKING:
-    from fsspec import AbstractFileSystem
 
 __all__ = ["StreamingWriter"]
 
@@ -43,25 +41,25 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 class StreamingWriter(CheckpointWriter):
-    """:class:`~checkpoint_manager.engine.dcp.writer.CheckpointWriter` whose tensor file goes to ``remote_dir``."""
+    """:class:`~checkpoint_manager.engine.dcp.writer.CheckpointWriter` whose tensor file goes straight to the store (``open_output``)."""
 
     def __init__(
         self,
         pending: str | Path,
         *,
-        fs: AbstractFileSystem,
-        remote_dir: str,
+        open_output: Callable[[str], BinaryIO],
         retry: RetryPolicy,
         part_bytes: int = PART_BYTES,
     ) -> None:
+        """``open_output(name)``: a new object of the store for the file ``name`` of this checkpoint
+        (an fsspec file: ``close`` completes it, ``discard``, where it has one, aborts it)."""
         super().__init__(pending, fsync=False, direct=False)
-        self.store = fs  # not self.fs: DCP's own local file system writes .metadata in finish()
-        self.remote_dir = remote_dir
+        self.open_output = open_output  # not self.fs: DCP's own local file system writes .metadata in finish()
         self.retry = retry
         self.part_bytes = part_bytes
 
-    def _write_file(self, remote: str, file_name: str, plan: SavePlan, planner: SavePlanner) -> tuple[list[WriteResult], int, int]:
-        out: Any = self.store.open(remote, "wb", block_size=self.part_bytes)
+    def _write_file(self, file_name: str, plan: SavePlan, planner: SavePlanner) -> tuple[list[WriteResult], int, int]:
+        out: Any = self.open_output(file_name)
         results: list[WriteResult] = []
         file_crc = 0
         position = 0
@@ -118,9 +116,8 @@ class StreamingWriter(CheckpointWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         storage_plan: _StoragePrefix = plan.storage_data
         file_name = f"{storage_plan.prefix}0{DEFAULT_SUFFIX}"
-        remote = f"{self.remote_dir}/{file_name}"
         results, size, crc = self.retry.call(
-            lambda: self._write_file(remote, file_name, plan, planner), f"upload {file_name}"
+            lambda: self._write_file(file_name, plan, planner), f"upload {file_name}"
         )
         self.checksums[file_name] = {"size": size, "crc32": crc}
         fut: Future[list[WriteResult]] = Future()
