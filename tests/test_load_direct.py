@@ -22,11 +22,11 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
+from checkpoint_manager.engine.dcp import engine as manager_module
 from checkpoint_manager.engine.dcp.envelope import envelope_for
 from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 from checkpoint_manager.engine.dcp.reader import CheckpointReader
 from checkpoint_manager.errors import CheckpointCorruptError
-from checkpoint_manager.engine.dcp import engine as manager_module
 
 COUNT = 1200  # parameters: with AdamW's exp_avg, exp_avg_sq and step, 4,800 small records
 
