@@ -29,7 +29,12 @@ Call order of a load, on every rank:
 1. ``read_index(directory, ctx)``: which tensors the checkpoint holds (global shapes and dtypes),
    so the lifecycle can check them against the live state and allocate what is not live yet;
 2. ``load(targets, directory, ctx)``: fill ``targets`` in place (plain tensors or DTensor shards, at
-   any world size: resharding is the engine's). A key absent from ``targets`` is not read.
+   any world size: resharding is the engine's). A key absent from ``targets`` is not read. Both
+   calls get the same ``ctx`` (what ``read_index`` read may wait in ``ctx.extra``).
+
+A load takes the engine ``checkpoint.json`` names (``"engine"``, the engine's ``name``), resolved as
+``engine=`` is (``"dcp"``, an entry-point name, a dotted path): the manager's own engine if the names
+are equal, else that one, built as ``cls(config)``.
 """
 
 from __future__ import annotations

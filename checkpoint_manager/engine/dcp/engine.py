@@ -197,11 +197,17 @@ class DCPEngine:
         check_data_files(metadata, directory)  # before targets are allocated from the sizes it claims
         ctx.extra[_METADATA] = (directory, metadata)
         tensor_meta = TensorStorageMetadata
-        return {
-            k: TensorInfo(m.size, m.properties.dtype)
-            for k, m in metadata.state_dict_metadata.items()
-            if type(m) is tensor_meta
-        }
+        # entries of one shape and dtype share one metadata object (the writer's plan makes them so,
+        # and unpickling keeps it): one TensorInfo each, not one per tensor
+        shared: dict[int, TensorInfo] = {}
+        index: dict[str, TensorInfo] = {}
+        for key, m in metadata.state_dict_metadata.items():
+            if type(m) is tensor_meta:
+                info = shared.get(id(m))
+                if info is None:
+                    info = shared[id(m)] = TensorInfo(m.size, m.properties.dtype)
+                index[key] = info
+        return index
 
     def load(self, targets: Mapping[str, torch.Tensor], directory: Path, ctx: EngineContext) -> None:
         if not targets:
