@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
     from checkpoint_manager.core.layout import CheckpointInfo
-    from checkpoint_manager.engine.dcp.writer import CheckpointWriter
 
 __all__ = ["Storage", "basename", "is_url", "json_bytes"]
 
@@ -108,10 +107,6 @@ class Storage(Protocol):
 
     def new_pending(self, name: str) -> Path:
         """A fresh local directory for a save of ``name``; nobody lists it until committed."""
-        ...
-
-    def dcp_writer(self, pending: Path, *, fsync: bool, direct: bool) -> CheckpointWriter:
-        """The DCP storage writer for this rank's part of ``pending`` (must expose ``checksums``)."""
         ...
 
     def upload_part(self, pending: Path, rank: int, files: list[str]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import re
@@ -23,9 +24,10 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar, cast
 
 from checkpoint_manager.core.checksum import crc32
 from checkpoint_manager.core.layout import (
@@ -51,7 +53,40 @@ if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
     from checkpoint_manager.core.integrity import VerifyLevel
-    from checkpoint_manager.engine.dcp.writer import CheckpointWriter
+
+_T = TypeVar("_T")
+
+
+class _Upload(io.RawIOBase):
+    """A streamed object: the upload completes on a clean close and is aborted on an error in ``with``."""
+
+    def __init__(self, out: Any) -> None:
+        super().__init__()
+        self._out = out
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self._out.write(data)
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._out.close()
+        super().close()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        discard = getattr(self._out, "discard", None)
+        if callable(discard):
+            discard()
+            with contextlib.suppress(AttributeError):
+                self._out.closed = True  # a discarded file must not be completed when collected
+        super().close()
+
 
 __all__ = ["FsspecStorage", "UploadMode"]
 
@@ -65,7 +100,6 @@ METADATA_FILE = ".metadata"
 _OURS = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank_\d+\.json|state\.json|hf/.+)$")
 _RANK_JSON = re.compile(r"^rank_\d+\.json$")
 _CACHE_STALE_S = 3600.0  # a download this old belongs to no running load
-_PART_BYTES = 64 << 20  # a streamed upload's multipart part: few requests, about one part in memory per rank
 _TRANSFERS = 8  # files moved at once (each big one is itself a concurrent multipart transfer)
 
 
@@ -294,21 +328,16 @@ class FsspecStorage:
             raise
         return path
 
-    def dcp_writer(self, pending: Path, *, fsync: bool, direct: bool) -> CheckpointWriter:
-        if self.upload_mode == "stream":
-            from checkpoint_manager.engine.dcp.stream import StreamingWriter
+    @property
+    def streams(self) -> bool:
+        return self.upload_mode == "stream"
 
-            return StreamingWriter(pending, open_output=lambda rel: self.open_output(pending, rel), retry=self.retry)
-        from checkpoint_manager.engine.dcp.writer import CheckpointWriter
-
-        # the staging copy is uploaded at once: its durability comes from the store, not from fsync
-        return CheckpointWriter(pending, fsync=False, direct=direct)
+    def retrying(self, fn: Callable[[], _T], what: str) -> _T:
+        return self.retry.call(fn, what)
 
     def open_output(self, pending: Path, rel: str) -> BinaryIO:
-        """A new object for the file ``rel`` of the save in ``pending``, written straight into the
-        store in multipart parts (``close`` completes it, ``discard`` aborts it)."""
-        out: BinaryIO = self.fs.open(f"{self.remote_dir(pending)}/{rel}", "wb", block_size=_PART_BYTES)
-        return out
+        """Straight into the store's multipart upload: a clean ``with`` exit completes it, an error aborts it."""
+        return cast(BinaryIO, _Upload(self.fs.open(f"{self.remote_dir(pending)}/{rel}", "wb", block_size=64 << 20)))
 
     def _transfer(self, what: str, fn: Any, pairs: list[tuple[str, str]]) -> None:
         """``fn(src, dst)`` for every pair, a few at a time, each retried on its own (a batch retried

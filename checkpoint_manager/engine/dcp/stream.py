@@ -1,10 +1,11 @@
-"""A DCP writer that streams each rank's tensor file straight into an object store.
+"""A DCP writer that streams each rank's tensor file through a file object the storage opens.
 
 The bytes are the same as our local writer's (standard torch.save records inside a DCP file, CRC32
-computed on the way), but they go from the tensors' memory into the store's multipart upload, never
-touching the local disk; only DCP's small ``.metadata`` is written locally (and uploaded with the
-rank's JSON). A transient failure restarts the file's upload from its first byte (the data is still
-in memory); a failed upload is discarded, so it never leaves a partial object behind.
+computed on the way), but they go from the tensors' memory into ``open_output``'s file (an object
+store's multipart upload, never touching the local disk); only DCP's small ``.metadata`` is written
+locally (and uploaded with the rank's JSON). A failure that ``retry`` deems transient restarts the
+file from its first byte (the data is still in memory); a failed file is discarded by its ``with``
+block, so it never leaves a partial object behind.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import ctypes
 import io
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO, TypeVar
 
 import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo, _StoragePrefix
@@ -24,12 +25,22 @@ from torch.futures import Future
 from checkpoint_manager.core.checksum import crc32, crc32_combine
 from checkpoint_manager.engine.dcp.envelope import envelope_for
 from checkpoint_manager.engine.dcp.writer import CheckpointWriter
-from checkpoint_manager.storage.retry import RetryPolicy
 
-__all__ = ["StreamingWriter"]
+__all__ = ["OpenOutput", "Retry", "StreamingWriter"]
 
-#: multipart part size: large parts mean few requests; memory holds about one part per rank
-PART_BYTES = 64 << 20
+_T = TypeVar("_T")
+
+#: ``open_output(pending, rel)``: a file of the pending checkpoint, opened for writing
+OpenOutput = Callable[[Path, str], BinaryIO]
+#: ``retry(fn, what)``: ``fn()``, retried while it fails transiently
+Retry = Callable[[Callable[[], _T], str], _T]
+
+#: bytes handed to the file at once: a large tensor is not copied whole into its buffer
+CHUNK_BYTES = 64 << 20
+
+
+def _once(fn: Callable[[], _T], what: str) -> _T:
+    return fn()
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
@@ -41,36 +52,34 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 class StreamingWriter(CheckpointWriter):
-    """:class:`~checkpoint_manager.engine.dcp.writer.CheckpointWriter` whose tensor file goes straight to the store (``open_output``)."""
+    """:class:`~checkpoint_manager.engine.dcp.writer.CheckpointWriter` whose tensor file goes through
+    ``open_output(pending, name)`` (the storage's; see :meth:`~checkpoint_manager.storage.base.Storage.open_output`)."""
 
     def __init__(
         self,
         pending: str | Path,
+        open_output: OpenOutput,
         *,
-        open_output: Callable[[str], BinaryIO],
-        retry: RetryPolicy,
-        part_bytes: int = PART_BYTES,
+        retry: Retry[tuple[list[WriteResult], int, int]] = _once,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
-        """``open_output(name)``: a new object of the store for the file ``name`` of this checkpoint
-        (an fsspec file: ``close`` completes it, ``discard``, where it has one, aborts it)."""
         super().__init__(pending, fsync=False, direct=False)
-        self.open_output = open_output  # not self.fs: DCP's own local file system writes .metadata in finish()
+        self.open_output = open_output
         self.retry = retry
-        self.part_bytes = part_bytes
+        self.chunk_bytes = chunk_bytes
 
     def _write_file(self, file_name: str, plan: SavePlan, planner: SavePlanner) -> tuple[list[WriteResult], int, int]:
-        out: Any = self.open_output(file_name)
         results: list[WriteResult] = []
         file_crc = 0
         position = 0
+        with self.open_output(Path(self.path), file_name) as out:
 
-        def put(data: bytes | memoryview) -> None:
-            nonlocal position
-            for start in range(0, len(data), self.part_bytes):
-                out.write(data[start : start + self.part_bytes])
-            position += len(data)
+            def put(data: bytes | memoryview) -> None:
+                nonlocal position
+                for start in range(0, len(data), self.chunk_bytes):
+                    out.write(data[start : start + self.chunk_bytes])
+                position += len(data)
 
-        try:
             for item in plan.items:
                 data = planner.resolve_data(item)
                 offset = position
@@ -105,20 +114,12 @@ class StreamingWriter(CheckpointWriter):
             if tail:
                 put(tail)
                 file_crc = crc32_combine(file_crc, crc32(tail), len(tail))
-            out.close()  # completes the multipart upload: the object appears whole
-        except BaseException:
-            discard = getattr(out, "discard", None)
-            if callable(discard):
-                discard()  # abort the multipart upload
-            raise
         return results, position, file_crc
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         storage_plan: _StoragePrefix = plan.storage_data
         file_name = f"{storage_plan.prefix}0{DEFAULT_SUFFIX}"
-        results, size, crc = self.retry.call(
-            lambda: self._write_file(file_name, plan, planner), f"upload {file_name}"
-        )
+        results, size, crc = self.retry(lambda: self._write_file(file_name, plan, planner), f"write {file_name}")
         self.checksums[file_name] = {"size": size, "crc32": crc}
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
