@@ -102,9 +102,13 @@ class EngineContext:
     config: CheckpointConfig | None = None
     #: on load: the checkpoint's ``checkpoint.json`` (already verified); on save: empty
     meta: Mapping[str, Any] = field(default_factory=dict)
-    #: open a file of the pending checkpoint for writing, by its relative path. For an object store in
+    #: open a file of the pending checkpoint for writing, by its relative path; use it as a context
+    #: manager (a clean exit completes the file, an error discards it). For an object store in
     #: ``upload_mode="stream"`` it streams to the store; elsewhere it is the local file
     open_output: Callable[[str], BinaryIO] | None = None
+    #: ``retry(fn, what)``: ``fn()``, run again from the start while it fails transiently (the storage's
+    #: policy, for a file written through ``open_output``); None: once
+    retry: Callable[[Callable[[], Any], str], Any] | None = None
     #: whether ``open_output`` streams to an object store (then files are not on the local disk)
     streams: bool = False
     #: save: whether the engine should fsync what it writes (False where an upload makes it durable)

@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -43,7 +43,7 @@ from checkpoint_manager.lifecycle.lock import CheckpointLockError
 from checkpoint_manager.lifecycle.observe import SaveStartEvent
 from checkpoint_manager.protocol import SaveContext, SaveResult
 from checkpoint_manager.state.training import GatheredState, gather_state
-from checkpoint_manager.storage import LocalStorage, basename
+from checkpoint_manager.storage import FsspecStorage, LocalStorage, basename
 
 if TYPE_CHECKING:
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager  # noqa: F401
@@ -276,9 +276,10 @@ class SavingMixin(ManagerCore):
             FiniteCheck(state.tensors, groups, wait=state.ready) if groups else None
         )
         ctx = self._engine_context(io, job.step)
-        if ctx.streams:
-            storage, pending = self._storage, job.pending
-            ctx.open_output = lambda rel: storage.open_output(pending, rel)  # type: ignore[union-attr]
+        if ctx.streams:  # an object store in upload_mode="stream"
+            storage, pending = cast(FsspecStorage, self._storage), job.pending
+            ctx.open_output = lambda rel: storage.open_output(pending, rel)
+            ctx.retry = storage.retrying
         try:
             with io.phase(f"step {job.step}: write"):
                 written = self._engine.save(state, job.pending, ctx)

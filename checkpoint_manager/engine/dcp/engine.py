@@ -178,14 +178,12 @@ class DCPEngine:
     def _writer(self, directory: Path, ctx: EngineContext) -> CheckpointWriter:
         config = self.config
         direct = config.direct_io if config is not None else True
-        if ctx.streams and ctx.open_output is not None:  # straight into the object store
+        open_output = ctx.open_output
+        if ctx.streams and open_output is not None:  # straight into the object store
             from checkpoint_manager.engine.dcp.stream import StreamingWriter
-            from checkpoint_manager.storage.retry import RetryPolicy
 
-            retries, backoff = (config.storage_retries, config.storage_retry_backoff_s) if config else (3, 0.5)
-            return StreamingWriter(
-                directory, open_output=ctx.open_output, retry=RetryPolicy(attempts=retries + 1, backoff_s=backoff)
-            )
+            retry = ctx.retry if ctx.retry is not None else (lambda fn, what: fn())
+            return StreamingWriter(directory, lambda _pending, rel: open_output(rel), retry=retry)
         return CheckpointWriter(directory, fsync=ctx.fsync, direct=direct)
 
     # -- load -------------------------------------------------------------------------------------
