@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -84,8 +85,11 @@ class GatheredState:
         as a load counts it (asked several times per save: computed once per dict)."""
         key = (id(self.tensors), len(self.tensors))
         if self._nbytes[0] != key:
-            self._nbytes = (key, int(sum(t.nbytes for t in self.tensors.values())))
+            self._nbytes = (key, int(sum(map(_NBYTES, self.tensors.values()))))
         return self._nbytes[1]
+
+
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def _model_keys(n: int) -> list[str]:

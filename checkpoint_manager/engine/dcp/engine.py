@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import operator
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -225,5 +226,8 @@ class DCPEngine:
             raise own_failure(exc, ctx.rank) from exc
 
 
+_NBYTES = operator.attrgetter("nbytes")
+
+
 def _total_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    return int(sum(t.nbytes for t in tensors.values()))
+    return int(sum(map(_NBYTES, tensors.values())))  # in C per tensor
