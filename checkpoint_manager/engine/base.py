@@ -119,7 +119,8 @@ class EngineContext:
     start_save: Callable[[EngineState], None] | None = None
     #: save: seconds of phases the engine measured itself (e.g. ``"fsync"``), reported in the result's timings
     timings: dict[str, float] = field(default_factory=dict)
-    #: free-form, engine-private: survives from one call to the next of the same engine instance
+    #: free-form, engine-private: the saves of one manager share one dict; a load's ``read_index``
+    #: and ``load`` share one of their own, dropped when the load returns
     extra: dict[str, Any] = field(default_factory=dict)
 
 

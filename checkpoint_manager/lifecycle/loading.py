@@ -202,7 +202,7 @@ class LoadingMixin(ManagerCore):
             process_group=self._dist.group,
             config=self.config,
             meta=meta,
-            extra=self._engine_extra if engine is self._engine else {},
+            extra={},  # this load's own: what read_index read for load is freed with it
         )
         index = engine.read_index(path, engine_ctx)  # checked before targets are allocated from its sizes
         targets = loader.targets(index)
