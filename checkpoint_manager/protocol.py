@@ -147,6 +147,8 @@ class SaveResult:
 
     path: str
     step: int
+    #: the checkpoint's tensor bytes, global: under FSDP (DTensor shards) every rank reports the
+    #: whole checkpoint's bytes, not its own share; the same count as :attr:`LoadResult.bytes`
     bytes: int = 0
     seconds: float = 0.0
     stall_seconds: float = 0.0
@@ -178,6 +180,7 @@ class LoadResult:
     metrics: Mapping[str, float] = field(default_factory=dict)
     restored: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
+    #: the tensor bytes loaded, global (a DTensor counts its global size); as :attr:`SaveResult.bytes`
     bytes: int = 0
     seconds: float = 0.0
     timings: Mapping[str, float] = field(default_factory=dict)

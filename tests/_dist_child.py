@@ -156,6 +156,7 @@ def act_save(a: dict[str, Any], out: Path, report: dict[str, Any]) -> None:
     expected = {
         "next_rand": torch.rand(4).tolist(),
         "next_batch": next(batches)[0].tolist(),
+        "bytes": res.bytes,
     }
     full = full_state(model, opt, sched)
     if rank == 0:
@@ -185,7 +186,7 @@ def act_load(a: dict[str, Any], out: Path, report: dict[str, Any]) -> None:
         entry["state_untouched"] = state.step == 0
     with manager(a["dir"], on_world_size_change=a.get("on_change", "error")) as mgr:
         res = mgr.load(ctx)
-    entry.update(step=res.step, restored=list(res.restored), skipped=list(res.skipped),
+    entry.update(step=res.step, bytes=res.bytes, restored=list(res.restored), skipped=list(res.skipped),
                  train_state=state.state_dict(), next_rand=torch.rand(4).tolist(),
                  next_batch=next(iter(loader))[0].tolist())
     full = full_state(model, opt, sched)

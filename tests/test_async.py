@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-import checkpoint_manager.lifecycle.manager as manager_module
+import checkpoint_manager.engine.dcp.engine as manager_module
 from checkpoint_manager import (
     AsyncSaveError,
     CheckpointConfig,
@@ -423,8 +423,8 @@ def test_staging_memory_stays_flat_over_50_saves(tmp_path: Path) -> None:
             res = mgr.save(SaveContext(model=model, optimizer=optimizer, train_state=_state(step)))
             assert res is not None and res.step == step
             rss.append(proc.memory_info().rss)
-            staged.append(mgr._staging.nbytes)
-            pointers.append(sorted(b.data_ptr() for b in mgr._staging._buffers.values()))
+            staged.append(mgr._engine.staging.nbytes)
+            pointers.append(sorted(b.data_ptr() for b in mgr._engine.staging._buffers.values()))
     state_bytes = res.bytes
     assert 18e6 < state_bytes < 30e6
     assert staged == [state_bytes] * 50  # one buffer per tensor, exactly the state's size ...
@@ -541,14 +541,14 @@ def test_a_resume_prepares_the_staging_buffers_for_the_first_save(tmp_path: Path
     )
     resumed = Setup(seed=1)
     mgr = DefaultCheckpointManager(_config(tmp_path, save_every_n_steps=10))
-    assert mgr._staging.nbytes == 0
+    assert mgr._engine.staging.nbytes == 0
     mgr.load(LoadContext(model=resumed.model, optimizer=resumed.optimizer, train_state=TrainState()))
     mgr.finalize_async_saves(blocking=True)  # waits for the background preparation
-    assert mgr._staging.nbytes == state_bytes
-    buffers_before = dict(mgr._staging._buffers)
+    assert mgr._engine.staging.nbytes == state_bytes
+    buffers_before = dict(mgr._engine.staging._buffers)
     staged = mgr.save(resumed.ctx(10))
     assert staged is not None
-    assert all(mgr._staging._buffers[k] is b for k, b in buffers_before.items())  # reused, not reallocated
+    assert all(mgr._engine.staging._buffers[k] is b for k, b in buffers_before.items())  # reused, not reallocated
     mgr.finalize_async_saves(blocking=True, terminate=True)
     assert _committed_steps(tmp_path) == [4, 10]
 
@@ -588,7 +588,7 @@ def test_a_fresh_run_prepares_ahead_without_touching_the_optimizer(tmp_path: Pat
     mgr = DefaultCheckpointManager(_config(tmp_path, save_every_n_steps=10))
     assert not mgr.should_load(LoadContext(model=s.model, optimizer=fresh, train_state=TrainState()))
     mgr.finalize_async_saves(blocking=True)  # waits for the background preparation
-    assert mgr._staging.nbytes == model_bytes
+    assert mgr._engine.staging.nbytes == model_bytes
     assert fresh.state == {}  # untouched: no state, no step
     s.optimizer = fresh
     s.steps(1)
@@ -597,11 +597,11 @@ def test_a_fresh_run_prepares_ahead_without_touching_the_optimizer(tmp_path: Pat
     optim_bytes = sum(
         v.numel() * v.element_size() for st in fresh.state.values() for v in st.values() if isinstance(v, torch.Tensor)
     )
-    assert mgr._staging.nbytes == model_bytes + optim_bytes
-    buffers_before = dict(mgr._staging._buffers)
+    assert mgr._engine.staging.nbytes == model_bytes + optim_bytes
+    buffers_before = dict(mgr._engine.staging._buffers)
     s.steps(1)
     assert mgr.save(s.ctx(10)) is not None
-    assert all(mgr._staging._buffers[k] is b for k, b in buffers_before.items())  # reused, not reallocated
+    assert all(mgr._engine.staging._buffers[k] is b for k, b in buffers_before.items())  # reused, not reallocated
     mgr.finalize_async_saves(blocking=True, terminate=True)
     assert _committed_steps(tmp_path) == [10]
 

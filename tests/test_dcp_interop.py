@@ -144,7 +144,7 @@ def test_plain_recipe_restores_model_optimizer_and_scheduler(tmp_path: Path, kin
             result = mgr.save(SaveContext(model=model, optimizer=opt, scheduler=sched,
                                           train_state=TrainState(step=step), force=True))
             saved.append((result.path, snapshot(model, opt, sched)))
-        assert (mgr._plans.entry is not None and mgr._plans.entry.layout is not None) == (width == 4)
+        assert (mgr._engine.plans.entry is not None and mgr._engine.plans.entry.layout is not None) == (width == 4)
     lrs = [s["optim"]["param_groups"][0]["lr"] for _, s in saved]
     assert len(set(lrs)) == 3  # each save holds its own values
     for path, expected in saved:
@@ -494,7 +494,7 @@ def test_cached_metadata_of_many_tensors_holds_the_entries(tmp_path: Path) -> No
     with manager(tmp_path / "run") as mgr:
         mgr.should_load(LoadContext(model=model, optimizer=opt, scheduler=sched))
         mgr.finalize_async_saves(blocking=True)
-        entry = mgr._plans.entry
+        entry = mgr._engine.plans.entry
         assert entry is not None and entry.metadata_prefix is not None and entry.metadata_cuts is not None
         assert len(entry.metadata_prefix) > 4 * (64 << 10)  # several frames
         for step in (1, 2):
@@ -502,7 +502,7 @@ def test_cached_metadata_of_many_tensors_holds_the_entries(tmp_path: Path) -> No
             sched.step()
             path = mgr.save(SaveContext(model=model, optimizer=opt, scheduler=sched,
                                         train_state=TrainState(step=step), force=True)).path
-        assert mgr._plans.entry is entry  # the primed plan, reused
+        assert mgr._engine.plans.entry is entry  # the primed plan, reused
     fresh, fresh_opt, fresh_sched = make(3)
     plain_load(path, fresh, fresh_opt, fresh_sched)
     assert_same(snapshot(model, opt, sched), snapshot(fresh, fresh_opt, fresh_sched))

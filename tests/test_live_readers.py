@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 import checkpoint_manager.core.integrity as integrity
-import checkpoint_manager.lifecycle.manager as manager_module
+import checkpoint_manager.engine.dcp.engine as engine_module
+import checkpoint_manager.lifecycle.loading as manager_module
 from checkpoint_manager import (
     CheckpointConfig,
     CheckpointNotFoundError,
@@ -169,13 +170,14 @@ def test_auto_resume_takes_the_newest_when_its_pick_is_pruned(
         monkeypatch.setattr(CheckpointReader, "load_direct", load_direct)
     else:
         name = {"verify": "check", "state": "_read_state_json", "metadata": "read_dcp_metadata"}[moment]
-        real = getattr(manager_module, name)
+        module = engine_module if name == "read_dcp_metadata" else manager_module
+        real = getattr(module, name)
 
         def hooked(*args: Any, **kwargs: Any) -> Any:
             fire()
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(manager_module, name, hooked)
+        monkeypatch.setattr(module, name, hooked)
     model = Net()
     with reader(tmp_path, live.root) as mgr:
         result = mgr.load(LoadContext(model=model))
@@ -186,14 +188,14 @@ def test_auto_resume_takes_the_newest_when_its_pick_is_pruned(
 
 def test_a_pinned_load_of_a_pruned_checkpoint_is_not_found(live: LiveRun, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    real = manager_module.read_dcp_metadata
+    real = engine_module.read_dcp_metadata
     fire = once(lambda: live.save(2))
 
     def hooked(*args: Any, **kwargs: Any) -> Any:
         fire()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(manager_module, "read_dcp_metadata", hooked)
+    monkeypatch.setattr(engine_module, "read_dcp_metadata", hooked)
     model = Net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     one = live.root / "step_00000001"

@@ -22,11 +22,11 @@ from checkpoint_manager import (
     SaveContext,
     TrainState,
 )
+from checkpoint_manager.engine.dcp import engine as manager_module
 from checkpoint_manager.engine.dcp.envelope import envelope_for
 from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 from checkpoint_manager.engine.dcp.reader import CheckpointReader
 from checkpoint_manager.errors import CheckpointCorruptError
-from checkpoint_manager.lifecycle import manager as manager_module
 
 COUNT = 1200  # parameters: with AdamW's exp_avg, exp_avg_sq and step, 4,800 small records
 
@@ -175,11 +175,11 @@ def test_resume_prepares_the_save_path_from_the_loaded_tensors(saved: Any, tmp_p
         mgr.load(LoadContext(model=model, optimizer=opt, train_state=TrainState(), load_rng=False))
         mgr.finalize_async_saves(blocking=True)  # the background preparation
         expected = gather_state(SaveContext(model=model, optimizer=opt)).tensors
-        buffers = dict(mgr._staging._buffers)
+        buffers = dict(mgr._engine.staging._buffers)
         assert buffers.keys() == expected.keys()
         assert all(b.shape == expected[k].shape and b.dtype == expected[k].dtype for k, b in buffers.items())
         assert mgr.save(SaveContext(model=model, optimizer=opt, train_state=TrainState(step=2), force=True))
-        assert all(mgr._staging._buffers[k] is b for k, b in buffers.items())  # reused, not reallocated
+        assert all(mgr._engine.staging._buffers[k] is b for k, b in buffers.items())  # reused, not reallocated
     finally:
         mgr.finalize_async_saves(blocking=True, terminate=True)
 

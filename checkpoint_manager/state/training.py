@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,10 +34,9 @@ from checkpoint_manager.core.codec import (
     split_tensors,
     tensor_placeholders,
 )
+from checkpoint_manager.core.gcpause import paused_gc
 from checkpoint_manager.core.layout import STATE_JSON_LIMIT, rank_file
 from checkpoint_manager.core.safe_io import parse_json
-from checkpoint_manager.engine.dcp.io import paused_gc
-from checkpoint_manager.engine.dcp.objects import object_records
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
 from checkpoint_manager.protocol import LoadContext, SaveContext, Stateful
 from checkpoint_manager.state.data_order import (
@@ -52,6 +51,7 @@ from checkpoint_manager.state.rng import capture_rng, check_rng, restore_rng
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
+    from checkpoint_manager.engine.base import TensorInfo
 
 __all__ = [
     "PER_RANK_PARTS",
@@ -74,25 +74,22 @@ class GatheredState:
     global_json: dict[str, Any]
     rank_json: dict[str, Any]
     train_state: dict[str, Any] | None
-    #: the non-tensor values as the torch.save records plain DCP loads them from (dcp_objects), by key
-    objects: dict[str, bytes] = field(default_factory=dict)
+    #: the non-tensor leaves (an optimizer group's ``lr``, a scheduler's ``last_epoch``), by dotted key
+    objects: dict[str, Any] = field(default_factory=dict)
 
     _nbytes: tuple[tuple[int, int], int] = field(default=((-1, -1), 0), init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this rank's tensors (asked several times per save: computed once per dict)."""
+        """Bytes of the checkpoint's tensors, global: a DTensor (an FSDP shard) counts its global size,
+        as a load counts it (asked several times per save: computed once per dict)."""
         key = (id(self.tensors), len(self.tensors))
         if self._nbytes[0] != key:
-            self._nbytes = (key, sum(_nbytes(t) for t in self.tensors.values()))
+            self._nbytes = (key, int(sum(map(_NBYTES, self.tensors.values()))))
         return self._nbytes[1]
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    if type(t) is torch.Tensor:
-        return t.nbytes
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return int(local.numel() * local.element_size())
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def _pairs(models: list[nn.Module], optims: list[Optimizer]) -> list[tuple[nn.Module, list[Optimizer]]]:
@@ -166,8 +163,7 @@ def _gather_state(ctx: SaveContext) -> GatheredState:
         extras[name] = skeleton
     if extras:
         global_json["extra"] = extras
-    # rendered now, with the JSON: an async save writes the values of this step
-    objects = object_records(leaves, tensors)
+    objects = dict(leaves)  # an engine may write them too (DCP: as byte entries plain dcp.load reads)
     rank_json: dict[str, Any] = {"rng": encode(capture_rng())}
     dl = ctx.dataloader
     if dl is not None and isinstance(dl, Stateful):
@@ -293,14 +289,14 @@ class StateLoader:
     _rng_state: Any = _UNSET
     _resharded: Any = _UNSET  # (sampler, its state) when the data position was resharded
 
-    def targets(self, metadata: Metadata) -> dict[str, torch.Tensor]:
-        """Tensors DCP loads into, checked against the checkpoint's keys, shapes and dtypes."""
+    def targets(self, index: Mapping[str, TensorInfo]) -> dict[str, torch.Tensor]:
+        """Tensors the engine loads into, checked against the checkpoint's index (its engine's
+        ``read_index``: keys, global shapes and dtypes)."""
         with paused_gc():  # objects per tensor: see paused_gc
-            return self._targets(metadata)
+            return self._targets(index)
 
-    def _targets(self, metadata: Metadata) -> dict[str, torch.Tensor]:
+    def _targets(self, available: Mapping[str, TensorInfo]) -> dict[str, torch.Tensor]:
         ctx = self.ctx
-        available = metadata.state_dict_metadata
         out: dict[str, torch.Tensor] = {}
         models = ctx.models()
         want_optim = ctx.load_optimizer and not self.model_only
@@ -355,16 +351,16 @@ class StateLoader:
             self._plans.append(("extra", (name, obj), tgt))
         return out
 
-    def _placeholders(self, skeleton: Any, available: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Targets for a skeleton's tensors, each checked against the DCP metadata before it is allocated."""
+    def _placeholders(self, skeleton: Any, available: Mapping[str, TensorInfo]) -> dict[str, torch.Tensor]:
+        """Targets for a skeleton's tensors, each checked against the engine's index before it is allocated."""
 
         def check(key: str, shape: list[int], dtype: torch.dtype) -> None:
             meta = available.get(key)
-            if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(shape):
-                saved = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else "no tensor"
+            if meta is None or tuple(meta.shape) != tuple(shape):
+                saved = tuple(meta.shape) if meta is not None else "no tensor"
                 raise CheckpointCorruptError(
                     f"{self.source}: state.json places a tensor {key!r} of shape {tuple(shape)}, "
-                    f"the DCP metadata holds {saved}"
+                    f"the checkpoint's index holds {saved}"
                 )
 
         try:
@@ -501,13 +497,10 @@ class StateLoader:
             )
 
     def _check(
-        self, key: str, live: dict[str, torch.Tensor], available: dict[str, Any], *, strict: bool
+        self, key: str, live: dict[str, torch.Tensor], available: Mapping[str, TensorInfo], *, strict: bool
     ) -> dict[str, torch.Tensor]:
         dotted = key + "."
         saved = {k for k in available if k.startswith(dotted) or k == key}
-        if strict and saved != live.keys():
-            # the non-tensor entries written for plain DCP (dcp_objects): their values come from state.json
-            saved -= {k for k in saved - live.keys() if type(available[k]) is BytesStorageMetadata}
         if strict and saved != live.keys():  # the lists are built only for the error
             missing = sorted(set(live) - saved)
             unexpected = sorted(saved - set(live))
@@ -517,24 +510,20 @@ class StateLoader:
                 "to take the common keys)"
             )
         out: dict[str, torch.Tensor] = {}
-        tensor_meta = TensorStorageMetadata  # one lookup, not one per tensor
         for name, tensor in live.items():
             meta = available.get(name)
             if meta is None:
                 continue
-            if not isinstance(meta, tensor_meta):
-                raise CheckpointCorruptError(
-                    f"{self.source}: entry {name!r} is not a tensor in the checkpoint"
-                )
+            saved_shape, saved_dtype = meta
             shape = tensor.shape
-            if meta.size != shape and tuple(meta.size) != tuple(shape):  # torch.Size against torch.Size: no copies
+            if saved_shape != shape and tuple(saved_shape) != tuple(shape):  # torch.Size against torch.Size: no copies
                 raise CheckpointMismatchError(
-                    f"{self.source}: {name}: shape {tuple(meta.size)} in checkpoint, "
+                    f"{self.source}: {name}: shape {tuple(saved_shape)} in checkpoint, "
                     f"{tuple(shape)} in the live object"
                 )
-            if strict and meta.properties.dtype != tensor.dtype:
+            if strict and saved_dtype != tensor.dtype:
                 raise CheckpointMismatchError(
-                    f"{self.source}: {name}: dtype {dtype_name(meta.properties.dtype)} in checkpoint, "
+                    f"{self.source}: {name}: dtype {dtype_name(saved_dtype)} in checkpoint, "
                     f"{dtype_name(tensor.dtype)} in the live object (strict=False casts)"
                 )
             out[name] = tensor
