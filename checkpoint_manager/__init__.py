@@ -17,6 +17,14 @@ if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import verify
     from checkpoint_manager.core.layout import CheckpointInfo, Lineage
     from checkpoint_manager.core.naming import format_name, parse_name
+    from checkpoint_manager.engine.base import (
+        Engine,
+        EngineContext,
+        EngineState,
+        FileRecord,
+        StagingEngine,
+        TensorInfo,
+    )
     from checkpoint_manager.errors import (
         AsyncSaveError,
         BundleCacheError,
@@ -111,6 +119,12 @@ _EXPORTS: dict[str, str] = {
     "CollectiveTimeoutError": "checkpoint_manager.core.dist",
     "DefaultCheckpointManager": "checkpoint_manager.lifecycle.manager",
     "ENTRY_POINT_GROUP": "checkpoint_manager.factory",
+    "Engine": "checkpoint_manager.engine.base",
+    "EngineContext": "checkpoint_manager.engine.base",
+    "EngineState": "checkpoint_manager.engine.base",
+    "FileRecord": "checkpoint_manager.engine.base",
+    "StagingEngine": "checkpoint_manager.engine.base",
+    "TensorInfo": "checkpoint_manager.engine.base",
     "Continuous": "checkpoint_manager.lifecycle.policy",
     "EveryNSeconds": "checkpoint_manager.lifecycle.policy",
     "EveryNSteps": "checkpoint_manager.lifecycle.policy",
@@ -192,8 +206,12 @@ __all__ = [
     "CollectiveTimeoutError",
     "Continuous",
     "DefaultCheckpointManager",
+    "Engine",
+    "EngineContext",
+    "EngineState",
     "EveryNSeconds",
     "EveryNSteps",
+    "FileRecord",
     "FinalStep",
     "FinalizeOnExit",
     "FsspecStorage",
@@ -219,8 +237,10 @@ __all__ = [
     "SavePolicy",
     "SaveResult",
     "SaveStartEvent",
+    "StagingEngine",
     "Stateful",
     "Storage",
+    "TensorInfo",
     "TrainState",
     "UnsafeCheckpointError",
     "UnsupportedAdapterError",
