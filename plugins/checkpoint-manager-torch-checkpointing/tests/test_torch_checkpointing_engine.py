@@ -244,7 +244,7 @@ def test_one_file_per_rank_and_no_resharding(tmp_path: Path) -> None:
 
 
 def test_streaming_to_an_object_store_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"cannot stream to an object store; use upload_mode='stage'"):
+    with pytest.raises(ValueError, match=r"cannot stream to an object store; use upload_mode='staged'"):
         TorchCheckpointingEngine().save(EngineState({"w": torch.ones(1)}), tmp_path, ctx(streams=True))
     assert list(tmp_path.iterdir()) == []
 

@@ -101,7 +101,7 @@ class TorchCheckpointingEngine:
         if ctx.streams:
             raise ValueError(
                 "the torch_checkpointing engine writes local files and cannot stream to an object store; "
-                "use upload_mode='stage' (or the dcp engine)"
+                "use upload_mode='staged' (or the dcp engine)"
             )
         self._manager(ctx.rank).save(str(directory), {_ITEM: _unshare(_storable(state.tensors))})
         if getattr(ctx, "fsync", True):  # False where an upload, not this disk, makes the file durable
