@@ -183,8 +183,12 @@ def test_one_file_per_rank_and_no_resharding(tmp_path: Path) -> None:
         target = {"model.w": torch.zeros(3)}
         engine.load(target, tmp_path, ctx(rank, 2))
         assert torch.equal(target["model.w"], torch.full((3,), float(rank)))
-    with pytest.raises(CheckpointMismatchError, match=r"holds the files of 2 rank\(s\) and is being loaded by 1: .* does not reshard"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"holds 2 file\(s\) named like 'w-\{rank\}.safetensors' and is being loaded by 1 rank"
+    ):
         engine.read_index(tmp_path, ctx())
+    with pytest.raises(CheckpointMismatchError, match=r"holds 0 file\(s\) named like 'state_\{rank\}.safetensors'"):
+        SafetensorsEngine().read_index(tmp_path, ctx(0, 2))
 
 
 @pytest.mark.parametrize("name", ["state.safetensors", "../{rank}.safetensors", "{rank}.bin", ".{rank}.safetensors", "{rnk}.safetensors"])
@@ -242,7 +246,7 @@ class Ema:
 
 
 class Run:
-    """Model (tied weights, buffers), AdamW on two param groups and SGD, two schedulers, a dataloader."""
+    """Two models (tied weights, buffers), AdamW on two param groups and SGD, two schedulers, a dataloader."""
 
     def __init__(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -250,8 +254,8 @@ class Run:
         self.model = nn.Sequential(self.embed, nn.LayerNorm(6), nn.Linear(6, 10, bias=False))
         self.model[2].weight = self.embed.weight
         self.head = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
-        self.opt = torch.optim.AdamW(
-            [{"params": self.model.parameters(), "lr": 1e-2}, {"params": self.head.parameters(), "lr": 3e-3}]
+        self.opt = torch.optim.AdamW(  # optimizer i steps model i's parameters, in two groups
+            [{"params": self.model[0].parameters(), "lr": 1e-2}, {"params": self.model[1].parameters(), "lr": 3e-3}]
         )
         self.opt2 = torch.optim.SGD(self.head.parameters(), lr=0.1, momentum=0.9)
         self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
@@ -331,7 +335,7 @@ def test_full_round_trip_through_the_lifecycle(tmp_path: Path, async_save: bool)
 
     torch.manual_seed(99)
     resumed = Run(seed=123)
-    loaded = make(tmp_path).load(LoadContext(**resumed.ctx_kwargs()))
+    loaded = make(tmp_path, filename="w_{rank}.safetensors").load(LoadContext(**resumed.ctx_kwargs()))
     assert (loaded.step, loaded.metrics) == (3, {"loss": 0.25})
     assert_same(resumed.snapshot(), expected)
     assert resumed.model[2].weight is resumed.embed.weight  # ties survive

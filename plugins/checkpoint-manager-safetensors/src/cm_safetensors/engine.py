@@ -125,7 +125,8 @@ class SafetensorsEngine:
         file = directory / self.filename.format(rank=ctx.rank)
         if saved != ctx.world_size or not file.is_file():
             raise CheckpointMismatchError(
-                f"{directory} holds the files of {saved} rank(s) and is being loaded by {ctx.world_size}: "
-                "the safetensors engine writes one file per rank and does not reshard"
+                f"{directory} holds {saved} file(s) named like {self.filename!r} and is being loaded by "
+                f"{ctx.world_size} rank(s): the safetensors engine writes one file per rank (named by its "
+                "filename setting) and does not reshard"
             )
         return file
