@@ -35,6 +35,7 @@ from torch import nn
 
 import checkpoint_manager
 from checkpoint_manager import (
+    AsyncSaveError,
     CheckpointConfig,
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -415,6 +416,81 @@ def test_bit_exact_resume_through_the_lifecycle(tmp_path: Path, async_save: bool
     for _ in range(3):  # training goes on exactly as before: data order, RNG, LR
         rig.step()
     assert_same(rig.snapshot(), replay(7))
+
+
+@needs_engine_seam
+def test_an_async_save_snapshots_before_save_returns(tmp_path: Path) -> None:
+    rig = Rig(seed=0)
+    rig.step()
+    expected = rig.snapshot()
+    with make(tmp_path, async_save=True) as manager:
+        staged = manager.save(SaveContext(**rig.kwargs(), force=True))
+        assert staged is not None and not staged.committed
+        with torch.no_grad():
+            for param in rig.model.parameters():
+                param.add_(1.0)  # the training loop goes on at once
+    fresh, result = resume(tmp_path)
+    assert result.step == 1
+    for name, tensor in expected["model"].items():
+        assert torch.equal(fresh.model.state_dict()[name], tensor), name
+
+
+@needs_engine_seam
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_an_unstorable_dtype_leaves_no_checkpoint(tmp_path: Path, async_save: bool) -> None:
+    class Spectrum:
+        def state_dict(self) -> dict[str, Any]:
+            return {"bins": torch.zeros(3, dtype=torch.complex128)}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    rig = Rig(seed=0)
+    message = r"cannot checkpoint 'extra\.spectrum\.bins': .* cannot store complex128 tensors"
+    with make(tmp_path, async_save=async_save) as manager, pytest.raises(TypeError, match=message):
+        manager.save(SaveContext(**rig.kwargs(), extra={"spectrum": Spectrum()}, force=True))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("step_")]
+
+
+class Big:
+    """4 MiB of state: more than the tiny file system holds."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w": torch.ones(1 << 20)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@needs_engine_seam
+def test_a_full_disk_in_a_background_save_is_raised_and_the_run_goes_on(tiny_tmpfs: Path) -> None:
+    root = tiny_tmpfs / "ck"
+    rig = Rig(seed=0)
+    with make(root, async_save=True) as manager:
+        rig.step()
+        manager.save(SaveContext(**rig.kwargs(), force=True))
+        manager.finalize_async_saves(blocking=True)
+        rig.step()
+        staged = manager.save(SaveContext(**rig.kwargs(), extra={"big": Big()}, force=True))
+        assert staged is not None and not staged.committed
+        with pytest.raises(AsyncSaveError) as info:
+            manager.finalize_async_saves(blocking=True)
+        cause = info.value.__cause__
+        assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, repr(cause)
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000001"]
+        expected = rig.snapshot()
+        assert manager.save(SaveContext(**rig.kwargs(), force=True)) is not None  # the manager goes on
+    fresh, result = resume(root)
+    assert result.step == 2
+    assert_same(fresh.snapshot(), expected)
+
+
+@needs_engine_seam
+def test_a_damaged_newest_checkpoint_falls_back(tmp_path: Path) -> None:
+    train(tmp_path, 6, save_every_n_steps=2)
+    with open(tmp_path / "step_00000006" / tensor_file(0), "r+b") as f:
+        f.truncate(100)
+    rig, result = resume(tmp_path)
+    assert result.step == 4
+    assert_same(rig.snapshot(), replay(4))
 
 
 @needs_engine_seam
