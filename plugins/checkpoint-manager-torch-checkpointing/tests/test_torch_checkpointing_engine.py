@@ -29,6 +29,7 @@ from cm_torch_checkpointing import (
     TorchCheckpointingConfig,
     TorchCheckpointingEngine,
     TorchCheckpointingManager,
+    dtypes_file,
     tensor_file,
 )
 from torch import nn
@@ -85,6 +86,9 @@ def every_kind() -> dict[str, torch.Tensor]:
         "model.f64": torch.randn(2, 2, generator=g, dtype=torch.float64),
         "model.c64": torch.randn(3, generator=g, dtype=torch.complex64),
         "model.f8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
+        "model.c128": torch.randn(2, 3, generator=g, dtype=torch.complex128),  # safetensors has no C128
+        "model.f8fnuz": torch.randn(5, generator=g).to(torch.float8_e4m3fnuz),  # nor this float8
+        "model.c128_0d": torch.tensor(1 + 2j, dtype=torch.complex128),
         "optim.state.emb.weight.step": torch.tensor(7.0),
         "optim.state.emb.weight.exp_avg": torch.randn(10, 6, generator=g),
         "extra.ids": torch.arange(5, dtype=torch.int64),
@@ -112,7 +116,7 @@ def ctx(rank: int = 0, world_size: int = 1, **fields: Any) -> EngineContext:
 
 def saved(tmp_path: Path, tensors: dict[str, torch.Tensor] | None = None) -> Path:
     directory = tmp_path / "pending"
-    directory.mkdir()
+    directory.mkdir(parents=True)
     assert TorchCheckpointingEngine().save(EngineState(tensors or every_kind()), directory, ctx()) is None
     return directory
 
@@ -123,7 +127,7 @@ def saved(tmp_path: Path, tensors: dict[str, torch.Tensor] | None = None) -> Pat
 def test_round_trip_is_bit_exact_and_in_place(tmp_path: Path) -> None:
     state = every_kind()
     directory = saved(tmp_path, state)
-    assert sorted(os.listdir(directory)) == ["tensors_0.safetensors"]
+    assert sorted(os.listdir(directory)) == ["dtypes_0.json", "tensors_0.safetensors"]
     engine = TorchCheckpointingEngine()
     index = engine.read_index(directory, ctx())
     assert dict(index) == {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in state.items()}
@@ -173,23 +177,29 @@ def test_files_are_plain_safetensors(tmp_path: Path) -> None:
     with safetensors.safe_open(str(file), framework="pt") as f:
         assert f.metadata() == {"format": FORMAT}
     loaded = safetensors.torch.load_file(file)  # no pickle anywhere: any safetensors reader works
-    assert_bit_equal(loaded, state)
+    raw = json.loads((directory / dtypes_file(0)).read_text())
+    assert raw == {"model.c128": ["complex128", [2, 3]], "model.f8fnuz": ["float8_e4m3fnuz", [5]],
+                   "model.c128_0d": ["complex128", []]}  # fmt: skip
+    assert_bit_equal({k: t for k, t in loaded.items() if k not in raw}, {k: t for k, t in state.items() if k not in raw})
+    for key in raw:  # the bytes of the tensors safetensors has no dtype for
+        assert torch.equal(loaded[key], state[key].reshape(-1).view(torch.uint8)), key
+    assert sorted(os.listdir(saved(tmp_path / "plain", {"w": torch.ones(2)}))) == [tensor_file(0)]
 
 
 @pytest.mark.parametrize(
-    ("tensor", "message"),
+    ("content", "message"),
     [
-        (torch.zeros(3, dtype=torch.complex128), r"'extra\.bins': .* layout cannot store complex128 tensors"),
-        (torch.zeros(3, dtype=torch.float8_e4m3fnuz), r"'extra\.bins': .* cannot store float8_e4m3fnuz tensors"),
+        (b"{not json", r"dtypes_0\.json: damaged \(JSONDecodeError"),
+        (b'{"model.c128": ["no_such_dtype", [2, 3]]}', r"dtypes_0\.json: damaged \(AttributeError"),
+        (b'{"model.c128": ["complex64", [2, 3]]}', r"'model\.c128' holds 96 bytes, not a torch\.complex64\[2, 3\]"),
+        (b'{"model.emb.weight": ["float32", [10, 6]]}', r"'model\.emb\.weight' is not a tensor stored as bytes"),
     ],
 )
-def test_an_unstorable_tensor_is_refused_before_any_file(tmp_path: Path, tensor: torch.Tensor, message: str) -> None:
-    engine = TorchCheckpointingEngine()
-    with pytest.raises(TypeError, match=message):
-        engine.stage(EngineState({"model.w": torch.ones(2), "extra.bins": tensor}), ctx())
-    with pytest.raises(TypeError, match=message):
-        engine.save(EngineState({"model.w": torch.ones(2), "extra.bins": tensor}), tmp_path, ctx())
-    assert list(tmp_path.iterdir()) == []
+def test_a_damaged_dtypes_file_is_corrupt(tmp_path: Path, content: bytes, message: str) -> None:
+    directory = saved(tmp_path)
+    (directory / dtypes_file(0)).write_bytes(content)
+    with pytest.raises(CheckpointCorruptError, match=message):
+        TorchCheckpointingEngine().read_index(directory, ctx())
 
 
 _DTENSOR_CHILD = """
@@ -435,22 +445,6 @@ def test_an_async_save_snapshots_before_save_returns(tmp_path: Path) -> None:
         assert torch.equal(fresh.model.state_dict()[name], tensor), name
 
 
-@needs_engine_seam
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_an_unstorable_dtype_leaves_no_checkpoint(tmp_path: Path, async_save: bool) -> None:
-    class Spectrum:
-        def state_dict(self) -> dict[str, Any]:
-            return {"bins": torch.zeros(3, dtype=torch.complex128)}
-
-        def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-    rig = Rig(seed=0)
-    message = r"cannot checkpoint 'extra\.spectrum\.bins': .* cannot store complex128 tensors"
-    with make(tmp_path, async_save=async_save) as manager, pytest.raises(TypeError, match=message):
-        manager.save(SaveContext(**rig.kwargs(), extra={"spectrum": Spectrum()}, force=True))
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("step_")]
-
-
 class Big:
     """4 MiB of state: more than the tiny file system holds."""
 
@@ -506,19 +500,18 @@ def test_the_old_manager_name_is_the_lifecycle_with_this_engine(tmp_path: Path) 
 
 
 @needs_engine_seam
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_manager_conformance(async_save: bool, tmp_path: Path) -> None:
-    from checkpoint_manager.testing import manager_maker, run_conformance_suite
+def test_engine_conformance(tmp_path: Path) -> None:
+    from checkpoint_manager.testing import run_engine_suite  # type: ignore[attr-defined]
 
-    fields = {"engine": "torch_checkpointing", "fsync": False, "async_save": async_save}
-    run_conformance_suite(manager_maker(fields), tmp_path)
+    run_engine_suite(lambda: TorchCheckpointingEngine(None), tmp_path)
 
 
 @needs_engine_seam
-def test_engine_conformance(tmp_path: Path) -> None:
-    from checkpoint_manager.testing import run_engine_conformance_suite  # type: ignore[attr-defined]
+def test_lifecycle_conformance(tmp_path: Path) -> None:
+    """The manager suite sync and async, retention and a failed save, with engine="torch_checkpointing"."""
+    from checkpoint_manager.testing import run_lifecycle_suite  # type: ignore[attr-defined]
 
-    run_engine_conformance_suite(TorchCheckpointingEngine, tmp_path)
+    run_lifecycle_suite("torch_checkpointing", tmp_path)
 
 
 @needs_engine_seam

@@ -7,13 +7,16 @@ pending directory, ``checkpoint.json``, the atomic commit, retention, discovery 
 verify, async saves, locks, several ranks), and keeps the non-tensor state (optimizer
 hyper-parameters, RNG, dataloader, ``TrainState``) in its own ``state.json``.
 
-A save holds the serialized file in memory once (safetensors writes from one buffer): fine for the
+A dtype safetensors cannot hold (complex128, the float8 ``fnuz`` kinds, ...) is stored as its bytes,
+with its dtype and shape in the file's metadata, so every tensor round-trips bit for bit. A save
+holds the serialized file in memory once (safetensors writes from one buffer): fine for the
 small models this engine is for. The engine has no ``stage``: for an async save the lifecycle
 snapshots the tensors into its own reusable host buffers and calls ``save`` in the background.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import zlib
@@ -64,17 +67,19 @@ class SafetensorsEngine:
         """Serialize this rank's tensors, write them as one file, and report its size and CRC-32."""
         tensors: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
+        raw: dict[str, list[object]] = {}  # the tensors stored as bytes: their dtype and shape
         for key, tensor in state.tensors.items():
             if isinstance(tensor, DTensor):
                 raise TypeError(f"cannot checkpoint {key!r}: the safetensors engine does not write DTensor shards")
-            if tensor.dtype not in _DTYPES.values():
-                raise TypeError(f"cannot checkpoint {key!r}: safetensors cannot store {tensor.dtype} tensors")
             cpu = tensor.detach().to("cpu").contiguous()
             ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else 0
             # safetensors refuses tensors that share memory (tied weights): all but the first are copied
-            tensors[key] = cpu.clone() if ptr and ptr in seen else cpu
+            tensors[key] = cpu.clone(memory_format=torch.contiguous_format) if ptr and ptr in seen else cpu
             seen.add(ptr)
-        data = safetensors.torch.save(tensors, metadata={"format": FORMAT})
+            if tensor.dtype not in _DTYPES.values():
+                raw[key] = [str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+                tensors[key] = tensors[key].reshape(-1).view(torch.uint8)
+        data = safetensors.torch.save(tensors, metadata={"format": FORMAT, "dtypes": json.dumps(raw)})
         name = self.filename.format(rank=ctx.rank)
         opener: Callable[[str], BinaryIO] = ctx.open_output or (lambda rel: open(directory / rel, "wb"))  # noqa: SIM115
         with opener(name) as f:
@@ -93,22 +98,31 @@ class SafetensorsEngine:
                 for key in f.keys():  # noqa: SIM118 - a safe_open handle is not a mapping
                     part = f.get_slice(key)
                     index[key] = TensorInfo(tuple(part.get_shape()), _DTYPES[part.get_dtype()])
+                raw = json.loads((f.metadata() or {}).get("dtypes", "{}"))
+                for key, (name, shape) in raw.items():
+                    dtype = getattr(torch, name)
+                    if not isinstance(dtype, torch.dtype) or index[key] != TensorInfo((torch.Size(shape).numel() * dtype.itemsize,), torch.uint8):
+                        raise ValueError(f"{key!r} is not a {name}{shape} stored as bytes")
+                    index[key] = TensorInfo(tuple(shape), dtype)
                 return index
-        except (OSError, KeyError, safetensors.SafetensorError) as exc:
-            raise CheckpointCorruptError(f"{file}: not a readable safetensors file ({exc})") from exc
+        except (OSError, KeyError, ValueError, TypeError, AttributeError, safetensors.SafetensorError) as exc:
+            raise CheckpointCorruptError(f"{file}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
 
     def load(self, targets: Mapping[str, torch.Tensor], directory: Path, ctx: EngineContext) -> None:
         """Copy each target's tensor from this rank's file, in place; nothing else is read."""
         if not targets:
             return
         file = self._own_file(directory, ctx)
+        index = self.read_index(directory, ctx)
+        missing = sorted(set(targets) - set(index))
+        if missing:
+            raise CheckpointMismatchError(f"{file} holds no {missing}")
         try:
             with safetensors.safe_open(str(file), framework="pt") as f:
-                missing = sorted(set(targets) - set(f.keys()))
-                if missing:
-                    raise CheckpointMismatchError(f"{file} holds no {missing}")
                 for key, target in targets.items():
                     value = f.get_tensor(key)
+                    if index[key].dtype != value.dtype:  # stored as bytes
+                        value = value.clone().view(index[key].dtype).reshape(index[key].shape)  # aligned first
                     if value.shape != target.shape or value.dtype != target.dtype:
                         raise CheckpointMismatchError(
                             f"{file}: {key!r} is {value.dtype} {list(value.shape)}, the target "

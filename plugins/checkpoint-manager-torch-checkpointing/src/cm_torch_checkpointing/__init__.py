@@ -10,11 +10,11 @@ from typing import ClassVar
 
 from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager
 from cm_torch_checkpointing.config import TorchCheckpointingConfig
-from cm_torch_checkpointing.engine import FORMAT, TorchCheckpointingEngine, tensor_file
+from cm_torch_checkpointing.engine import FORMAT, TorchCheckpointingEngine, dtypes_file, tensor_file
 
 __version__ = "0.2.0"
 
-__all__ = ["FORMAT", "TorchCheckpointingConfig", "TorchCheckpointingEngine", "TorchCheckpointingManager", "__version__", "tensor_file"]
+__all__ = ["FORMAT", "TorchCheckpointingConfig", "TorchCheckpointingEngine", "TorchCheckpointingManager", "__version__", "dtypes_file", "tensor_file"]
 
 
 class TorchCheckpointingManager(DefaultCheckpointManager):
