@@ -16,6 +16,14 @@ if TYPE_CHECKING:
     from checkpoint_manager.core.dist import CollectiveTimeoutError
     from checkpoint_manager.core.layout import CheckpointInfo, Lineage
     from checkpoint_manager.core.naming import format_name, parse_name
+    from checkpoint_manager.engine.base import (
+        Engine,
+        EngineContext,
+        EngineState,
+        FileRecord,
+        StagingEngine,
+        TensorInfo,
+    )
     from checkpoint_manager.errors import (
         AsyncSaveError,
         BundleCacheError,
@@ -119,6 +127,12 @@ _EXPORTS: dict[str, str] = {
     "DefaultCheckpointManager": "checkpoint_manager.lifecycle.manager",
     "ENGINE_ENTRY_POINT_GROUP": "checkpoint_manager.factory",
     "ENTRY_POINT_GROUP": "checkpoint_manager.factory",
+    "Engine": "checkpoint_manager.engine.base",
+    "EngineContext": "checkpoint_manager.engine.base",
+    "EngineState": "checkpoint_manager.engine.base",
+    "FileRecord": "checkpoint_manager.engine.base",
+    "StagingEngine": "checkpoint_manager.engine.base",
+    "TensorInfo": "checkpoint_manager.engine.base",
     "Continuous": "checkpoint_manager.lifecycle.policy",
     "EveryNSeconds": "checkpoint_manager.lifecycle.policy",
     "EveryNSteps": "checkpoint_manager.lifecycle.policy",
@@ -204,8 +218,12 @@ __all__ = [
     "CollectiveTimeoutError",
     "Continuous",
     "DefaultCheckpointManager",
+    "Engine",
+    "EngineContext",
+    "EngineState",
     "EveryNSeconds",
     "EveryNSteps",
+    "FileRecord",
     "FinalStep",
     "FinalizeOnExit",
     "FsspecStorage",
@@ -232,8 +250,10 @@ __all__ = [
     "SavePolicy",
     "SaveResult",
     "SaveStartEvent",
+    "StagingEngine",
     "Stateful",
     "Storage",
+    "TensorInfo",
     "TrainState",
     "UnsafeCheckpointError",
     "UnsupportedAdapterError",

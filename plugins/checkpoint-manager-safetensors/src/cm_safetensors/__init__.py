@@ -1,12 +1,22 @@
-"""checkpoint-manager-safetensors: the whole state of a small model in one safetensors file + JSON.
+"""checkpoint-manager-safetensors: an example engine, each rank's tensors in one safetensors file.
 
-Registered as the entry point ``safetensors`` in group ``checkpoint_manager.managers``, so
-``CheckpointConfig(save_dir=..., manager="safetensors")`` selects it once this package is installed.
+Registered as the engine ``safetensors`` (entry-point group ``checkpoint_manager.engines``):
+``CheckpointConfig(save_dir=..., engine="safetensors")``. ``manager="safetensors"`` names
+:class:`SafetensorsManager`: the default lifecycle, whose config names this engine.
 """
 
+from typing import ClassVar
+
+from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager
 from cm_safetensors.config import SafetensorsConfig
-from cm_safetensors.manager import FORMAT, FORMAT_VERSION, META_FILE, SafetensorsManager
+from cm_safetensors.engine import FORMAT, SafetensorsEngine
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "META_FILE", "SafetensorsConfig", "SafetensorsManager", "__version__"]
+__all__ = ["FORMAT", "SafetensorsConfig", "SafetensorsEngine", "SafetensorsManager", "__version__"]
+
+
+class SafetensorsManager(DefaultCheckpointManager):
+    """``manager="safetensors"``: the default lifecycle, whose config names this engine."""
+
+    config_class: ClassVar[type[CheckpointConfig]] = SafetensorsConfig

@@ -1,21 +1,23 @@
-"""checkpoint-manager-torch-checkpointing: the whole training state through Meta's torch_checkpointing.
+"""checkpoint-manager-torch-checkpointing: the torch_checkpointing engine for checkpoint-manager.
 
-Registered as the entry point ``torch-checkpointing`` in group ``checkpoint_manager.managers``, so
-``CheckpointConfig(save_dir=..., manager="torch-checkpointing")`` switches the engine once this
-package is installed.
+Registered as the engine ``torch_checkpointing`` (entry-point group ``checkpoint_manager.engines``):
+``CheckpointConfig(save_dir=..., engine="torch_checkpointing")``. The older spelling,
+``manager="torch-checkpointing"``, names :class:`TorchCheckpointingManager`: the default lifecycle with
+this engine.
 """
 
-from cm_torch_checkpointing.config import SUPPORTED_BASE_FIELDS, TorchCheckpointingConfig
-from cm_torch_checkpointing.manager import COMMIT_FILE, FORMAT, FORMAT_VERSION, TorchCheckpointingManager
+from typing import ClassVar
 
-__version__ = "0.1.0"
+from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager
+from cm_torch_checkpointing.config import TorchCheckpointingConfig
+from cm_torch_checkpointing.engine import FORMAT, TorchCheckpointingEngine, dtypes_file, tensor_file
 
-__all__ = [
-    "COMMIT_FILE",
-    "FORMAT",
-    "FORMAT_VERSION",
-    "SUPPORTED_BASE_FIELDS",
-    "TorchCheckpointingConfig",
-    "TorchCheckpointingManager",
-    "__version__",
-]
+__version__ = "0.2.0"
+
+__all__ = ["FORMAT", "TorchCheckpointingConfig", "TorchCheckpointingEngine", "TorchCheckpointingManager", "__version__", "dtypes_file", "tensor_file"]
+
+
+class TorchCheckpointingManager(DefaultCheckpointManager):
+    """``manager="torch-checkpointing"``: the default lifecycle, whose config names this engine."""
+
+    config_class: ClassVar[type[CheckpointConfig]] = TorchCheckpointingConfig
