@@ -1,9 +1,7 @@
 """Every ```python block in README.md and docs/*.md runs, in order, one namespace per file.
 
 Documentation that does not run is documentation that lies. A block fenced as ```python no-run is
-shown but skipped (for fragments that need a cluster or a network); use it sparingly. A block
-fenced with a word of ``PENDING`` waits for code that is not on this branch yet: it is skipped,
-visibly (``test_pending_blocks``), until the word is removed from the page.
+shown but skipped (for fragments that need a cluster or a network); use it sparingly.
 """
 
 from __future__ import annotations
@@ -18,12 +16,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-
-#: Fence words of blocks that wait for code not merged yet, and what they wait for. Remove the entry
-#: and the word from the page once the code is there: the block then runs like any other.
-PENDING = {
-    "needs_engine_seam": "the lifecycle does not call engines yet (config engine=, issue #20's seam)",
-}
 
 _LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
@@ -40,12 +32,7 @@ class Block:
     @property
     def runnable(self) -> bool:
         words = self.info.split()
-        return bool(words) and words[0] in ("python", "py") and "no-run" not in words[1:] and not self.pending
-
-    @property
-    def pending(self) -> str | None:
-        """The ``PENDING`` word this block waits for, if any."""
-        return next((w for w in self.info.split()[1:] if w in PENDING), None)
+        return bool(words) and words[0] in ("python", "py") and "no-run" not in words[1:]
 
 
 def extract_blocks(text: str) -> list[Block]:
@@ -88,13 +75,6 @@ def test_extract_blocks_finds_fences_and_no_run() -> None:
     ]
     with pytest.raises(ValueError, match="unclosed code fence opened on line 1"):
         extract_blocks("```python\nx = 1\n")
-
-
-def test_pending_blocks_are_not_run() -> None:
-    [block] = extract_blocks("```python needs_engine_seam\nboom()\n```\n")
-    assert (block.runnable, block.pending) == (False, "needs_engine_seam")
-    [block] = extract_blocks("```python\nx = 1\n```\n")
-    assert (block.runnable, block.pending) == (True, None)
 
 
 def test_doc_files_found() -> None:
@@ -140,16 +120,3 @@ def test_doc_python_blocks_run(doc: Path, tmp_path: Path, monkeypatch: pytest.Mo
                 raise
             tb = "".join(traceback.format_exception(exc))
             pytest.fail(f"{rel}: the python block starting at line {block.line} failed:\n{tb}", pytrace=False)
-
-
-PENDING_DOCS = [
-    d for d in DOC_FILES if any(b.pending for b in extract_blocks(d.read_text(encoding="utf-8")))
-]
-
-
-@pytest.mark.parametrize("doc", PENDING_DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_pending_blocks(doc: Path) -> None:
-    """Say which blocks are not run yet, and why (a skip, so the count shows in every run)."""
-    waiting = [b for b in extract_blocks(doc.read_text(encoding="utf-8")) if b.pending]
-    lines = ", ".join(f"line {b.line} ({b.pending}: {PENDING[b.pending or '']})" for b in waiting)
-    pytest.skip(f"{doc.relative_to(ROOT).as_posix()}: not run yet: {lines}")

@@ -22,13 +22,6 @@ from checkpoint_manager.testing.engines import (
     run_lifecycle_check,
 )
 
-# TEMPORARY(needs_engine_seam): the lifecycle checks need the config field `engine=` and a lifecycle
-# that calls engines (the engine seam, DCPEngine); they run, unchanged, once it is there. Remove this marker then.
-needs_engine_seam = pytest.mark.skipif(
-    importlib.util.find_spec("checkpoint_manager.engine.dcp.engine") is None,
-    reason="TEMPORARY needs_engine_seam: the lifecycle does not call engines yet (no DCPEngine)",
-)
-
 REFERENCE = "fixtures_conformance_engines:SafetensorsEngine"
 
 
@@ -134,7 +127,6 @@ def _dcp_engine() -> Any:
     return DCPEngine
 
 
-@needs_engine_seam
 @pytest.mark.parametrize(
     "check",
     [
@@ -163,27 +155,23 @@ def test_the_dcp_engine_passes(check: str, tmp_path: Path) -> None:
     [("cm_safetensors.engine", "SafetensorsEngine"), ("cm_torch_checkpointing.engine", "TorchCheckpointingEngine")],
 )
 def test_the_plugin_engines_pass_every_check(module: str, name: str, tmp_path: Path) -> None:
-    # TEMPORARY(needs_engine_seam): the plugins are engines once the seam is merged; skipped until then
-    engine = getattr(pytest.importorskip(module, reason="needs_engine_seam: the plugin is not an engine yet"), name)
+    engine = getattr(importlib.import_module(module), name)
     run_engine_suite(engine, tmp_path)
 
 
 # ---- the engine inside the lifecycle --------------------------------------------------------------
 
 
-@needs_engine_seam
 @pytest.mark.parametrize("engine", [REFERENCE, "fixtures_conformance_engines:StagingSafetensorsEngine", "dcp"])
 @pytest.mark.parametrize("check", list(LIFECYCLE_CHECKS))
 def test_engine_in_the_lifecycle(check: str, engine: str, tmp_path: Path) -> None:
     run_lifecycle_check(check, engine, tmp_path)
 
 
-@needs_engine_seam
 def test_an_engine_class_works_too(tmp_path: Path) -> None:
     run_lifecycle_check("retention", fx.SafetensorsEngine, tmp_path)
 
 
-@needs_engine_seam
 @pytest.mark.parametrize(
     ("check", "engine", "message"),
     [

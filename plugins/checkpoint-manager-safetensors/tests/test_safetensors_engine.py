@@ -1,7 +1,7 @@
 """The example safetensors engine: its methods directly, then the whole path through the lifecycle.
 
 The plugin is its own package (plugins/checkpoint-manager-safetensors); the test command installs it.
-The tests marked ``needs_engine_seam`` run a ``DefaultCheckpointManager`` with ``engine="safetensors"``.
+The lifecycle tests run a ``DefaultCheckpointManager`` with ``engine="safetensors"``.
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ pytestmark = [pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"), py
 PLUGIN = Path(__file__).resolve().parent.parent
 
 
-def needs_engine_seam(test: Any) -> Any:
-    """The whole path (a manager with ``engine=...``): marked ``needs_engine_seam``, and skipped until
-    the lifecycle calls engines."""
-    test = pytest.mark.needs_engine_seam(test)
-    return pytest.mark.skip(reason="needs_engine_seam: the lifecycle does not call engines yet")(test)
 
 
 def every_kind() -> dict[str, torch.Tensor]:
@@ -335,7 +330,6 @@ def make(save_dir: Path, **fields: Any) -> Any:
     return create_checkpoint_manager({"save_dir": str(save_dir), "engine": "safetensors", "fsync": False, **fields})
 
 
-@needs_engine_seam
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_full_round_trip_through_the_lifecycle(tmp_path: Path, async_save: bool) -> None:
     run = Run(seed=0)
@@ -368,7 +362,6 @@ def test_full_round_trip_through_the_lifecycle(tmp_path: Path, async_save: bool)
     assert_same(resumed.snapshot(), after_one_more)
 
 
-@needs_engine_seam
 def test_the_manager_name_saves_with_this_engine(tmp_path: Path) -> None:
     run = Run(seed=0)
     run.step()
@@ -377,14 +370,12 @@ def test_the_manager_name_saves_with_this_engine(tmp_path: Path) -> None:
     assert result is not None and "state_0.safetensors" in os.listdir(result.path)
 
 
-@needs_engine_seam
 def test_engine_conformance(tmp_path: Path) -> None:
     from checkpoint_manager.testing import run_engine_suite  # type: ignore[attr-defined]
 
     run_engine_suite(lambda: SafetensorsEngine(None), tmp_path)
 
 
-@needs_engine_seam
 def test_lifecycle_conformance(tmp_path: Path) -> None:
     """The manager suite sync and async, retention and a failed save, with engine="safetensors"."""
     from checkpoint_manager.testing import run_lifecycle_suite  # type: ignore[attr-defined]

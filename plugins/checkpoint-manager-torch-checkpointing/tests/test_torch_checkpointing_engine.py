@@ -1,7 +1,7 @@
 """The torch_checkpointing engine: its methods directly, then the whole path through the lifecycle.
 
 The direct tests drive ``save`` / ``read_index`` / ``load`` / ``stage`` the way the lifecycle calls
-them. The tests marked ``needs_engine_seam`` run a ``DefaultCheckpointManager`` with
+them. The lifecycle tests run a ``DefaultCheckpointManager`` with
 ``engine="torch_checkpointing"`` (resume bit-exact, async, two ranks, both conformance suites).
 """
 
@@ -66,11 +66,6 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mount
 
 
-def needs_engine_seam(test: Any) -> Any:
-    """The whole path (a manager with ``engine=...``): marked ``needs_engine_seam``, and skipped until
-    the lifecycle calls engines."""
-    test = pytest.mark.needs_engine_seam(test)
-    return pytest.mark.skip(reason="needs_engine_seam: the lifecycle does not call engines yet")(test)
 
 
 def every_kind() -> dict[str, torch.Tensor]:
@@ -411,7 +406,6 @@ def resume(root: Path, **fields: Any) -> tuple[Rig, Any]:
     return rig, result
 
 
-@needs_engine_seam
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_bit_exact_resume_through_the_lifecycle(tmp_path: Path, async_save: bool) -> None:
     train(tmp_path, 5, save_every_n_steps=2, keep_last=1, async_save=async_save)
@@ -428,7 +422,6 @@ def test_bit_exact_resume_through_the_lifecycle(tmp_path: Path, async_save: bool
     assert_same(rig.snapshot(), replay(7))
 
 
-@needs_engine_seam
 def test_an_async_save_snapshots_before_save_returns(tmp_path: Path) -> None:
     rig = Rig(seed=0)
     rig.step()
@@ -454,7 +447,6 @@ class Big:
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-@needs_engine_seam
 def test_a_full_disk_in_a_background_save_is_raised_and_the_run_goes_on(tiny_tmpfs: Path) -> None:
     root = tiny_tmpfs / "ck"
     rig = Rig(seed=0)
@@ -477,7 +469,6 @@ def test_a_full_disk_in_a_background_save_is_raised_and_the_run_goes_on(tiny_tmp
     assert_same(fresh.snapshot(), expected)
 
 
-@needs_engine_seam
 def test_a_damaged_newest_checkpoint_falls_back(tmp_path: Path) -> None:
     train(tmp_path, 6, save_every_n_steps=2)
     with open(tmp_path / "step_00000006" / tensor_file(0), "r+b") as f:
@@ -487,7 +478,6 @@ def test_a_damaged_newest_checkpoint_falls_back(tmp_path: Path) -> None:
     assert_same(rig.snapshot(), replay(4))
 
 
-@needs_engine_seam
 def test_the_old_manager_name_is_the_lifecycle_with_this_engine(tmp_path: Path) -> None:
     manager = create_checkpoint_manager(CheckpointConfig(save_dir=str(tmp_path), manager="torch-checkpointing"))
     assert type(manager) is TorchCheckpointingManager
@@ -499,14 +489,12 @@ def test_the_old_manager_name_is_the_lifecycle_with_this_engine(tmp_path: Path) 
     assert result is not None and tensor_file(0) in os.listdir(result.path)
 
 
-@needs_engine_seam
 def test_engine_conformance(tmp_path: Path) -> None:
     from checkpoint_manager.testing import run_engine_suite  # type: ignore[attr-defined]
 
     run_engine_suite(lambda: TorchCheckpointingEngine(None), tmp_path)
 
 
-@needs_engine_seam
 def test_lifecycle_conformance(tmp_path: Path) -> None:
     """The manager suite sync and async, retention and a failed save, with engine="torch_checkpointing"."""
     from checkpoint_manager.testing import run_lifecycle_suite  # type: ignore[attr-defined]
@@ -514,7 +502,6 @@ def test_lifecycle_conformance(tmp_path: Path) -> None:
     run_lifecycle_suite("torch_checkpointing", tmp_path)
 
 
-@needs_engine_seam
 def test_two_ranks_save_and_resume_bit_exact(tmp_path: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
