@@ -22,9 +22,9 @@ from checkpoint_manager import (
     LoadContext,
     SaveContext,
     TrainState,
-    direct_io,
 )
 from checkpoint_manager.core.integrity import verify
+from checkpoint_manager.engine.dcp import direct_io
 from checkpoint_manager.engine.dcp.direct_io import BLOCK, AlignedFileWriter
 from checkpoint_manager.engine.dcp.envelope import crc32_combine, envelope_for, locate_data
 
