@@ -90,7 +90,7 @@ def worker(root: Path, out: Path, phase: str, mib: int, replicas: int, durable: 
     record: dict[str, Any] = {"rank": rank, "phase": phase, "replicas": replicas, "durable": durable}
     with create_checkpoint_manager(config) as manager:
         if phase == "save":
-            stalls, background, sent = [], [], []
+            stalls, background, sent, phases = [], [], [], []
             for _ in range(4):  # steps 1-3 local only, step 4 local and durable
                 state.step += 1
                 t0 = time.perf_counter()
@@ -101,7 +101,8 @@ def worker(root: Path, out: Path, phase: str, mib: int, replicas: int, durable: 
                 if stats is not None and replicas:
                     background.append(stats.seconds)
                     sent.append(stats.bytes_sent)
-            record.update(stall_s=stalls, replication_s=background, bytes_sent=sent)
+                    phases.append(getattr(stats, "phases", {}))
+            record.update(stall_s=stalls, replication_s=background, bytes_sent=sent, replication_phases=phases)
             if sent:  # the wire alone: the same bytes, both directions at once, over a bare gloo pair
                 nproc = world // 2
                 peer = (rank + nproc) % world

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -183,8 +184,9 @@ def _share_dir(rank: int) -> str:
 class ReplicaStore:
     """``<local_dir>/.replicas/<name>/rank_<r>/``: the shares this node holds, and its markers."""
 
-    def __init__(self, local_dir: str | Path) -> None:
+    def __init__(self, local_dir: str | Path, *, fsync: bool = True) -> None:
         self.root = Path(local_dir) / STORE_DIR
+        self.fsync = fsync  # the config's: with fsync=False nothing here waits for the disk either
 
     def step_dir(self, name: str) -> Path:
         return self.root / name
@@ -205,8 +207,9 @@ class ReplicaStore:
         tmp = path.with_name(f".{MARKER}.{uuid.uuid4().hex[:8]}")
         with open(tmp, "wb") as f:
             f.write(json.dumps(data, sort_keys=True).encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
 
     def names(self) -> list[str]:
@@ -492,6 +495,9 @@ class ReplicationStats:
     seconds: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    #: seconds per phase: place (the share into the store), agree (manifests), exchange (the
+    #: transfers), commit (the vote, the marker, retention)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Replicator:
@@ -501,7 +507,7 @@ class Replicator:
         self, local: NodeLocalManager, local_dir: str, k: int, keep: int, timeout_s: float, *, fsync: bool = True
     ) -> None:
         self.local, self.k, self.keep, self.fsync = local, k, keep, fsync
-        self.store = ReplicaStore(local_dir)
+        self.store = ReplicaStore(local_dir, fsync=fsync)
         self.local_dir = Path(local_dir)
         self.ctl = DistContext(timeout_s)  # the training thread's collectives (decisions, resume)
         self.io = DistContext(timeout_s)  # the background thread's: never interleaved with ctl's
@@ -577,6 +583,7 @@ class Replicator:
             mine = sorted({*known, rank_json.name})
         except BaseException as exc:
             failure, mine, known = exc, [], {}
+        marks = [("start", time.perf_counter())]
         claims = io.all_gather_json(mine, f"replicas step {step}: shares")
         stats = ReplicationStats(step=step)
         try:
@@ -599,6 +606,7 @@ class Replicator:
                 shutil.rmtree(share)
             os.replace(tmp, share)
             manifest = manifest_of(share, known)
+            marks.append(("place", time.perf_counter()))
         except BaseException as exc:
             failure = exc
         manifests = io.all_gather_json(
@@ -607,11 +615,14 @@ class Replicator:
         ok = failure is None and all(m is not None for m in manifests)
         if ok and rank == 0:  # the whole checkpoint's files map, sealed into rank 0's share
             try:
-                self._write_full_checkpoint_json(Path(committed_path), self.store.share(name, 0), manifests)
+                self._write_full_checkpoint_json(
+                    Path(committed_path), self.store.share(name, 0), manifests, fsync=self.fsync
+                )
                 manifests[0] = manifest_of(self.store.share(name, 0), manifests[0])
             except BaseException as exc:
                 failure, ok = exc, False
         ok = io.all_ok(ok, f"replicas step {step}: shares placed")
+        marks.append(("agree", time.perf_counter()))
         if ok:
             manifests[0] = io.broadcast_json(manifests[0], f"replicas step {step}: manifest of rank 0")
             try:
@@ -624,6 +635,7 @@ class Replicator:
                 )
             except BaseException as exc:
                 failure = exc
+        marks.append(("exchange", time.perf_counter()))
         landed = io.all_gather_json(
             None if failure is None else f"{type(failure).__name__}: {failure}", f"replicas step {step}: vote"
         )
@@ -648,10 +660,13 @@ class Replicator:
             if not on_coord_node and written is not None:
                 shutil.rmtree(written, ignore_errors=True)  # its files were moved into the store
             self.store.prune(self.keep)
+        marks.append(("commit", time.perf_counter()))
         stats.seconds = time.perf_counter() - t0
+        stats.phases = {b[0]: b[1] - a[1] for a, b in itertools.pairwise(marks)}
         log.info(
-            "local step %d replicated to %d peer(s): %.3f GB sent in %.2fs",
+            "local step %d replicated to %d peer(s): %.3f GB sent in %.2fs (%s)",
             step, self.k, stats.bytes_sent / 1e9, stats.seconds,
+            ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in stats.phases.items()),
         )
         return stats
 
@@ -676,7 +691,7 @@ class Replicator:
 
     @staticmethod
     def _write_full_checkpoint_json(
-        committed: Path, share0: Path, manifests: list[dict[str, dict[str, int]]]
+        committed: Path, share0: Path, manifests: list[dict[str, dict[str, int]]], *, fsync: bool
     ) -> None:
         """Rank 0's ``checkpoint.json`` lists what rank 0's node holds; the replica's lists every rank's files."""
         with open(committed / CHECKPOINT_JSON, "rb") as f:
@@ -688,8 +703,9 @@ class Replicator:
         data = json.dumps(seal_checkpoint_json(meta), indent=1, sort_keys=False).encode("utf-8")
         with open(share0 / CHECKPOINT_JSON, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
 
 
 # ---- resume: agree on a step, pull what is missing, assemble -------------------------------------
