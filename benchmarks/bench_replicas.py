@@ -266,6 +266,10 @@ def main() -> None:
         "save_stall_replicas_0_s": median_of_slowest(baseline, "stall_s", 3),
         "replication_background_s": median_of_slowest(saved, "replication_s", 4),
         "replication_background_max_s": max(max(r["replication_s"]) for r in saved),
+        "replication_phases_s": {
+            phase: statistics.median(max(r["replication_phases"][i].get(phase, 0.0) for r in saved) for i in range(4))
+            for phase in saved[0]["replication_phases"][0]
+        },
         "bare_gloo_exchange_s": slowest(saved, "bare_exchange_s"),
         "replication_bytes_sent_per_rank": max(max(r["bytes_sent"]) for r in saved),
         "cpus": os.cpu_count(),
@@ -295,6 +299,8 @@ def main() -> None:
     for what, seconds in rows:
         print(f"| {what} | {seconds:.2f} |")
     print(f"| bytes sent per rank per save | {mib_sent:.0f} MiB |")
+    print("replication phases (slowest rank, median of 4 saves): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in table["replication_phases_s"].items()))
     for rank, lines in table["peers_phases"].items():
         print(f"rank {rank}: {' '.join(lines)}")
 
