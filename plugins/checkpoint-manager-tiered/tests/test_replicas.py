@@ -158,3 +158,29 @@ def test_replicas_need_enough_nodes(tmp_path: Path) -> None:
     }
     with pytest.raises(ValueError, match=r"replicas=1 needs at least 2 nodes .* this job has 1 node\(s\) of 1 rank\(s\)"):
         create_checkpoint_manager(fields)
+
+
+def test_damaged_copy_found_while_sending_is_not_used(tmp_path: Path, reference: Path, killed: Path) -> None:
+    """The holder checks a copy it sends as it reads it (one read): a damaged one is dropped, an older step used."""
+    run, out = restart(tmp_path, killed)
+    newest = newest_replicated(run / "node0")
+    older = sorted(
+        json.loads(p.read_text())["step"] for p in (run / "node0" / ".replicas").glob("*/committed.json")
+    )[-2]
+    shutil.rmtree(run / "node1")  # node 1 pulls everything from node 0
+    (run / "node1").mkdir()
+    data = sorted((run / "node0" / ".replicas" / f"step_{newest:08d}" / "rank_00002").glob("*.distcp"))
+    assert data, "rank 2 wrote no data file"
+    raw = bytearray(data[0].read_bytes())
+    raw[len(raw) // 3] ^= 0x01  # the only copy of rank 2's share of the newest step left
+    data[0].write_bytes(bytes(raw))
+    (run / "durable").rename(run.parent / "durable-away")  # an older local step, not the durable tier
+    job = Job(run, out, STEPS)
+    job.start()
+    job.wait(JOB_TIMEOUT)
+    assert result(out)["resumed"] == {"step": older, "path": str(run / "local" / f"step_{older:08d}")}
+    text = logs(out)
+    assert f"the copy of rank 2's share of local step {newest} on node 0 is damaged" in text
+    assert "rank 2's share from node 0 arrived damaged" in text
+    assert f"pulled rank 2's share of local step {older} from node 0" in text
+    assert_bit_exact(out, reference)

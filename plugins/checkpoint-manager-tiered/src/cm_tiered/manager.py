@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar, TypeVar
@@ -231,10 +232,17 @@ class TieredCheckpointManager(FinalizeOnExit):
                 self.config.save_dir,
             )
             return None
+        t0 = time.perf_counter()
         with resumer.assembled(pick) as path:
             result = self.local.load(dataclasses.replace(ctx, path=str(path), step=None))
+        resumer.timings["load"] = time.perf_counter() - t0
         location = str(Path(self.config.local_dir) / pick.name)
-        log.info("resumed from the local tiers (with their replicas): %s (step %d)", location, result.step)
+        log.info(
+            "resumed from the local tiers (with their replicas): %s (step %d; seconds: %s)",
+            location,
+            result.step,
+            ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in resumer.timings.items()),
+        )
         return dataclasses.replace(result, path=location)
 
     def load(self, ctx: LoadContext) -> LoadResult:

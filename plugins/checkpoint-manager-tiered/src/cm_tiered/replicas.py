@@ -19,9 +19,13 @@ every rank reports every replica in place does each node write ``committed.json`
 shares: a local checkpoint without it is never resumed from.
 
 **Resume.** The ranks gather what every surviving node holds; the newest step with a
-``committed.json`` on some node whose every share has a surviving copy (size-checked, then
-CRC-checked by its holder) is chosen; every node then pulls the shares it lacks from a holder
-(verified on receipt), assembles the checkpoint from hard links and loads it. A step with a share
+``committed.json`` on some node whose every share has a surviving copy (size-checked) is chosen;
+every node then pulls the shares it lacks from a holder, each copy CRC-checked once per node (by its
+holder as it reads it to send it, or on its own when kept; by the receiver on receipt), assembles
+the checkpoint from hard links and loads it.
+
+**Transfers** are pipelined (pieces of ``CHUNK`` bytes, ``DEPTH`` in flight each way) and, during a
+replication, full duplex: near the wire's and the disk's speed, with one CRC32 pass on receipt. A step with a share
 that no node holds intact is skipped with a warning that names the rank whose share is missing.
 """
 
@@ -30,10 +34,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import itertools
 import json
 import logging
 import os
 import shutil
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,8 +69,10 @@ log = logging.getLogger("cm_tiered")
 STORE_DIR = ".replicas"
 RESUME_DIR = ".resume"
 MARKER = "committed.json"
-#: the largest piece of a file sent in one message (bytes): bounds the buffers of a transfer
-CHUNK = 64 << 20
+#: the largest piece of a file sent in one message (bytes)
+CHUNK = 16 << 20
+#: pieces in flight per direction of a transfer: its buffers are ``DEPTH * CHUNK`` bytes
+DEPTH = 4
 
 
 class ReplicationError(CheckpointError):
@@ -175,8 +184,9 @@ def _share_dir(rank: int) -> str:
 class ReplicaStore:
     """``<local_dir>/.replicas/<name>/rank_<r>/``: the shares this node holds, and its markers."""
 
-    def __init__(self, local_dir: str | Path) -> None:
+    def __init__(self, local_dir: str | Path, *, fsync: bool = True) -> None:
         self.root = Path(local_dir) / STORE_DIR
+        self.fsync = fsync  # the config's: with fsync=False nothing here waits for the disk either
 
     def step_dir(self, name: str) -> Path:
         return self.root / name
@@ -197,8 +207,9 @@ class ReplicaStore:
         tmp = path.with_name(f".{MARKER}.{uuid.uuid4().hex[:8]}")
         with open(tmp, "wb") as f:
             f.write(json.dumps(data, sort_keys=True).encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
 
     def names(self) -> list[str]:
@@ -264,82 +275,171 @@ def _view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
 
 
-def _chunks(size: int) -> Iterator[tuple[int, int]]:
-    offset = 0
-    while offset < size or (size == 0 and offset == 0):
-        n = min(CHUNK, size - offset)
-        yield offset, n
-        offset += max(n, 1)
-        if size == 0:
-            return
+def _pieces(sizes: list[int]) -> list[tuple[int, int, int]]:
+    """``(file index, offset, length)`` of every message of a stream of files (empty files send none)."""
+    out = []
+    for i, size in enumerate(sizes):
+        for offset in range(0, size, CHUNK):
+            out.append((i, offset, min(CHUNK, size - offset)))
+    return out
 
 
-def send_files(ctx: DistContext, root: Path, files: list[str], dst: int, phase: str) -> int:
-    """Send ``files`` (relative to ``root``) to rank ``dst`` in chunks; returns the bytes sent."""
-    sent = 0
-    buf = torch.empty(0, dtype=torch.uint8)
-    for rel in files:
-        with open(root / rel, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            for _, n in _chunks(size):
-                if n == 0:
-                    continue
-                if buf.numel() < n:
-                    buf = torch.empty(n, dtype=torch.uint8)
-                piece = buf[:n]
-                view = _view(piece)
-                got = 0
-                while got < n:
-                    r = f.readinto(view[got:])
-                    if not r:
-                        raise ReplicationError(f"{root / rel}: shorter than its recorded size while sending")
-                    got += r
-                _p2p(ctx, dist.isend, piece, dst, phase)
-                sent += n
-    return sent
+class _Buffers:
+    """``DEPTH`` preallocated pieces of at most ``CHUNK`` bytes, each with the transfer using it."""
+
+    def __init__(self, largest: int) -> None:
+        n = min(CHUNK, max(largest, 1))
+        self.tensors = [torch.empty(n, dtype=torch.uint8) for _ in range(DEPTH)]
+        self.views = [_view(t) for t in self.tensors]
+        self.works: list[Any] = [None] * DEPTH
+
+
+def send_files(
+    ctx: DistContext,
+    root: Path,
+    files: list[str],
+    dst: int,
+    phase: str,
+    *,
+    check: dict[str, dict[str, int]] | None = None,
+) -> tuple[int, list[str]]:
+    """Send ``files`` (relative to ``root``) to rank ``dst``; returns the bytes sent and, with
+    ``check`` (a manifest), the files whose CRC32 as read did not match it (sent all the same).
+
+    Pipelined: up to ``DEPTH`` pieces in flight, so reading the next piece from disk overlaps the
+    transport sending the earlier ones (gloo sends on its own thread). ``check`` makes the sender's
+    one read of a file also its holder's CRC32 check.
+    """
+    fds = []
+    try:
+        for rel in files:
+            fds.append(os.open(root / rel, os.O_RDONLY))
+        sizes = [os.fstat(fd).st_size for fd in fds]
+        pieces = _pieces(sizes)
+        bufs = _Buffers(max((n for _, _, n in pieces), default=0))
+        crcs = [0] * len(files)
+        for j, (i, offset, n) in enumerate(pieces):
+            slot = j % DEPTH
+            if bufs.works[slot] is not None:
+                _wait(ctx, bufs.works[slot], dst, phase)
+            view = bufs.views[slot][:n]
+            got = 0
+            while got < n:
+                r = os.preadv(fds[i], [view[got:]], offset + got)
+                if not r:
+                    raise ReplicationError(f"{root / files[i]}: shorter than its recorded size while sending")
+                got += r
+            bufs.works[slot] = _post(ctx, dist.isend, bufs.tensors[slot][:n], dst, phase)
+            if check is not None:
+                crcs[i] = crc32(view, crcs[i])  # while the transport sends it
+        for work in bufs.works:
+            if work is not None:
+                _wait(ctx, work, dst, phase)
+        bad = [] if check is None else [
+            rel for rel, crc in zip(files, crcs, strict=True) if crc != int(check[rel]["crc32"])
+        ]
+        return sum(sizes), bad
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def recv_files(
     ctx: DistContext, root: Path, manifest: dict[str, dict[str, int]], src: int, phase: str, *, fsync: bool = True
 ) -> tuple[int, list[str]]:
     """Receive the files of ``manifest`` (sorted) from ``src`` into ``root``; returns the bytes and the
-    files whose CRC32 did not match (received in full all the same: the sender's stream stays aligned)."""
-    received, bad = 0, []
-    buf = torch.empty(0, dtype=torch.uint8)
-    for rel in sorted(manifest):
-        size, expected = int(manifest[rel]["size"]), int(manifest[rel]["crc32"])
-        target = root / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        crc = 0
-        with open(target, "wb") as f:
-            for _, n in _chunks(size):
-                if n == 0:
-                    continue
-                if buf.numel() < n:
-                    buf = torch.empty(n, dtype=torch.uint8)
-                piece = buf[:n]
-                _p2p(ctx, dist.irecv, piece, src, phase)
-                view = _view(piece)
-                crc = crc32(view, crc)
-                f.write(view)
-                received += n
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        if crc != expected:
-            bad.append(rel)
-    return received, bad
+    files whose CRC32 did not match (received in full all the same: the sender's stream stays aligned).
 
-
-def _p2p(ctx: DistContext, op: Any, tensor: torch.Tensor, peer: int, phase: str) -> None:
+    Pipelined: the next ``DEPTH - 1`` pieces are being received while one is checked (CRC32, once,
+    as it arrives) and written; each file is fsynced once, when complete.
+    """
+    names = sorted(manifest)
+    sizes = [int(manifest[rel]["size"]) for rel in names]
+    pieces = _pieces(sizes)
+    bufs = _Buffers(max((n for _, _, n in pieces), default=0))
+    crcs = [0] * len(names)
+    fds: list[int] = []
     try:
-        work = op(tensor, peer, group=ctx.group)
+        for rel in names:
+            target = root / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fds.append(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+        for j in range(min(DEPTH, len(pieces))):
+            bufs.works[j] = _post(ctx, dist.irecv, bufs.tensors[j][: pieces[j][2]], src, phase)
+        for j, (i, offset, n) in enumerate(pieces):
+            slot = j % DEPTH
+            _wait(ctx, bufs.works[slot], src, phase)
+            view = bufs.views[slot][:n]
+            crcs[i] = crc32(view, crcs[i])
+            done = 0
+            while done < n:
+                done += os.pwrite(fds[i], view[done:], offset + done)
+            nxt = j + DEPTH
+            bufs.works[slot] = (
+                _post(ctx, dist.irecv, bufs.tensors[slot][: pieces[nxt][2]], src, phase) if nxt < len(pieces) else None
+            )
+        if fsync:
+            for fd in fds:
+                os.fsync(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    bad = [rel for rel, crc in zip(names, crcs, strict=True) if crc != int(manifest[rel]["crc32"])]
+    return sum(sizes), bad
+
+
+def _post(ctx: DistContext, op: Any, tensor: torch.Tensor, peer: int, phase: str) -> Any:
+    try:
+        return op(tensor, peer, group=ctx.group)
+    except Exception as exc:
+        raise _p2p_error(ctx, peer, phase, exc) from exc
+
+
+def _wait(ctx: DistContext, work: Any, peer: int, phase: str) -> None:
+    try:
         work.wait(timeout=ctx.timeout)
     except Exception as exc:
-        raise ReplicationError(
-            f"rank {ctx.rank}: '{phase}' with rank {peer} failed or timed out "
-            f"({ctx.timeout.total_seconds():g}s); that rank probably died: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise _p2p_error(ctx, peer, phase, exc) from exc
+
+
+def _p2p_error(ctx: DistContext, peer: int, phase: str, exc: Exception) -> ReplicationError:
+    return ReplicationError(
+        f"rank {ctx.rank}: '{phase}' with rank {peer} failed or timed out "
+        f"({ctx.timeout.total_seconds():g}s); that rank probably died: {type(exc).__name__}: {exc}"
+    )
+
+
+def exchange_files(
+    ctx: DistContext,
+    send: tuple[Path, list[str], int],
+    recv: tuple[Path, dict[str, dict[str, int]], int],
+    phase: str,
+    *,
+    fsync: bool = True,
+) -> tuple[int, list[str]]:
+    """Send ``(root, files, dst)`` while receiving ``(root, manifest, src)``: both directions at once.
+
+    The send runs on a thread of its own (gloo's waits, disk I/O and the CRC32 release the GIL);
+    returns the bytes sent and the received files whose CRC32 did not match.
+    """
+    sent: list[int] = []
+    failed: list[BaseException] = []
+
+    def sender() -> None:
+        try:
+            sent.append(send_files(ctx, send[0], send[1], send[2], phase)[0])
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=sender, name="checkpoint-replicas-send", daemon=True)
+    thread.start()
+    try:
+        _, bad = recv_files(ctx, recv[0], recv[1], recv[2], phase, fsync=fsync)
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
+    return sent[0], bad
 
 
 # ---- helpers on shares ---------------------------------------------------------------------------
@@ -348,8 +448,10 @@ def _p2p(ctx: DistContext, op: Any, tensor: torch.Tensor, peer: int, phase: str)
 def file_crc(path: Path) -> int:
     crc = 0
     with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(CHUNK):
-            crc = crc32(chunk, crc)
+        buf = torch.empty(CHUNK, dtype=torch.uint8)
+        view = _view(buf)
+        while n := f.readinto(view):
+            crc = crc32(view[:n], crc)
     return crc
 
 
@@ -393,6 +495,9 @@ class ReplicationStats:
     seconds: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    #: seconds per phase: place (the share into the store), agree (manifests), exchange (the
+    #: transfers), commit (the vote, the marker, retention)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Replicator:
@@ -402,7 +507,7 @@ class Replicator:
         self, local: NodeLocalManager, local_dir: str, k: int, keep: int, timeout_s: float, *, fsync: bool = True
     ) -> None:
         self.local, self.k, self.keep, self.fsync = local, k, keep, fsync
-        self.store = ReplicaStore(local_dir)
+        self.store = ReplicaStore(local_dir, fsync=fsync)
         self.local_dir = Path(local_dir)
         self.ctl = DistContext(timeout_s)  # the training thread's collectives (decisions, resume)
         self.io = DistContext(timeout_s)  # the background thread's: never interleaved with ctl's
@@ -461,8 +566,6 @@ class Replicator:
 
     # -- the background job ------------------------------------------------------------------------
     def _replicate(self, step: int, name: str, committed_path: str) -> ReplicationStats:
-        import time
-
         t0 = time.perf_counter()
         topo, io = self.topo, self.io
         rank = io.rank
@@ -480,6 +583,7 @@ class Replicator:
             mine = sorted({*known, rank_json.name})
         except BaseException as exc:
             failure, mine, known = exc, [], {}
+        marks = [("start", time.perf_counter())]
         claims = io.all_gather_json(mine, f"replicas step {step}: shares")
         stats = ReplicationStats(step=step)
         try:
@@ -502,6 +606,7 @@ class Replicator:
                 shutil.rmtree(share)
             os.replace(tmp, share)
             manifest = manifest_of(share, known)
+            marks.append(("place", time.perf_counter()))
         except BaseException as exc:
             failure = exc
         manifests = io.all_gather_json(
@@ -510,11 +615,14 @@ class Replicator:
         ok = failure is None and all(m is not None for m in manifests)
         if ok and rank == 0:  # the whole checkpoint's files map, sealed into rank 0's share
             try:
-                self._write_full_checkpoint_json(Path(committed_path), self.store.share(name, 0), manifests)
+                self._write_full_checkpoint_json(
+                    Path(committed_path), self.store.share(name, 0), manifests, fsync=self.fsync
+                )
                 manifests[0] = manifest_of(self.store.share(name, 0), manifests[0])
             except BaseException as exc:
                 failure, ok = exc, False
         ok = io.all_ok(ok, f"replicas step {step}: shares placed")
+        marks.append(("agree", time.perf_counter()))
         if ok:
             manifests[0] = io.broadcast_json(manifests[0], f"replicas step {step}: manifest of rank 0")
             try:
@@ -527,6 +635,7 @@ class Replicator:
                 )
             except BaseException as exc:
                 failure = exc
+        marks.append(("exchange", time.perf_counter()))
         landed = io.all_gather_json(
             None if failure is None else f"{type(failure).__name__}: {failure}", f"replicas step {step}: vote"
         )
@@ -551,30 +660,27 @@ class Replicator:
             if not on_coord_node and written is not None:
                 shutil.rmtree(written, ignore_errors=True)  # its files were moved into the store
             self.store.prune(self.keep)
+        marks.append(("commit", time.perf_counter()))
         stats.seconds = time.perf_counter() - t0
+        stats.phases = {b[0]: b[1] - a[1] for a, b in itertools.pairwise(marks)}
         log.info(
-            "local step %d replicated to %d peer(s): %.3f GB sent in %.2fs",
+            "local step %d replicated to %d peer(s): %.3f GB sent in %.2fs (%s)",
             step, self.k, stats.bytes_sent / 1e9, stats.seconds,
+            ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in stats.phases.items()),
         )
         return stats
 
     def _exchange(
         self, name: str, rank: int, dst: int, src: int, manifests: list[dict[str, dict[str, int]]], step: int
     ) -> int:
-        """Send my share to ``dst`` while receiving ``src``'s (ordered by rank parity: no deadlock)."""
+        """Send my share to ``dst`` while receiving ``src``'s, both at once."""
         phase = f"replicas step {step}: rank {rank} <-> peers"
         mine = self.store.share(name, rank)
         theirs = self.store.share(name, src)
         tmp = theirs.with_name(f".{theirs.name}.{uuid.uuid4().hex[:8]}")
-        sent = 0
-        bad: list[str] = []
-        # senders and receivers pair up on a ring: break the cycle by node parity
-        if self.topo.node % 2 == 0:
-            sent = send_files(self.io, mine, sorted(manifests[rank]), dst, phase)
-            _, bad = recv_files(self.io, tmp, manifests[src], src, phase, fsync=self.fsync)
-        else:
-            _, bad = recv_files(self.io, tmp, manifests[src], src, phase, fsync=self.fsync)
-            sent = send_files(self.io, mine, sorted(manifests[rank]), dst, phase)
+        sent, bad = exchange_files(
+            self.io, (mine, sorted(manifests[rank]), dst), (tmp, manifests[src], src), phase, fsync=self.fsync
+        )
         if bad:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ReplicationError(f"the replica of rank {src}'s share arrived damaged (CRC32 mismatch): {bad}")
@@ -585,7 +691,7 @@ class Replicator:
 
     @staticmethod
     def _write_full_checkpoint_json(
-        committed: Path, share0: Path, manifests: list[dict[str, dict[str, int]]]
+        committed: Path, share0: Path, manifests: list[dict[str, dict[str, int]]], *, fsync: bool
     ) -> None:
         """Rank 0's ``checkpoint.json`` lists what rank 0's node holds; the replica's lists every rank's files."""
         with open(committed / CHECKPOINT_JSON, "rb") as f:
@@ -597,8 +703,9 @@ class Replicator:
         data = json.dumps(seal_checkpoint_json(meta), indent=1, sort_keys=False).encode("utf-8")
         with open(share0 / CHECKPOINT_JSON, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
 
 
 # ---- resume: agree on a step, pull what is missing, assemble -------------------------------------
@@ -659,11 +766,24 @@ def decide(
     return None, why
 
 
+def _moves(pick: LocalPick, topo: NodeTopology) -> list[tuple[int, int, int]]:
+    """``(share, from node, to node)``: every node gets each share it lacks from its first holder (the
+    same list, in the same order, on every rank)."""
+    moves = []
+    for node in sorted(set(topo.nodes)):
+        for share, nodes in sorted(pick.holders.items()):
+            if node not in nodes:
+                moves.append((share, nodes[0], node))
+    return moves
+
+
 class Resumer:
     """The collective resume from the nodes' local tiers (training thread, the ``ctl`` group)."""
 
     def __init__(self, rep: Replicator) -> None:
         self.rep = rep
+        #: seconds spent per phase of the resume ("agree", "check", "pull", "assemble"): logged
+        self.timings: dict[str, float] = {}
 
     def report(self) -> dict[str, Any]:
         store, topo = self.rep.store, self.rep.topo
@@ -678,8 +798,14 @@ class Resumer:
         return decide(reports, len(self.rep.topo.nodes), step, set())
 
     def verify_and_pull(self, step: int | None) -> tuple[LocalPick | None, list[str]]:
-        """Pick, CRC-check the holders' copies, pull what each node lacks; the next step on a damaged copy."""
-        ctl, topo, store = self.rep.ctl, self.rep.topo, self.rep.store
+        """Pick, CRC-check the holders' copies, pull what each node lacks; the next copy or step on a damaged one.
+
+        Every byte is read and checked once per node: a holder checks the copies it keeps for itself
+        alone, and the copies it sends as it reads them to send (the receiver checks them again on
+        receipt, for the wire). A damaged copy, found either way, does not count any more, and the
+        step is decided again: another copy, else an older step.
+        """
+        ctl, topo = self.rep.ctl, self.rep.topo
         reports = ctl.all_gather_json(self.report(), "replicas: what survives")
         skip: set[str] = set()
         notes: list[str] = []
@@ -688,23 +814,19 @@ class Resumer:
             notes += why
             if pick is None:
                 return None, notes
-            # each node's ranks share the CRC check of the shares the node holds
             manifests = {int(r): m for r, m in pick.marker["manifests"].items()}
-            damaged: list[list[int]] = []
-            held = [s for s, nodes in pick.holders.items() if topo.node in nodes]
-            for i, share in enumerate(held):
-                if i % topo.local_world_size != topo.local_rank:
-                    continue
-                root = store.share(pick.name, share)
-                bad = [f for f, e in manifests[share].items() if file_crc(root / f) != int(e["crc32"])]
-                if bad:
-                    log.warning(
-                        "the copy of rank %d's share of local step %d on node %d is damaged (CRC32 mismatch: "
-                        "%s): not used", share, pick.step, topo.node, ", ".join(bad),
-                    )
-                    damaged.append([topo.node, share])
-            everyone = ctl.all_gather_json(damaged, f"replicas: check local step {pick.step}")
-            bad_copies = {(int(n), int(s)) for rank_list in everyone for n, s in rank_list}
+            moves = _moves(pick, topo)
+            t0 = time.perf_counter()
+            damaged = self._check_kept(pick, manifests, {(share, src) for share, src, _ in moves})
+            self.timings["check"] = self.timings.get("check", 0.0) + time.perf_counter() - t0
+            t0 = time.perf_counter()
+            failure, sent_damaged = self._pull(pick, manifests, moves)
+            self.timings["pull"] = self.timings.get("pull", 0.0) + time.perf_counter() - t0
+            damaged += sent_damaged
+            everyone = ctl.all_gather_json(
+                {"damaged": damaged, "failure": failure}, f"replicas: check local step {pick.step}"
+            )
+            bad_copies = {(int(n), int(s)) for report in everyone for n, s in report["damaged"]}
             if bad_copies:
                 for report in reports:  # the damaged copies do not count any more
                     shares = report["holdings"].get(pick.name)
@@ -713,35 +835,67 @@ class Resumer:
                             if int(report["node"]) == n:
                                 shares.pop(str(s), None)
                 continue  # decide again: another copy, or an older step
-            if self._pull(pick, manifests):
-                return pick, notes
-            skip.add(pick.name)
-            notes.append(f"local step {pick.step}: a transfer failed; trying an older one")
+            if any(report["failure"] is not None for report in everyone):
+                skip.add(pick.name)
+                notes.append(f"local step {pick.step}: a transfer failed; trying an older one")
+                continue
+            if topo.local_rank == 0 and self.rep.store.marker(pick.name) is None:
+                self.rep.store.write_marker(pick.name, pick.marker)  # this node holds a complete copy again
+            return pick, notes
 
-    def _pull(self, pick: LocalPick, manifests: dict[int, dict[str, dict[str, int]]]) -> bool:
-        """Every node gets the shares it lacks from the first node holding each (CRC-checked on receipt)."""
+    def _check_kept(
+        self, pick: LocalPick, manifests: dict[int, dict[str, dict[str, int]]], sent: set[tuple[int, int]]
+    ) -> list[list[int]]:
+        """CRC-check the copies this node holds and does not send (its ranks share the work): the damaged ones."""
+        topo, store = self.rep.topo, self.rep.store
+        damaged: list[list[int]] = []
+        held = [s for s, nodes in pick.holders.items() if topo.node in nodes and (s, topo.node) not in sent]
+        for i, share in enumerate(held):
+            if i % topo.local_world_size != topo.local_rank:
+                continue
+            root = store.share(pick.name, share)
+            bad = [f for f, e in manifests[share].items() if file_crc(root / f) != int(e["crc32"])]
+            if bad:
+                self._damaged(pick, share, topo.node, bad)
+                damaged.append([topo.node, share])
+        return damaged
+
+    @staticmethod
+    def _damaged(pick: LocalPick, share: int, node: int, files: list[str]) -> None:
+        log.warning(
+            "the copy of rank %d's share of local step %d on node %d is damaged (CRC32 mismatch: %s): not used",
+            share, pick.step, node, ", ".join(files),
+        )
+
+    def _pull(
+        self, pick: LocalPick, manifests: dict[int, dict[str, dict[str, int]]], moves: list[tuple[int, int, int]]
+    ) -> tuple[str | None, list[list[int]]]:
+        """Every node gets the shares it lacks from the first node holding each (CRC-checked as the sender
+        reads them and on receipt). Returns a failed transfer (or None) and the sent copies found damaged."""
         ctl, topo, store = self.rep.ctl, self.rep.topo, self.rep.store
         lw = topo.local_world_size
         failure: str | None = None
-        moves = []  # (share, from node, to node): the same list, in the same order, on every rank
-        for node in sorted(set(topo.nodes)):
-            for share, nodes in sorted(pick.holders.items()):
-                if node not in nodes:
-                    moves.append((share, nodes[0], node))
+        damaged: list[list[int]] = []
         for share, src_node, dst_node in moves:
             lr = share % lw  # the local rank that moves this share, on both nodes
             src, dst = topo.rank_at(src_node, lr), topo.rank_at(dst_node, lr)
             phase = f"replicas: pull rank {share}'s share of local step {pick.step}"
             try:
                 if ctl.rank == src:
-                    send_files(ctl, store.share(pick.name, share), sorted(manifests[share]), dst, phase)
+                    root = store.share(pick.name, share)
+                    _, bad = send_files(ctl, root, sorted(manifests[share]), dst, phase, check=manifests[share])
+                    if bad:
+                        self._damaged(pick, share, src_node, bad)
+                        damaged.append([src_node, share])
                 elif ctl.rank == dst:
                     target = store.share(pick.name, share)
                     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
                     _, bad = recv_files(ctl, tmp, manifests[share], src, phase, fsync=self.rep.fsync)
-                    if bad:
+                    if bad:  # the sender saw its copy damaged too, or the wire did it: not kept
                         shutil.rmtree(tmp, ignore_errors=True)
-                        raise ReplicationError(f"rank {share}'s share from node {src_node} arrived damaged: {bad}")
+                        log.warning("rank %d's share from node %d arrived damaged: %s", share, src_node, bad)
+                        damaged.append([src_node, share])
+                        continue
                     if target.exists():
                         shutil.rmtree(target)
                     os.replace(tmp, target)
@@ -749,11 +903,7 @@ class Resumer:
             except ReplicationError as exc:  # the other moves still run: no peer is left waiting
                 failure = failure or str(exc)
                 log.warning("%s", exc)
-        if not ctl.all_ok(failure is None, "replicas: pulls done"):
-            return False
-        if topo.local_rank == 0 and store.marker(pick.name) is None:
-            store.write_marker(pick.name, pick.marker)  # this node holds a complete copy again
-        return True
+        return failure, damaged
 
     @contextlib.contextmanager
     def assembled(self, pick: LocalPick) -> Iterator[Path]:
