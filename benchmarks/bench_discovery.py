@@ -33,7 +33,8 @@ if __package__ in (None, ""):  # run as a script: make the checkout importable
 
 import torch
 
-from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState, layout
+from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
+from checkpoint_manager.core import layout
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, scan_checkpoints
 from checkpoint_manager.lifecycle.retention import Pruner, build_retention_policy
 from checkpoint_manager.storage.local import LocalStorage

@@ -67,7 +67,8 @@ _WITHOUT_ISAL = textwrap.dedent(
     sys.modules["isal.isal_zlib"] = None
     warnings.simplefilter("always")
     import torch
-    from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState, checksum
+    from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
+    from checkpoint_manager.core import checksum
     from checkpoint_manager.core.integrity import verify
     assert checksum.CRC32_BACKEND == "zlib", checksum.CRC32_BACKEND
     assert checksum.crc32 is zlib.crc32

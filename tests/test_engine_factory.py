@@ -83,7 +83,7 @@ def test_unknown_name_suggests_the_builtin() -> None:
         load_engine_class("dcpp")
     assert str(info.value) == (
         "engine='dcpp' is neither a built-in engine ('dcp'), an entry point in group "
-        "'checkpoint_manager.engines' (installed: none) nor a dotted path 'pkg.mod.Class' "
+        "'checkpoint_manager.engines' (installed: safetensors, torch_checkpointing) nor a dotted path 'pkg.mod.Class' "
         "(it has no module part) (did you mean 'dcp'?)"
     )
 
@@ -260,7 +260,8 @@ def test_unknown_name_lists_the_installed_entry_points_and_suggests_one(fake_eng
         load_engine_class("zoo-safetensor")
     assert str(info.value) == (
         "engine='zoo-safetensor' is neither a built-in engine ('dcp'), an entry point in group "
-        "'checkpoint_manager.engines' (installed: zoo-bad, zoo-broken, zoo-compress, zoo-missing-attr, "
+        "'checkpoint_manager.engines' (installed: safetensors, torch_checkpointing, zoo-bad, zoo-broken, "
+        "zoo-compress, zoo-missing-attr, "
         "zoo-safetensors, zoo-twice) nor a dotted path 'pkg.mod.Class' (it has no module part) "
         "(did you mean 'zoo-safetensors'?)"
     )
