@@ -44,8 +44,10 @@ __all__ = [
     "HF_WEIGHTS",
     "HFExport",
     "HFLoad",
+    "HFWeights",
     "MissingConfigWarning",
     "TiedWeights",
+    "check_hf_weights",
     "copy_artifacts",
     "export_hf",
     "hf_weight_files",
@@ -448,13 +450,29 @@ def load_hf_weights(
 
     ``key_map`` renames the file's names to the model's (for renamed or wrapped modules). Strict:
     every model tensor must be in the files (tied copies excepted) and every file tensor in the model.
+    Every file is checked (header, each tensor's dtype, shape and byte range) before the model changes.
     """
+    with check_hf_weights(model, path, key_map=key_map, strict=strict) as weights:
+        return weights.apply()
+
+
+def check_hf_weights(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    key_map: KeyMap | None = None,
+    strict: bool = True,
+) -> HFWeights:
+    """Open and check every weight file of ``path`` against ``model``; nothing is set yet (see
+    :meth:`HFWeights.apply`). A bad file anywhere raises here, with the model as it was."""
     files = hf_weight_files(path)
     live: dict[str, Any] = dict(get_model_state_dict(model))
     sources: dict[str, tuple[Path, str]] = {}
     unexpected: list[str] = []
-    for file in files:
-        with SafetensorsFile(file) as sf:
+    opened: dict[Path, SafetensorsFile] = {}
+    try:
+        for file in files:
+            sf = opened[file] = SafetensorsFile(file)
             for name in sf:
                 new = apply_key_map(name, key_map)
                 if new is None:
@@ -470,33 +488,71 @@ def load_hf_weights(
                         f"{file}: {name}: shape {shape} in the file, {tuple(live[new].shape)} in the model"
                     )
                 sources[new] = (file, name)
+    except BaseException:
+        for sf in opened.values():
+            sf.close()
+        raise
     missing = [k for k in live if k not in sources]
     tied = [k for k in missing if _shares_storage_with(live, k, sources)]
     missing = [k for k in missing if k not in tied]
+    full = any(hasattr(t, "device_mesh") for t in live.values())
+    del live
+    weights = HFWeights(model, Path(path), opened, sources, tuple(tied), tuple(missing), tuple(unexpected), full)
     if strict and (missing or unexpected):
+        weights.close()
         raise CheckpointMismatchError(
             f"{path}: weights do not match the model: missing in the files {_short(missing)}, "
             f"not in the model {_short(unexpected)} (use key_map to rename, or strict=False)"
         )
-    full = any(hasattr(t, "device_mesh") for t in live.values())
-    options = StateDictOptions(strict=False, full_state_dict=full)
-    del live
-    nbytes = 0
-    for file in files:
-        with SafetensorsFile(file) as sf:
-            part: dict[str, Any] = {new: sf.get(name) for new, (f, name) in sources.items() if f == file}
+    return weights
+
+
+@dataclass
+class HFWeights:
+    """Hugging Face weight files checked against a model (by :func:`check_hf_weights`), still open."""
+
+    model: nn.Module
+    path: Path
+    files: dict[Path, SafetensorsFile]
+    sources: dict[str, tuple[Path, str]]  # the model's key -> (file, name in the file)
+    tied: tuple[str, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    full: bool  # a sharded (DTensor) model: set from full tensors
+
+    def tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Each tensor :meth:`apply` sets, by the model's key: views of the files' pages, not copies."""
+        for new, (file, name) in self.sources.items():
+            yield new, self.files[file].get(name)
+
+    def apply(self) -> HFLoad:
+        """Set the model from the checked files, one file at a time (memory: one file's tensors)."""
+        options = StateDictOptions(strict=False, full_state_dict=self.full)
+        nbytes = 0
+        for file, sf in self.files.items():
+            part: dict[str, Any] = {new: sf.get(name) for new, (f, name) in self.sources.items() if f == file}
             nbytes += sum(int(t.numel() * t.element_size()) for t in part.values())
             if part:
-                set_model_state_dict(model, part, options=options)
+                set_model_state_dict(self.model, part, options=options)
             del part
-    return HFLoad(
-        path=Path(path),
-        loaded=tuple(sources),
-        tied=tuple(tied),
-        missing=tuple(missing),
-        unexpected=tuple(unexpected),
-        bytes=nbytes,
-    )
+        return HFLoad(
+            path=self.path,
+            loaded=tuple(self.sources),
+            tied=self.tied,
+            missing=self.missing,
+            unexpected=self.unexpected,
+            bytes=nbytes,
+        )
+
+    def close(self) -> None:
+        for sf in self.files.values():
+            sf.close()
+
+    def __enter__(self) -> HFWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _storage_key(t: torch.Tensor) -> int:

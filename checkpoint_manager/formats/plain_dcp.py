@@ -12,7 +12,8 @@ of non-tensor state. What can be restored is what DCP stored as tensors under na
 
 Everything else (schedulers, data loaders, RNG, extras) DCP keeps as pickled objects: it is reported
 as not restored, never unpickled. ``.metadata`` goes through the allow-listed unpickler, tensor data
-through ``torch.load(weights_only=True)``.
+through ``torch.load(weights_only=True)``, into fresh tensors: the live objects change only once
+every record was read.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from checkpoint_manager.engine.dcp.io import read_dcp_metadata
+from checkpoint_manager.engine.read_first import copy_over, fresh_like
 from checkpoint_manager.errors import CheckpointMismatchError, CheckpointNotFoundError
 from checkpoint_manager.protocol import LoadContext, LoadResult
 from checkpoint_manager.state.keys import (
@@ -47,7 +49,15 @@ from checkpoint_manager.state.keys import (
     model_keys,
 )
 
-__all__ = ["OPTIMIZER_SECTIONS", "PlainImport", "load_plain_dcp", "model_entries", "plan_plain_import"]
+__all__ = [
+    "OPTIMIZER_SECTIONS",
+    "PlainImport",
+    "apply_plain_import",
+    "load_plain_dcp",
+    "model_entries",
+    "plan_plain_import",
+    "read_plain_import",
+]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -91,6 +101,7 @@ class PlainImport:
     """What one import of a plain DCP directory reads, and what it says about each part."""
 
     path: Path
+    metadata: Metadata | None = None
     targets: dict[str, torch.Tensor] = field(default_factory=dict)
     restored: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -110,7 +121,7 @@ def plan_plain_import(ctx: LoadContext, path: Path, metadata: Metadata, *, model
     The model must match (all keys with ``strict``, its shapes always); the optimizer is restored
     only if every one of its state tensors is found, and reported as not restored otherwise.
     """
-    plan = PlainImport(path)
+    plan = PlainImport(path, metadata)
     available = _tensor_keys(metadata)
     models = ctx.models()
     if not models:
@@ -281,21 +292,40 @@ def load_plain_dcp(
 
     ``before_apply``: called after every tensor is read and before any object is changed.
     """
-    from checkpoint_manager.engine.dcp.reader import CheckpointReader
-
     metadata = read_dcp_metadata(path)
     plan = plan_plain_import(ctx, path, metadata, model_only=model_only)
-    if plan.targets:
+    read = read_plain_import(plan, process_group=process_group, no_dist=no_dist)
+    if before_apply is not None:
+        before_apply()
+    return apply_plain_import(plan, ctx, read, model_only=model_only)
+
+
+def read_plain_import(plan: PlainImport, *, process_group: Any = None, no_dist: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor ``plan`` restores, read into fresh tensors (nothing live is changed).
+
+    DCP reads such files record by record through ``torch.load(weights_only=True)``: a record it
+    refuses, or one that holds no tensor, may come last, after others were copied.
+    """
+    from checkpoint_manager.engine.dcp.reader import CheckpointReader
+
+    read = fresh_like(plan.targets)
+    if read:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp_load(
-                plan.targets,
-                storage_reader=CheckpointReader(path, metadata=metadata),
+                read,
+                storage_reader=CheckpointReader(plan.path, metadata=plan.metadata),
                 process_group=process_group,
                 no_dist=no_dist,
             )
-    if before_apply is not None:
-        before_apply()
+    return read
+
+
+def apply_plain_import(
+    plan: PlainImport, ctx: LoadContext, read: dict[str, torch.Tensor], *, model_only: bool
+) -> LoadResult:
+    """Set the live objects from what :func:`read_plain_import` read."""
+    copy_over(plan.targets, read)
     for model, msd in plan._models:
         set_model_state_dict(model, msd)
     if plan._optim is not None:
@@ -306,9 +336,9 @@ def load_plain_dcp(
         ctx.train_state.step = step
         plan.restored.append("train_state")
     nbytes = sum(int(t.numel() * t.element_size()) for t in plan.targets.values())
-    _log(plan, path, model_only)
+    _log(plan, plan.path, model_only)
     return LoadResult(
-        path=str(path),
+        path=str(plan.path),
         step=step if step is not None and not model_only else 0,
         restored=tuple(plan.restored),
         skipped=tuple(plan.skipped),

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     import torch
 
     from checkpoint_manager.config import CheckpointConfig
@@ -81,7 +83,7 @@ class ManagerCore:
         # discovery
         def list_checkpoints(self, *, load_dir: bool = False) -> list[CheckpointInfo]: ...
         def latest_checkpoint(self, *, load_dir: bool = False) -> CheckpointInfo | None: ...
-        def _resolve(self, ctx: LoadContext) -> tuple[str | None, bool]: ...
+        def _resolve(self, ctx: LoadContext, skip: Collection[str] = ()) -> tuple[str | None, bool]: ...
 
         # saving
         def _prepare(self, ctx: SaveContext, step: int, *, async_save: bool) -> SaveJob: ...

@@ -6,7 +6,8 @@ Save: the non-tensor values become DCP byte entries (so plain ``dcp.load`` reads
 file with the CRC-32s computed on the way. Stage: one ``_foreach_copy_`` into reused host buffers
 (:class:`StagingBuffers`), optionally overlapped with the write. Load: the ``.metadata`` is read
 without running code and every data file checked before a byte is read; one process reading whole
-plain tensors skips DCP's pipeline (``load_direct``).
+plain tensors skips DCP's pipeline (``load_direct``). Every record a load copies straight into a live tensor is found and checked
+before the first copy (``load_checks_first``); other writers' files are read into fresh tensors first.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from checkpoint_manager.engine.dcp.objects import object_records
 from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache
 from checkpoint_manager.engine.dcp.planner import load_tensors as dcp_load
 from checkpoint_manager.engine.dcp.planner import save_tensors as dcp_save
-from checkpoint_manager.engine.dcp.reader import CheckpointReader
+from checkpoint_manager.engine.dcp.reader import Agree, CheckpointReader
 from checkpoint_manager.engine.dcp.writer import WRITER_ID, CheckpointWriter, chunk_for_bytes, prime_layout
+from checkpoint_manager.engine.read_first import copy_over, fresh_like
 from checkpoint_manager.engine.staging import StagingBuffers, StagingGate
-from checkpoint_manager.errors import CheckpointError
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError
 
 if TYPE_CHECKING:
     from checkpoint_manager.config import CheckpointConfig
@@ -96,6 +98,8 @@ class DCPEngine:
     """The built-in engine (``engine="dcp"``); see the module docstring."""
 
     name: ClassVar[str] = "dcp"
+    #: a failing load leaves every target as it was (see :meth:`load`)
+    load_checks_first: ClassVar[bool] = True
 
     def __init__(self, config: CheckpointConfig | None = None) -> None:
         self.config = config
@@ -203,21 +207,50 @@ class DCPEngine:
         return dict(zip(map(_FIRST, entries), infos, strict=True))
 
     def load(self, targets: Mapping[str, torch.Tensor], directory: Path, ctx: EngineContext) -> None:
+        """Fill ``targets`` in place; raising, leave every one of them as it was.
+
+        Files of our writer are read straight into the targets, once every record this rank reads
+        was found and checked (and, with several ranks, once every rank's were: one vote before the
+        first copy). Other writers' records go through ``torch.load(weights_only=True)`` one by one,
+        so they are read into fresh tensors and copied over only when all of them were read.
+        """
         if not targets:
             return
         cached = ctx.extra.get(_METADATA)  # freed with the load's ctx, after the state is set
         metadata: Metadata | None = cached[1] if cached is not None and cached[0] == directory else None
-        reader = CheckpointReader(directory, fast=ctx.meta.get("writer") == WRITER_ID, metadata=metadata)
+        fast = ctx.meta.get("writer") == WRITER_ID
+        agree = _agree_on(ctx.process_group, directory) if fast and ctx.world_size > 1 else None
+        reader = CheckpointReader(directory, fast=fast, metadata=metadata, agree=agree)
         wanted = targets if isinstance(targets, dict) else dict(targets)
+        into = wanted if fast else fresh_like(wanted)
         try:
             with quiet_single_process():
                 # one process, whole plain tensors: no plan to exchange or reshard, DCP's pipeline skipped
-                if not (ctx.world_size == 1 and reader.load_direct(wanted)):
+                if not (ctx.world_size == 1 and reader.load_direct(into)):
                     dcp_load(
-                        wanted, storage_reader=reader, process_group=ctx.process_group, no_dist=ctx.world_size == 1
+                        into, storage_reader=reader, process_group=ctx.process_group, no_dist=ctx.world_size == 1
                     )
         except CheckpointException as exc:  # a BaseException: surface the reader's typed error
             raise own_failure(exc, ctx.rank) from exc
+        if into is not wanted:
+            copy_over(wanted, into)
+
+
+def _agree_on(group: Any, directory: Path) -> Agree:
+    """The ranks' vote between checking their records and copying the first one (one all-reduce on
+    the checkpoint's own group, bounded by its timeout): no rank copies while another found damage."""
+
+    def agree(failure: BaseException | None) -> None:
+        flag = torch.tensor([0 if failure is not None else 1], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        if failure is not None:
+            raise failure
+        if not flag.item():
+            raise CheckpointCorruptError(
+                f"{directory}: another rank found a damaged record (its error names it); no rank read any"
+            )
+
+    return agree
 
 
 _NBYTES = operator.attrgetter("nbytes")
