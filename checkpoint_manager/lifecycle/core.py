@@ -59,6 +59,7 @@ class ManagerCore:
     _executor: ThreadPoolExecutor | None
     _inflight: Future[Any] | None
     _inflight_step: int | None
+    _inflight_final: bool  # the in-flight save is a final one: its failure always raises
     _lock: threading.Lock
     _preemption: PreemptionWatcher | None
     _preempted: bool
@@ -96,7 +97,7 @@ class ManagerCore:
         # background
         @property
         def save_in_flight(self) -> bool: ...
-        def _collect_background(self, *, wait: bool, for_save: bool = False) -> None: ...
+        def _collect_background(self, *, wait: bool, for_save: bool = False, must_raise: bool = False) -> None: ...
         def _prepare_ahead(
             self, ctx: SaveContext, *, gathered: dict[str, torch.Tensor] | None = None
         ) -> None: ...

@@ -167,7 +167,7 @@ class SavingMixin(ManagerCore):
             self._attempt = (step, bool(ctx.final or preempting or step == self.config.final_step))
         if not decided:
             if preempting:  # this step is already saved: make sure it is committed, then stop
-                self._collect_background(wait=True)
+                self._collect_background(wait=True, must_raise=True)
                 self._preempted = True
             elif not self._prepared:
                 self._prepare_ahead(ctx)
