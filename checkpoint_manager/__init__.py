@@ -59,7 +59,7 @@ if TYPE_CHECKING:
         pack_bundle,
     )
     from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
-    from checkpoint_manager.lifecycle.finite import NonFiniteStateError
+    from checkpoint_manager.lifecycle.finite import NonFiniteCheckpointError, NonFiniteStateError
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
     from checkpoint_manager.lifecycle.observe import (
         CheckpointCallback,
@@ -152,6 +152,7 @@ _EXPORTS: dict[str, str] = {
     "LocalStorage": "checkpoint_manager.storage",
     "MissingConfigWarning": "checkpoint_manager.formats",
     "ManagerClosedError": "checkpoint_manager.errors",
+    "NonFiniteCheckpointError": "checkpoint_manager.lifecycle.finite",
     "NonFiniteStateError": "checkpoint_manager.lifecycle.finite",
     "PostCommitError": "checkpoint_manager.errors",
     "ResolvedCheckpoint": "checkpoint_manager.formats.resolve",
@@ -240,6 +241,7 @@ __all__ = [
     "LocalStorage",
     "ManagerClosedError",
     "MissingConfigWarning",
+    "NonFiniteCheckpointError",
     "NonFiniteStateError",
     "PostCommitError",
     "ResolvedCheckpoint",

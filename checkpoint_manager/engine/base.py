@@ -32,6 +32,12 @@ Call order of a load, on every rank:
    any world size: resharding is the engine's). A key absent from ``targets`` is not read. Both
    calls get the same ``ctx`` (what ``read_index`` read may wait in ``ctx.extra``).
 
+A failed load must change nothing live. The lifecycle therefore hands ``load`` fresh tensors and
+copies them over the live ones once it returned (one more copy of the state, in memory), unless the
+engine class sets ``load_checks_first = True``: a promise that ``load`` checks every record it will
+copy (its type, its size, whatever its reader would refuse) before the first copy into a target, so
+that raising leaves every target as it was; then ``load`` fills the live tensors directly.
+
 A load takes the engine ``checkpoint.json`` names (``"engine"``, the engine's ``name``), resolved as
 ``engine=`` is (``"dcp"``, an entry-point name, a dotted path): the manager's own engine if the names
 are equal, else that one, built as ``cls(config)``.

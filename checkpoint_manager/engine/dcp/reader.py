@@ -18,6 +18,7 @@ import math
 import mmap
 import os
 import pickle
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -348,8 +349,21 @@ _COPY_THREADS = 2
 _SPLIT = 16 << 20
 # Below this many bytes, starting the threads costs more than they save.
 _THREADED = 8 << 20
-# A cold file's envelopes are read (O_DIRECT) in block-aligned spans merged across gaps under this.
+# A cold file's envelopes are read (O_DIRECT) in block-aligned pieces of at most _HEAD_PIECE bytes,
+# merging neighbours closer than _PREFIX_GAP, by _HEAD_READERS threads at once.
 _PREFIX_GAP = 64 << 10
+_HEAD_PIECE = 4 << 20
+_HEAD_READERS = 4
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_HEAD_BUFFERS = threading.local()
+
+
+def _head_buffer() -> mmap.mmap:
+    """This thread's page-aligned buffer for envelope reads (O_DIRECT needs the alignment), reused."""
+    buf: mmap.mmap | None = getattr(_HEAD_BUFFERS, "buf", None)
+    if buf is None:
+        buf = _HEAD_BUFFERS.buf = mmap.mmap(-1, _HEAD_PIECE + 2 * BLOCK)
+    return buf
 
 
 def _split(job: _Job, start: int) -> list[tuple[_Job, int, int, int]]:
@@ -433,49 +447,57 @@ class _RecordFile:
         return [mm[job.offset : job.offset + len(prefix)] for job, prefix in zip(jobs, prefixes, strict=True)]
 
     def _cold_heads(self, jobs: list[_Job], prefixes: list[bytes]) -> list[bytes]:
-        """Each job's first ``len(prefix)`` bytes, read with O_DIRECT in merged block-aligned spans."""
-        spans: list[tuple[int, int]] = []
-        for job, prefix in zip(jobs, prefixes, strict=True):
-            start = job.offset - job.offset % BLOCK
+        """Each job's first ``len(prefix)`` bytes, read with O_DIRECT (the page cache stays as it
+        was): block-aligned pieces of at most ``_HEAD_PIECE`` bytes, each holding the envelopes of
+        neighbouring records, several read at once (a few KiB per large record is latency, not
+        bandwidth; runs of small records are read whole)."""
+        pieces: list[tuple[int, int, int, int]] = []  # file start, end, first job, end job
+        for i, (job, prefix) in enumerate(zip(jobs, prefixes, strict=True)):
             end = min(job.offset + len(prefix), self.size)
-            if spans and start - spans[-1][1] < _PREFIX_GAP:
-                spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+            if pieces and job.offset - pieces[-1][1] < _PREFIX_GAP and end - pieces[-1][0] <= _HEAD_PIECE:
+                pieces[-1] = (pieces[-1][0], max(pieces[-1][1], end), pieces[-1][2], i + 1)
             else:
-                spans.append((start, end))
-        heads = [bytearray() for _ in jobs]
-        if not spans:
-            return []
+                pieces.append((job.offset - job.offset % BLOCK, end, i, i + 1))
+        heads: list[bytes] = [b""] * len(jobs)
+        if not pieces:
+            return heads
         try:
-            self._gather_heads(jobs, prefixes, spans, heads, direct=True)
+            self._read_heads(jobs, prefixes, pieces, heads, direct=bool(_O_DIRECT))
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            heads = [bytearray() for _ in jobs]
-            self._gather_heads(jobs, prefixes, spans, heads, direct=False)  # O_DIRECT refused
-        return [bytes(h) for h in heads]
+            self._read_heads(jobs, prefixes, pieces, heads, direct=False)  # O_DIRECT refused (tmpfs ...)
+        return heads
 
-    def _gather_heads(
+    def _read_heads(
         self,
         jobs: list[_Job],
         prefixes: list[bytes],
-        spans: list[tuple[int, int]],
-        heads: list[bytearray],
+        pieces: list[tuple[int, int, int, int]],
+        heads: list[bytes],
         *,
         direct: bool,
     ) -> None:
-        first = 0  # the first job whose head is not complete yet
-        with AlignedFileReader(self.path, direct=direct) as reader:
-            for cstart, clen, addr in reader.chunks(spans):
-                cend = cstart + clen
-                i = first
-                while i < len(jobs) and jobs[i].offset < cend:
-                    lo = max(jobs[i].offset + len(heads[i]), cstart)
-                    hi = min(jobs[i].offset + len(prefixes[i]), cend)
-                    if lo < hi and lo == jobs[i].offset + len(heads[i]):
-                        heads[i] += ctypes.string_at(addr + lo - cstart, hi - lo)
-                    i += 1
-                while first < len(jobs) and jobs[first].offset + len(prefixes[first]) <= cend:
-                    first += 1
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | (_O_DIRECT if direct else 0))
+        try:
+            if not os.path.samestat(os.fstat(fd), os.fstat(self._fd)):
+                raise CheckpointCorruptError(f"{self.path}: replaced while it was being read")
+
+            def read(piece: tuple[int, int, int, int]) -> None:
+                start, end, first, last = piece
+                buf = _head_buffer()
+                got = os.preadv(fd, [memoryview(buf)[: -(-(end - start) // BLOCK) * BLOCK]], start)
+                for i in range(first, last):
+                    lo = jobs[i].offset - start
+                    heads[i] = buf[lo : min(lo + len(prefixes[i]), got)] if lo < got else b""
+
+            # threads of their own: their buffers go with them
+            readers = min(_HEAD_READERS, len(pieces))
+            with ThreadPoolExecutor(max_workers=readers, thread_name_prefix="checkpoint-check") as pool:
+                for fut in [pool.submit(read, piece) for piece in pieces]:
+                    fut.result()
+        finally:
+            os.close(fd)
 
     def read_whole(self, jobs: list[_Job]) -> None:
         """Fill every job's target (jobs located, sorted by offset) with its record's tensor bytes."""
