@@ -30,7 +30,13 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks.state import build
-    from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, LoadContext, SaveContext, TrainState
+    from checkpoint_manager import (
+        CheckpointConfig,
+        DefaultCheckpointManager,
+        LoadContext,
+        SaveContext,
+        TrainState,
+    )
 
     bench = build(int(args.size * GIB))
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-finite-"))

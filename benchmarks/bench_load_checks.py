@@ -32,7 +32,13 @@ def main() -> None:
 
     from benchmarks.state import build
     from benchmarks.system import evict
-    from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, LoadContext, SaveContext, TrainState
+    from checkpoint_manager import (
+        CheckpointConfig,
+        DefaultCheckpointManager,
+        LoadContext,
+        SaveContext,
+        TrainState,
+    )
     from checkpoint_manager.engine.dcp import reader
 
     spent = [0.0]

@@ -22,7 +22,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, LoadContext, SaveContext, TrainState
+from checkpoint_manager import (
+    CheckpointConfig,
+    DefaultCheckpointManager,
+    LoadContext,
+    SaveContext,
+    TrainState,
+)
 from checkpoint_manager.core.layout import rank_file
 from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 
@@ -89,7 +95,7 @@ def damage_rank1(ckpt: Path, damage: str) -> None:
         file.write_bytes(b"[" + raw[1:])
         return
     records = [(i, r) for i, r in read_dcp_metadata(ckpt).storage_data.items() if r.relative_path == "__1_0.distcp"]
-    index, info = max(records, key=lambda kv: kv[1].offset)  # the last record rank 1 reads
+    info = max((r for _, r in records), key=lambda r: r.offset)  # the last record rank 1 reads
     with open(ckpt / info.relative_path, "r+b") as f:
         f.seek(info.offset)
         f.write(bytes(info.length))

@@ -44,6 +44,7 @@ from checkpoint_manager import (
     CheckpointConfig,
     CheckpointCorruptError,
     DefaultCheckpointManager,
+    EngineNotAvailableError,
     LoadContext,
     NonFiniteStateError,
     SaveContext,
@@ -443,6 +444,10 @@ def _extra_wrong_type(ckpt: Path) -> None:  # the JSON state's schema: 'extra' h
     (ckpt / "state.json").write_text(json.dumps(data))
 
 
+def _engine_not_installed(ckpt: Path) -> None:  # resealed: its record names an engine nobody here has
+    reseal(ckpt, lambda meta: meta.__setitem__("engine", "engine-from-elsewhere"))
+
+
 DAMAGE: dict[str, tuple[Callable[[Path], None], str, str, type[Exception]]] = {
     # name: (damage, verify_on_load, what the error says, its type)
     "state_json_same_size_off": (
@@ -452,6 +457,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str, str, type[Exception]]] = {
     "record_refused": (_record_refused, "sizes", r"DCP data unreadable \(UnpicklingError", CheckpointCorruptError),
     "record_zeroed": (_record_zeroed, "sizes", r"__0_0\.distcp: record of '[^']+': not a torch\.save", CheckpointCorruptError),
     "schema": (_extra_wrong_type, "off", r"damaged state \('extra' is a list\)", CheckpointCorruptError),
+    "engine_not_installed": (_engine_not_installed, "sizes", r"engine-from-elsewhere", EngineNotAvailableError),
 }
 
 

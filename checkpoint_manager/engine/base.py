@@ -38,9 +38,10 @@ engine class sets ``load_checks_first = True``: a promise that ``load`` checks e
 copy (its type, its size, whatever its reader would refuse) before the first copy into a target, so
 that raising leaves every target as it was; then ``load`` fills the live tensors directly.
 
-A load takes the engine ``checkpoint.json`` names (``"engine"``, the engine's ``name``), resolved as
-``engine=`` is (``"dcp"``, an entry-point name, a dotted path): the manager's own engine if the names
-are equal, else that one, built as ``cls(config)``.
+A load takes the engine ``checkpoint.json`` names (``"engine"``, the engine's ``name``): the manager's
+own engine if the names are equal, else one this process can name without importing anything the
+file says (:func:`checkpoint_manager.engine.registry.engine_for_record`: a built-in, an installed
+entry point, the engine the config names), built as ``cls(config)``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import operator
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,7 @@ from checkpoint_manager.core.layout import (
 from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.engine.base import Engine, EngineContext
 from checkpoint_manager.engine.read_first import copy_over, fresh_like
+from checkpoint_manager.engine.registry import engine_for_record
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from checkpoint_manager.formats.hf import HFWeights, is_hf_weights
 from checkpoint_manager.formats.plain_dcp import (
@@ -45,7 +46,6 @@ from checkpoint_manager.formats.resolve import is_plain_dcp
 from checkpoint_manager.lifecycle.background import save_context
 from checkpoint_manager.lifecycle.core import ManagerCore
 from checkpoint_manager.lifecycle.discovery import GONE_RETRIES
-from checkpoint_manager.lifecycle.engines import load_engine_class
 from checkpoint_manager.lifecycle.exports import apply_initial_hf, check_initial_hf, resolve_load_path
 from checkpoint_manager.lifecycle.finite import NonFiniteCheckpointError, finite_groups, nonfinite_tensors
 from checkpoint_manager.lifecycle.unloadable import Unloadable, fail_together
@@ -144,21 +144,17 @@ class LoadingMixin(ManagerCore):
 
     def _engine_for(self, meta: dict[str, Any], path: Path) -> Engine:
         """The engine that wrote the checkpoint (``checkpoint.json``'s ``"engine"``): a checkpoint is
-        read with its own engine whatever this manager writes with."""
+        read with its own engine whatever this manager writes with, found among the engines this
+        process can name (:func:`~checkpoint_manager.engine.registry.engine_for_record`)."""
         name = meta.get("engine", "dcp")
-        if not isinstance(name, str) or not name:
-            raise CheckpointCorruptError(f"{path}: checkpoint.json names no engine ({name!r})")
         if name == self._engine.name:
             return self._engine
-        engine = self._other_engines.get(name)
+        engine = self._other_engines.get(name) if isinstance(name, str) else None
         if engine is None:
             try:
-                engine = cast(Any, load_engine_class(name))(self.config)
-            except Exception as exc:
-                raise CheckpointError(
-                    f"{path}: written by engine {name!r}, which is not installed here ({exc}); "
-                    f"install it (entry-point group 'checkpoint_manager.engines') to load this checkpoint"
-                ) from exc
+                engine = engine_for_record(name, self.config)
+            except CheckpointCorruptError as exc:
+                raise type(exc)(f"{path}: {exc}") from exc
             self._other_engines[name] = engine
         return engine
 
