@@ -36,7 +36,8 @@ A failed load must change nothing live. The lifecycle therefore hands ``load`` f
 copies them over the live ones once it returned (one more copy of the state, in memory), unless the
 engine class sets ``load_checks_first = True``: a promise that ``load`` checks every record it will
 copy (its type, its size, whatever its reader would refuse) before the first copy into a target, so
-that raising leaves every target as it was; then ``load`` fills the live tensors directly.
+that raising leaves every target as it was, and calls ``ctx.check`` (when set) with the values it
+will copy before the first copy; then ``load`` fills the live tensors directly.
 
 A load takes the engine ``checkpoint.json`` names (``"engine"``, the engine's ``name``): the manager's
 own engine if the names are equal, else one this process can name without importing anything the
@@ -46,7 +47,7 @@ entry point, the engine the config names), built as ``cls(config)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple, Protocol, runtime_checkable
@@ -126,6 +127,10 @@ class EngineContext:
     start_save: Callable[[EngineState], None] | None = None
     #: save: seconds of phases the engine measured itself (e.g. ``"fsync"``), reported in the result's timings
     timings: dict[str, float] = field(default_factory=dict)
+    #: load, for an engine with ``load_checks_first``: the lifecycle's check of the values (the finite
+    #: check), to call with ``(key, tensor)`` pairs of everything it will copy, as read, before the
+    #: first copy into a target; raising fails the load. None: nothing to check
+    check: Callable[[Iterable[tuple[str, torch.Tensor]]], None] | None = None
     #: free-form, engine-private: the saves of one manager share one dict; a load's ``read_index``
     #: and ``load`` share one of their own, dropped when the load returns
     extra: dict[str, Any] = field(default_factory=dict)

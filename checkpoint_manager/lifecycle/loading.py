@@ -337,9 +337,12 @@ class _OurSteps(_Steps):
         self.targets = self.loader.targets(index)
         self.loader.prepare(self.targets)  # every state dict merged and checked: the last step that may refuse
         self.finite = manager._finite_on_load(meta.get("finite"))
-        # an engine that may fail after its first copy, or a check of the values, reads into fresh tensors
-        in_place = getattr(self.engine, "load_checks_first", False) is True and not self.finite
-        self.into = self.targets if in_place else fresh_like(self.targets)
+        # an engine that may fail after its first copy reads into fresh tensors; one that checks every
+        # record first fills the live ones, and checks the values too (ctx.check) before its first copy
+        self.in_place = getattr(self.engine, "load_checks_first", False) is True
+        self.into = self.targets if self.in_place else fresh_like(self.targets)
+        if self.finite and self.in_place:
+            self.engine_ctx.check = lambda values: _checked_nonfinite(path, values, self.finite)
         self.t_plan = self.t_read = time.perf_counter()
 
     def read(self) -> None:
@@ -347,7 +350,7 @@ class _OurSteps(_Steps):
         if self.targets:
             with self.manager._dist.phase(f"load {self.path.name}: read"):  # GC: paused by load()
                 self.engine.load(self.into, self.path, self.engine_ctx)
-        if self.finite:
+        if self.finite and not self.in_place:
             _checked_nonfinite(self.path, self.into, self.finite)
         self.t_read = time.perf_counter()
 

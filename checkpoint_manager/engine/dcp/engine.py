@@ -220,7 +220,7 @@ class DCPEngine:
         metadata: Metadata | None = cached[1] if cached is not None and cached[0] == directory else None
         fast = ctx.meta.get("writer") == WRITER_ID
         agree = _agree_on(ctx.process_group, directory) if fast and ctx.world_size > 1 else None
-        reader = CheckpointReader(directory, fast=fast, metadata=metadata, agree=agree)
+        reader = CheckpointReader(directory, fast=fast, metadata=metadata, agree=agree, check=ctx.check)
         wanted = targets if isinstance(targets, dict) else dict(targets)
         into = wanted if fast else fresh_like(wanted)
         try:
@@ -233,6 +233,8 @@ class DCPEngine:
         except CheckpointException as exc:  # a BaseException: surface the reader's typed error
             raise own_failure(exc, ctx.rank) from exc
         if into is not wanted:
+            if ctx.check is not None:
+                ctx.check(into.items())
             copy_over(wanted, into)
 
 

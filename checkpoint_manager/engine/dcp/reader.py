@@ -20,7 +20,7 @@ import os
 import pickle
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
@@ -48,11 +48,13 @@ from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointEr
 if TYPE_CHECKING:  # annotations only: a private name of torch's
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-__all__ = ["Agree", "CheckpointReader"]
+__all__ = ["Agree", "Check", "CheckpointReader"]
 
 #: Called once per read by every rank, after this rank's records were checked and before any is
 #: copied, with this rank's failure (or None); returns only if every rank's check passed.
 Agree = Callable[[BaseException | None], None]
+#: Called with ``(key, values)`` of every record a read will copy, before the first copy; raises to refuse.
+Check = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
 
 class CheckpointReader(FileSystemReader):
@@ -66,15 +68,23 @@ class CheckpointReader(FileSystemReader):
     """
 
     def __init__(
-        self, path: str | Path, *, fast: bool = False, metadata: Metadata | None = None, agree: Agree | None = None
+        self,
+        path: str | Path,
+        *,
+        fast: bool = False,
+        metadata: Metadata | None = None,
+        agree: Agree | None = None,
+        check: Check | None = None,
     ) -> None:
         """``metadata``: what :func:`read_dcp_metadata` already returned for ``path`` (unpickling it
         again costs ~30 us per tensor). ``agree``: the ranks' vote between check and copy (several
-        ranks reading with ``fast``), so that no rank copies while another found damage."""
+        ranks reading with ``fast``), so that no rank copies while another found damage. ``check``:
+        called (``fast``) with every record's values, viewed in the file, before the first copy."""
         super().__init__(path)
         self._metadata_cache: Metadata | None = metadata
         self.fast = fast
         self._agree = agree
+        self._check = check
         self._files_checked = False
 
     def _check_files(self) -> None:
@@ -116,6 +126,7 @@ class CheckpointReader(FileSystemReader):
                 self._check_files()
                 with self._typed_errors():
                     checked = self._plan_jobs(plan, planner, self._metadata_cache, files)
+                self._check_values(checked)
             except Exception as exc:
                 failure = exc
             self._agreed(failure)  # every record of every rank checked: only now is a target written
@@ -195,21 +206,35 @@ class CheckpointReader(FileSystemReader):
                 return False
             self._check_files()
             root = Path(os.fspath(self.path))
-            with self._typed_errors(), contextlib.ExitStack() as files:
+            with contextlib.ExitStack() as files:
                 checked = []
-                for relative_path, jobs in per_file.items():
-                    records = files.enter_context(_RecordFile(inside(root, relative_path), root))
-                    for job in jobs:
-                        if job.offset + job.length > records.size:
-                            raise CheckpointCorruptError(
-                                f"{records.path}: record of {job.fqn!r} runs past the end of the file"
-                            )
-                    jobs.sort(key=_offset_of)  # one forward pass over the file
-                    records.locate(jobs)
-                    checked.append((records, jobs))
-                for records, jobs in checked:  # every record checked: only now is a target written
-                    records.read_whole(jobs)
+                with self._typed_errors():
+                    for relative_path, jobs in per_file.items():
+                        records = files.enter_context(_RecordFile(inside(root, relative_path), root))
+                        for job in jobs:
+                            if job.offset + job.length > records.size:
+                                raise CheckpointCorruptError(
+                                    f"{records.path}: record of {job.fqn!r} runs past the end of the file"
+                                )
+                        jobs.sort(key=_offset_of)  # one forward pass over the file
+                        records.locate(jobs)
+                        checked.append((records, jobs))
+                self._check_values(checked)
+                with self._typed_errors():
+                    for records, jobs in checked:  # every record checked: only now is a target written
+                        records.read_whole(jobs)
         return True
+
+    def _check_values(self, checked: list[tuple[_RecordFile, list[_Job]]]) -> None:
+        """Hand ``check`` the values of every located record, viewed in the file (no copy): for a
+        cold file, this reads it through the page cache, which the copy then reads from."""
+        if self._check is None:
+            return
+        views = [(job.fqn, records.values(job)) for records, jobs in checked for job in jobs if job.nbytes]
+        try:
+            self._check(views)
+        finally:
+            views.clear()  # the file's map is released when the load ends: no view may outlive it
 
     def _direct_jobs(self, targets: dict[str, torch.Tensor], metadata: Metadata) -> dict[str, list[_Job]] | None:
         """The read jobs of :meth:`load_direct` per data file, or None when one target does not qualify."""
@@ -543,13 +568,17 @@ class _RecordFile:
                 raise CheckpointCorruptError(f"{self.path}: {job.fqn!r} ends early (file truncated?)")
             done += n
 
-    def read_slice(self, job: _Job) -> None:
-        """Copy the part of a record a resharded target needs (located, its extent checked), from the map."""
+    def values(self, job: _Job) -> torch.Tensor:
+        """The record's tensor (located), viewed in the map of the file: read-only, no copy."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             raw = torch.frombuffer(self.view(), dtype=torch.uint8, count=job.nbytes, offset=job.data_start)
+        return raw.view(job.dtype).reshape(job.shape)
+
+    def read_slice(self, job: _Job) -> None:
+        """Copy the part of a record a resharded target needs (located, its extent checked), from the map."""
         assert job.req is not None  # slices come from a plan only
-        src = narrow_tensor_by_index(raw.view(job.dtype).reshape(job.shape), job.req.storage_offsets, job.req.lengths)
+        src = narrow_tensor_by_index(self.values(job), job.req.storage_offsets, job.req.lengths)
         with torch.no_grad():
             job.target.copy_(src)
 
