@@ -235,6 +235,8 @@ class CheckpointReader(FileSystemReader):
             self._check(views)
         finally:
             views.clear()  # the file's map is released when the load ends: no view may outlive it
+        for records, _ in checked:
+            records.forget_cache_state()  # the check read it through the page cache: copy from there
 
     def _direct_jobs(self, targets: dict[str, torch.Tensor], metadata: Metadata) -> dict[str, list[_Job]] | None:
         """The read jobs of :meth:`load_direct` per data file, or None when one target does not qualify."""
@@ -440,6 +442,10 @@ class _RecordFile:
         if self._cold is None:
             self._cold = cached_fraction(self._fd, self.size) < _CACHED
         return self._cold
+
+    def forget_cache_state(self) -> None:
+        """Ask the page cache again before the copy (the file may have been read since)."""
+        self._cold = None
 
     def locate(self, jobs: list[_Job]) -> None:
         """Find where each job's tensor bytes start and check that its record holds them, before a
