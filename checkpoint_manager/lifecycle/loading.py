@@ -182,24 +182,23 @@ class LoadingMixin(ManagerCore):
                         f"checkpoint_manager: none of the {len(skipped)} checkpoints of the current line in "
                         f"{self.config.resolved_load_dir} could be loaded (each was logged); this is the newest's error"
                     )
-            except Unloadable as exc:
-                failed = exc
-            except (CheckpointError, OSError) as exc:
-                if not (isinstance(exc, CheckpointGone) or watch.gone()):
+            except (Unloadable, CheckpointError, OSError) as exc:
+                error = exc.error if isinstance(exc, Unloadable) else exc
+                # one rank's view of a deletion could differ from another's: several ranks skip it instead
+                deleted = isinstance(exc, CheckpointGone) or (self._dist.world_size == 1 and watch.gone())
+                if deleted:
+                    message = f"{watch.path}: deleted while it was being loaded (pruned by the run that writes it?)"
+                    if not (auto and not watch.model_only) or gone == GONE_RETRIES or self._dist.world_size > 1:
+                        raise CheckpointNotFoundError(message) from error
+                    log.warning("%s; loading the newest checkpoint now", message)
+                    gone += 1
+                    continue
+                if not isinstance(exc, Unloadable):
                     raise
-                message = f"{watch.path}: deleted while it was being loaded (pruned by the run that writes it?)"
-                if not (auto and not watch.model_only) or gone == GONE_RETRIES or self._dist.world_size > 1:
-                    raise CheckpointNotFoundError(message) from exc
-                log.warning("%s; loading the newest checkpoint now", message)
-                gone += 1
-                continue
+                failed = exc
             if failed is None:  # every checkpoint skipped: never a silent fresh start
                 assert first is not None
                 raise first
-            if self._dist.world_size == 1 and watch.gone() and gone < GONE_RETRIES and auto:
-                log.warning("%s: deleted while it was being loaded; loading the newest checkpoint now", watch.path)
-                gone += 1
-                continue
             if not auto or watch.model_only:
                 raise failed.error
             if self._dist.is_coordinator:
