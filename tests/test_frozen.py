@@ -35,6 +35,8 @@ from checkpoint_manager.cli import main as ckpt
 
 FROZEN_FILE = "__0_frozen.distcp"
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 class Adapted(nn.Module):
     """A frozen base with trainable low-rank adapters beside it and a trainable head."""

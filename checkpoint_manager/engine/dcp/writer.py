@@ -183,7 +183,7 @@ class CheckpointWriter(FileSystemWriter):
         group: list[WriteItem] = []
         main: list[WriteItem] = []
         for item in plan.items:
-            (group if item.type == WriteItemType.TENSOR and item.index.fqn in self.group else main).append(item)
+            (group if item.type != WriteItemType.BYTE_IO and item.index.fqn in self.group else main).append(item)
         offered = self.group_reuse
         reused: list[WriteResult] | None = None
         if group and offered is not None and len(offered) == len(group):
