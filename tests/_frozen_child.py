@@ -146,6 +146,20 @@ def frozen_config(save_dir: str | Path, **kw: Any) -> CheckpointConfig:
     return CheckpointConfig(save_dir=str(save_dir), **kw)
 
 
+def plain_dcp_load(checkpoint: str | Path) -> Run:
+    """docs/formats.md's recipe, no library: DCP's get_state_dict -> dcp.load -> set_state_dict
+    (in one process, DCP reshards the files of any number of ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    fresh = Run(123)
+    model_sd, optim_sd = get_state_dict(fresh.model, fresh.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    set_state_dict(fresh.model, fresh.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return fresh
+
+
 def change_base(run: Run) -> None:
     with torch.no_grad():
         for p in run.model.base.parameters():

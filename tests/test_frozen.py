@@ -18,19 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from _frozen_child import Run, frozen_config, plain_dcp_load
 
-from checkpoint_manager import (
-    CheckpointConfig,
-    DefaultCheckpointManager,
-    LoadContext,
-    SaveContext,
-    SaveResult,
-    TrainState,
-    verify,
-)
+from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, verify
 from checkpoint_manager.cli import main as ckpt
 
 FROZEN_FILE = "__0_frozen.distcp"
@@ -38,72 +28,15 @@ FROZEN_FILE = "__0_frozen.distcp"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-class Adapted(nn.Module):
-    """A frozen base with trainable low-rank adapters beside it and a trainable head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.base = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 16))
-        self.base.requires_grad_(False)
-        self.lora_a = nn.Linear(16, 4, bias=False)
-        self.lora_b = nn.Linear(4, 16, bias=False)
-        self.head = nn.Linear(16, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.base(x) + self.lora_b(self.lora_a(x)))
-
-
-class Run:
-    """One run's live objects; ``train_to`` trains (data and dropout from the global RNG) and saves."""
-
-    def __init__(self, seed: int) -> None:
-        torch.manual_seed(seed)
-        self.model = Adapted()
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-2)
-        self.state = TrainState()
-
-    def train_to(self, step: int, manager: DefaultCheckpointManager | None = None) -> list[SaveResult]:
-        results = []
-        while self.state.step < step:
-            loss = self.model(torch.randn(8, 16)).pow(2).mean()
-            self.optimizer.zero_grad()
-            loss.backward()
-            self.optimizer.step()
-            self.state.step += 1
-            if manager is not None:
-                result = manager.save(self.save_context())
-                if result is not None:
-                    results.append(result)
-        return results
-
-    def save_context(self, **kw: Any) -> SaveContext:
-        return SaveContext(model=self.model, optimizer=self.optimizer, train_state=self.state, **kw)
-
-    def load_context(self, **kw: Any) -> LoadContext:
-        return LoadContext(model=self.model, optimizer=self.optimizer, train_state=self.state, **kw)
-
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        """Every weight, the AdamW state and the next draws of the global RNG (drawn on a copy)."""
-        out = {f"model/{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
-        for pid, st in self.optimizer.state_dict()["state"].items():
-            out.update({f"optim/{pid}/{k}": torch.as_tensor(v).clone() for k, v in st.items()})
-        rng = torch.get_rng_state()
-        out["rng/next"] = torch.rand(4)
-        torch.set_rng_state(rng)
-        return out
+def snapshot(run: Run) -> dict[str, torch.Tensor]:
+    """Every weight, the AdamW state and the next draws of the global RNG."""
+    return {**run.full_state(), "rng/next": torch.tensor(run.next_draws())}
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert sorted(a) == sorted(b)
     for key in a:
         assert torch.equal(a[key], b[key]), f"{key} differs"
-
-
-def config(save_dir: Path | str, **kw: Any) -> CheckpointConfig:
-    kw.setdefault("save_every_n_steps", 1)
-    kw.setdefault("keep_last", 2)
-    kw.setdefault("save_frozen", "once")
-    return CheckpointConfig(save_dir=str(save_dir), fsync=False, **kw)
 
 
 def meta(checkpoint: Path) -> dict[str, Any]:
@@ -115,22 +48,12 @@ def steps_in(save_dir: Path) -> list[str]:
     return sorted(p.name for p in save_dir.glob("step_*"))
 
 
-def plain_dcp_load(checkpoint: Path) -> Run:
-    """docs/formats.md's recipe: DCP's own get_state_dict -> dcp.load -> set_state_dict, no library."""
-    fresh = Run(seed=123)
-    model_sd, optim_sd = get_state_dict(fresh.model, fresh.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(checkpoint))
-    set_state_dict(fresh.model, fresh.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return fresh
-
-
 @pytest.fixture
 def reference() -> dict[str, torch.Tensor]:
     """A run of 6 steps that never stopped."""
-    run = Run(seed=0)
+    run = Run(0)
     run.train_to(6)
-    return run.snapshot()
+    return snapshot(run)
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -138,11 +61,11 @@ def test_resumes_bit_exact_after_retention_deleted_the_checkpoint_that_wrote_the
     tmp_path: Path, reference: dict[str, torch.Tensor], async_save: bool
 ) -> None:
     save_dir = tmp_path / "run"
-    run = Run(seed=0)
-    with DefaultCheckpointManager(config(save_dir, async_save=async_save)) as manager:
+    run = Run(0)
+    with DefaultCheckpointManager(frozen_config(save_dir, async_save=async_save)) as manager:
         run.train_to(4, manager)
         manager.finalize_async_saves(blocking=True)
-        at_4 = run.snapshot()
+        at_4 = snapshot(run)
     # step 1 wrote the frozen base; steps 2-4 shared it; keep_last=2 deleted steps 1 and 2
     assert steps_in(save_dir) == ["step_00000003", "step_00000004"]
     for name in steps_in(save_dir):
@@ -154,17 +77,17 @@ def test_resumes_bit_exact_after_retention_deleted_the_checkpoint_that_wrote_the
     for name in steps_in(save_dir):  # each checkpoint whole: verify, and plain DCP reads it
         assert verify(str(save_dir / name)) == []
         assert ckpt(["verify", str(save_dir / name)]) == 0
-    plain = plain_dcp_load(save_dir / "step_00000004").snapshot()
+    plain = snapshot(plain_dcp_load(save_dir / "step_00000004"))
     assert_same({k: v for k, v in plain.items() if k.startswith(("model/", "optim/"))},
                 {k: v for k, v in at_4.items() if k.startswith(("model/", "optim/"))})
 
-    resumed = Run(seed=1)  # other initial weights: everything must come from the checkpoint
-    with DefaultCheckpointManager(config(save_dir, async_save=async_save)) as manager:
+    resumed = Run(1)  # other initial weights: everything must come from the checkpoint
+    with DefaultCheckpointManager(frozen_config(save_dir, async_save=async_save)) as manager:
         assert manager.load(resumed.load_context()).step == 4
-        assert_same(resumed.snapshot(), at_4)
+        assert_same(snapshot(resumed), at_4)
         results = resumed.train_to(6, manager)
         manager.finalize_async_saves(blocking=True)
-    assert_same(resumed.snapshot(), reference)
+    assert_same(snapshot(resumed), reference)
     # the checkpoint resumed from stays (retention's rule), with the two newest
     assert steps_in(save_dir) == ["step_00000004", "step_00000005", "step_00000006"]
     # the resumed run's first save wrote the base again; its second shared it
@@ -176,8 +99,8 @@ def test_resumes_bit_exact_after_retention_deleted_the_checkpoint_that_wrote_the
 
 
 def test_every_writes_the_base_into_each_checkpoint_as_one_file(tmp_path: Path) -> None:
-    run = Run(seed=0)
-    with DefaultCheckpointManager(config(tmp_path, save_frozen="every")) as manager:
+    run = Run(0)
+    with DefaultCheckpointManager(frozen_config(tmp_path, save_frozen="every")) as manager:
         results = run.train_to(2, manager)
     assert all(not r.frozen for r in results)
     for name in steps_in(tmp_path):
@@ -199,15 +122,15 @@ def _changes(run: Run, how: str) -> None:
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("how", ["in place", "via .data"])
 def test_a_frozen_tensor_changed_between_saves_is_written_again(tmp_path: Path, how: str, async_save: bool) -> None:
-    run = Run(seed=0)
-    with DefaultCheckpointManager(config(tmp_path, keep_last=None, async_save=async_save)) as manager:
+    run = Run(0)
+    with DefaultCheckpointManager(frozen_config(tmp_path, keep_last=None, async_save=async_save)) as manager:
         run.train_to(2, manager)
         manager.finalize_async_saves(blocking=True)
-        before = run.snapshot()
+        before = snapshot(run)
         _changes(run, how)
         run.train_to(3, manager)
         manager.finalize_async_saves(blocking=True)
-        after = run.snapshot()
+        after = snapshot(run)
         run.train_to(4, manager)
     files = [meta(tmp_path / n)["frozen"]["files"][FROZEN_FILE] for n in steps_in(tmp_path)]
     assert files == [
@@ -217,15 +140,15 @@ def test_a_frozen_tensor_changed_between_saves_is_written_again(tmp_path: Path, 
         {"how": "link", "origin": "step_00000003"},
     ]
     for step, expected in ((2, before), (3, after), (4, after)):  # the older files were not touched
-        loaded = plain_dcp_load(tmp_path / f"step_{step:08d}").snapshot()
+        loaded = snapshot(plain_dcp_load(tmp_path / f"step_{step:08d}"))
         key = "model/base.0.weight"
         assert torch.equal(loaded[key], expected[key]), step
     assert not torch.equal(before["model/base.0.weight"], after["model/base.0.weight"])
 
 
 def test_a_frozen_tensor_changed_by_a_load_is_written_again(tmp_path: Path) -> None:
-    run = Run(seed=0)
-    with DefaultCheckpointManager(config(tmp_path, keep_last=None)) as manager:
+    run = Run(0)
+    with DefaultCheckpointManager(frozen_config(tmp_path, keep_last=None)) as manager:
         run.train_to(1, manager)  # base A
         _changes(run, "in place")
         run.train_to(2, manager)  # base B, written
@@ -245,8 +168,8 @@ def test_where_files_cannot_be_linked_the_base_is_written_and_the_record_says_so
     def cross_device(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
         raise OSError(18, "Invalid cross-device link")  # what link() says across file systems
 
-    run = Run(seed=0)
-    with DefaultCheckpointManager(config(tmp_path, keep_last=None)) as manager:
+    run = Run(0)
+    with DefaultCheckpointManager(frozen_config(tmp_path, keep_last=None)) as manager:
         run.train_to(1, manager)
         monkeypatch.setattr(os, "link", cross_device)
         (result,) = run.train_to(2, manager)
@@ -262,8 +185,8 @@ def test_cli_bundles_exports_and_fallback_work_on_a_checkpoint_that_shares_its_b
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     save_dir = tmp_path / "run"
-    run = Run(seed=0)
-    with DefaultCheckpointManager(config(save_dir, keep_last=None)) as manager:
+    run = Run(0)
+    with DefaultCheckpointManager(frozen_config(save_dir, keep_last=None)) as manager:
         run.train_to(3, manager)
     newest = save_dir / "step_00000003"
     assert ckpt(["inspect", str(newest), "--json"]) == 0
@@ -275,15 +198,15 @@ def test_cli_bundles_exports_and_fallback_work_on_a_checkpoint_that_shares_its_b
     assert torch.equal(exported["base.0.weight"], run.model.base[0].weight)
     bundle = tmp_path / "run.tar"
     assert ckpt(["pack", str(newest), str(bundle)]) == 0
-    from_bundle = Run(seed=5)
-    with DefaultCheckpointManager(config(tmp_path / "other")) as manager:
+    from_bundle = Run(5)
+    with DefaultCheckpointManager(frozen_config(tmp_path / "other")) as manager:
         assert manager.load(from_bundle.load_context(path=str(bundle))).step == 3
-    assert_same(from_bundle.snapshot(), run.snapshot())
+    assert_same(snapshot(from_bundle), snapshot(run))
     # the newest checkpoint's own file damaged: the load falls back to step 2, whose shared base is intact
     data = newest / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    fallback = Run(seed=6)
-    with DefaultCheckpointManager(config(save_dir)) as manager:
+    fallback = Run(6)
+    with DefaultCheckpointManager(frozen_config(save_dir)) as manager:
         assert manager.load(fallback.load_context()).step == 2
     assert torch.equal(fallback.model.base[0].weight, run.model.base[0].weight)
     assert ckpt(["verify", str(save_dir / "step_00000002")]) == 0
@@ -308,11 +231,11 @@ def test_s3_shares_the_base_by_server_side_copy_and_resumes_bit_exact(
     url = f"s3://{s3_server.make_bucket()}/runs/lora"
     opts = storage_options(s3_server.endpoint)
 
-    def s3_config(staging: str) -> CheckpointConfig:
-        return config(url, storage_options=opts, staging_dir=str(tmp_path / staging), async_save=async_save)
+    def s3_frozen_config(staging: str) -> CheckpointConfig:
+        return frozen_config(url, storage_options=opts, staging_dir=str(tmp_path / staging), async_save=async_save)
 
-    run = Run(seed=0)
-    with DefaultCheckpointManager(s3_config("staging")) as manager:
+    run = Run(0)
+    with DefaultCheckpointManager(s3_frozen_config("staging")) as manager:
         run.train_to(4, manager)
     storage = open_storage(url, storage_options=opts)
     names = [c.name for c in storage.scan()[0]]
@@ -321,8 +244,8 @@ def test_s3_shares_the_base_by_server_side_copy_and_resumes_bit_exact(
         info = storage.info_at(storage.location_of(name))
         assert info.meta["frozen"]["files"] == {FROZEN_FILE: {"how": "copy", "origin": "step_00000001"}}
         assert storage.verify(storage.location_of(name), "full") == []
-    resumed = Run(seed=1)
-    with DefaultCheckpointManager(s3_config("staging2")) as manager:
+    resumed = Run(1)
+    with DefaultCheckpointManager(s3_frozen_config("staging2")) as manager:
         assert manager.load(resumed.load_context()).step == 4
         resumed.train_to(6, manager)
-    assert_same(resumed.snapshot(), reference)
+    assert_same(snapshot(resumed), reference)

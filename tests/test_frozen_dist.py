@@ -17,11 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from _frozen_child import CHANGE_AT, CRASH_STEPS, PHASES, Run, frozen_config
+from _frozen_child import CHANGE_AT, CRASH_STEPS, PHASES, Run, change_base, frozen_config, plain_dcp_load
 from conftest import ROOT, child_env
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from checkpoint_manager import DefaultCheckpointManager, verify
 from checkpoint_manager.cli import main as ckpt
@@ -79,16 +77,6 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert torch.equal(a[key], b[key]), f"{key} differs"
 
 
-def _plain_dcp(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """docs/formats.md's recipe in one process, no library: DCP reshards the ranks' files."""
-    fresh = Run(123)
-    model_sd, optim_sd = get_state_dict(fresh.model, fresh.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(checkpoint))
-    set_state_dict(fresh.model, fresh.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return fresh.full_state()
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two FSDP2 ranks save steps 1-4 (keep_last=2), then fresh objects resume to step 6."""
@@ -125,7 +113,7 @@ def test_two_fsdp2_ranks_share_their_own_frozen_shards_and_resume_bit_exact(two_
     for name in kept:
         assert verify(str(run_dir / name)) == []
     assert ckpt(["verify", str(run_dir)]) == 0
-    plain = _plain_dcp(run_dir / "step_00000004")
+    plain = plain_dcp_load(run_dir / "step_00000004").full_state()  # one process: DCP reshards
     assert_same(plain, load_file(out / f"{mode}_4.safetensors"))
 
 
@@ -159,8 +147,6 @@ def crash_reference() -> dict[str, torch.Tensor]:
     while run.state.step < CRASH_STEPS:
         run.step()
         if run.state.step == CHANGE_AT:
-            from _frozen_child import change_base
-
             change_base(run)
     return run.full_state()
 
@@ -189,9 +175,7 @@ def test_a_kill_during_a_save_that_shares_the_base_leaves_every_committed_checkp
         while resumed.state.step < CRASH_STEPS:
             resumed.step()
             if resumed.state.step == CHANGE_AT:
-                from _frozen_child import change_base
-
-                change_base(resumed)
+                    change_base(resumed)
             manager.save(resumed.save_context())
         infos = manager.list_checkpoints()
     assert_same(resumed.full_state(), crash_reference)
