@@ -90,12 +90,13 @@ def test_resumes_bit_exact_after_retention_deleted_the_checkpoint_that_wrote_the
     assert_same(snapshot(resumed), reference)
     # the checkpoint resumed from stays (retention's rule), with the two newest
     assert steps_in(save_dir) == ["step_00000004", "step_00000005", "step_00000006"]
-    # the resumed run's first save wrote the base again; its second shared it
-    assert meta(save_dir / "step_00000005")["frozen"]["files"][FROZEN_FILE] == {"how": "write"}
-    assert meta(save_dir / "step_00000006")["frozen"]["files"][FROZEN_FILE] == {"how": "link", "origin": "step_00000005"}
+    # the resumed run shares the base of the checkpoint it loaded (written by step 1, long deleted)
+    for name in ("step_00000005", "step_00000006"):
+        assert meta(save_dir / name)["frozen"]["files"][FROZEN_FILE] == {"how": "link", "origin": "step_00000001"}
+    assert os.stat(save_dir / "step_00000006" / FROZEN_FILE).st_nlink == 3
     if not async_save:
-        assert [r.frozen["files"][FROZEN_FILE]["how"] for r in results] == ["write", "link"]
-        assert results[1].timings["frozen_check"] > 0
+        assert [r.frozen["files"][FROZEN_FILE]["how"] for r in results] == ["link", "link"]
+        assert all(r.timings["frozen_check"] > 0 for r in results)
 
 
 def test_every_writes_the_base_into_each_checkpoint_as_one_file(tmp_path: Path) -> None:
@@ -147,19 +148,25 @@ def test_a_frozen_tensor_changed_between_saves_is_written_again(tmp_path: Path, 
 
 
 def test_a_frozen_tensor_changed_by_a_load_is_written_again(tmp_path: Path) -> None:
-    run = Run(0)
-    with DefaultCheckpointManager(frozen_config(tmp_path, keep_last=None)) as manager:
-        run.train_to(1, manager)  # base A
-        _changes(run, "in place")
-        run.train_to(2, manager)  # base B, written
+    other = Run(0)  # another run's checkpoint, with another base
+    with DefaultCheckpointManager(frozen_config(tmp_path / "other")) as manager:
+        other.train_to(1, manager)
+    run = Run(5)
+    with DefaultCheckpointManager(frozen_config(tmp_path / "run", keep_last=None)) as manager:
+        run.train_to(2, manager)  # base B: written, then shared
         base_b = run.model.base[0].weight.detach().clone()
-        manager.load(run.load_context(step=1))  # base A again, in the live tensors
-        assert not torch.equal(run.model.base[0].weight, base_b)
+        manager.load(run.load_context(path=str(tmp_path / "other" / "step_00000001")))  # base A, in place
         base_a = run.model.base[0].weight.detach().clone()
-        result = manager.save(run.save_context(force=True, metrics={}))
-    assert result is not None and result.frozen["files"][FROZEN_FILE] == {"how": "write"}
+        assert not torch.equal(base_a, base_b)
+        result = manager.save(run.save_context(force=True))
+        assert result is not None and result.frozen["files"][FROZEN_FILE] == {"how": "write"}
+        # a load of its own checkpoint: the next save shares that checkpoint's base
+        manager.load(run.load_context(step=2))
+        again = manager.save(run.save_context(force=True))
+        assert again is not None and again.frozen["files"][FROZEN_FILE] == {"how": "link", "origin": "step_00000001"}
     assert torch.equal(plain_dcp_load(Path(result.path)).model.base[0].weight, base_a)
-    assert torch.equal(plain_dcp_load(tmp_path / "step_00000002").model.base[0].weight, base_b)
+    assert torch.equal(plain_dcp_load(Path(again.path)).model.base[0].weight, base_b)
+    assert torch.equal(plain_dcp_load(tmp_path / "run" / "step_00000002").model.base[0].weight, base_b)
 
 
 def test_where_files_cannot_be_linked_the_base_is_written_and_the_record_says_so(
@@ -249,3 +256,30 @@ def test_s3_shares_the_base_by_server_side_copy_and_resumes_bit_exact(
         assert manager.load(resumed.load_context()).step == 4
         resumed.train_to(6, manager)
     assert_same(snapshot(resumed), reference)
+
+
+def test_the_tiered_manager_shares_the_base_within_each_tier_and_resumes_bit_exact(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    from checkpoint_manager import create_checkpoint_manager
+
+    fields = {
+        "manager": "tiered", "save_dir": str(tmp_path / "durable"), "local_dir": str(tmp_path / "local"),
+        "save_every_n_steps": 1, "durable_every_n_steps": 2, "local_keep_last": 2, "keep_last": 2,
+        "save_frozen": "once", "fsync": False,
+    }
+    run = Run(0)
+    with create_checkpoint_manager(fields) as manager:
+        run.train_to(6, manager)
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    assert steps_in(local) == ["step_00000005", "step_00000006"]
+    assert steps_in(durable) == ["step_00000004", "step_00000006"]
+    for tier, origin in ((local, "step_00000001"), (durable, "step_00000002")):  # each tier shares its own
+        for name in steps_in(tier):
+            assert meta(tier / name)["frozen"]["files"] == {FROZEN_FILE: {"how": "link", "origin": origin}}
+            assert verify(str(tier / name)) == []
+    for tier in (local, durable):
+        resumed = Run(1)
+        with create_checkpoint_manager({**fields, "local_dir": str(tier if tier == local else tmp_path / "gone")}) as manager:
+            assert manager.load(resumed.load_context()).step == 6
+        assert_same(snapshot(resumed), reference)

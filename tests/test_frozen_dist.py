@@ -97,10 +97,9 @@ def test_two_fsdp2_ranks_share_their_own_frozen_shards_and_resume_bit_exact(two_
         assert report[f"{mode}_loaded"] == 4
         assert report[f"{mode}_resumed"]["next"] == report[f"{mode}_4"]["next"]  # each rank's own RNG
         assert report[f"{mode}_6"]["next"] == report["reference_6"]["next"]
-        if mode == "sync":  # the resumed run writes its base once, then shares it
+        if mode == "sync":  # the resumed run shares the base of the checkpoint it loaded
             hows = [{f: d["how"] for f, d in r["files"].items()} for r in report[f"{mode}_frozen"]]
-            assert hows == [{"__0_frozen.distcp": "write", "__1_frozen.distcp": "write"},
-                            {"__0_frozen.distcp": "link", "__1_frozen.distcp": "link"}]
+            assert hows == [{"__0_frozen.distcp": "link", "__1_frozen.distcp": "link"}] * 2
     kept = sorted(p.name for p in run_dir.glob("step_*"))
     assert kept == ["step_00000004", "step_00000005", "step_00000006"]  # 1-3 pruned; 4 was resumed from
     shared = json.loads((run_dir / "step_00000004" / "checkpoint.json").read_text())["frozen"]
@@ -108,8 +107,8 @@ def test_two_fsdp2_ranks_share_their_own_frozen_shards_and_resume_bit_exact(two_
         f"__{r}_frozen.distcp": {"how": "link", "origin": "step_00000001"} for r in (0, 1)
     }
     for rank in (0, 1):
-        a, b = (os.stat(run_dir / s / f"__{rank}_frozen.distcp") for s in ("step_00000005", "step_00000006"))
-        assert a.st_ino == b.st_ino and a.st_nlink == 2
+        a, b = (os.stat(run_dir / s / f"__{rank}_frozen.distcp") for s in ("step_00000004", "step_00000006"))
+        assert a.st_ino == b.st_ino and a.st_nlink == 3  # steps 4, 5 and 6: one file
     for name in kept:
         assert verify(str(run_dir / name)) == []
     assert ckpt(["verify", str(run_dir)]) == 0

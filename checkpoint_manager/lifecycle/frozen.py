@@ -83,6 +83,8 @@ class FrozenPlan:
     seconds: float = 0.0
     #: after the write: what this rank's part of the record says, and what the next save compares with
     record: dict[str, Any] = field(default_factory=dict)
+    #: this rank's JSON's ``"frozen"``: its group files and fingerprints, so that a resumed run shares them
+    rank_record: dict[str, Any] = field(default_factory=dict)
     files: dict[str, FileRecord] = field(default_factory=dict)
     fingerprints: dict[str, Fingerprint] = field(default_factory=dict)
 
@@ -157,6 +159,11 @@ class FrozenSaves:
             "tensors": len(plan.keys),
             "check_seconds": round(plan.seconds, 6),
         }
+        plan.rank_record = {
+            "files": plan.files,
+            "tensors": {k: [f.crc32, f.nbytes, f.dtype, list(f.shape)] for k, f in plan.fingerprints.items()},
+            **({"origin": plan.origin} if plan.origin else {}),
+        }
 
     def _written(
         self, plan: FrozenPlan, ctx: EngineContext, tensors: Mapping[str, torch.Tensor]
@@ -178,6 +185,24 @@ class FrozenSaves:
                     "call finalize_async_saves() first)"
                 )
         return out
+
+    def resumed(self, location: str, name: str, record: Any) -> None:
+        """A load of this rank's part of the checkpoint at ``location`` (of this manager's save
+        directory, saved by as many ranks): the next save shares its group files if the frozen
+        tensors still match the fingerprints its rank JSON recorded (``record``, untrusted: anything
+        malformed shares nothing)."""
+        self._holder = None
+        try:
+            files = {str(rel): {"size": int(r["size"]), "crc32": int(r["crc32"])} for rel, r in record["files"].items()}
+            prints = {
+                str(k): Fingerprint(int(v[0]), int(v[1]), str(v[2]), tuple(int(d) for d in v[3]))
+                for k, v in record["tensors"].items()
+            }
+            origin = str(record.get("origin") or name)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            return
+        if files and prints:
+            self._holder = _Holder(location, origin, files, prints)
 
     def committed(self, plan: FrozenPlan, location: str, name: str) -> None:
         """The save is committed at ``location``: the next save shares from it."""

@@ -311,6 +311,8 @@ class SavingMixin(ManagerCore):
             if plan is not None:
                 self._frozen.wrote(plan, ctx, records, state.tensors, job.pending, self._storage)
             rank_json = {**job.state.rank_json, "files": records}
+            if plan is not None and plan.rank_record:
+                rank_json["frozen"] = plan.rank_record
             self._storage.write_json(job.pending / rank_file(io.rank), rank_json)
             self._storage.upload_part(job.pending, io.rank, list(records))  # object stores
         except BaseException as exc:

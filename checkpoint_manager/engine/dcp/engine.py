@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -35,7 +36,13 @@ from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache
 from checkpoint_manager.engine.dcp.planner import load_tensors as dcp_load
 from checkpoint_manager.engine.dcp.planner import save_tensors as dcp_save
 from checkpoint_manager.engine.dcp.reader import CheckpointReader
-from checkpoint_manager.engine.dcp.writer import WRITER_ID, CheckpointWriter, chunk_for_bytes, prime_layout
+from checkpoint_manager.engine.dcp.writer import (
+    GROUP_FILE,
+    WRITER_ID,
+    CheckpointWriter,
+    chunk_for_bytes,
+    prime_layout,
+)
 from checkpoint_manager.engine.staging import StagingBuffers, StagingGate, local_tensor
 from checkpoint_manager.errors import CheckpointError
 
@@ -111,6 +118,26 @@ class _GroupLayouts:
                 return None
             out.update((wr.index, wr) for wr in known[1])
         return out
+
+    def learn(self, metadata: Metadata, ctx: EngineContext) -> None:
+        """Keep the layout of this rank's group file in a checkpoint being loaded (by its record in
+        ``checkpoint.json``), as if this engine had written it."""
+        name = f"__{ctx.rank}_{GROUP_FILE}{DEFAULT_SUFFIX}"
+        files = ctx.meta.get("files")
+        record = files.get(name) if isinstance(files, Mapping) else None
+        storage = metadata.storage_data
+        if not isinstance(record, Mapping) or not isinstance(storage, dict):
+            return
+        size, crc = record.get("size"), record.get("crc32")
+        if not isinstance(size, int) or not isinstance(crc, int):
+            return
+        results = [
+            WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
+            for index, info in storage.items()
+            if getattr(info, "relative_path", None) == name
+        ]
+        if results:
+            self._files = {name: ((size, crc), results)}
 
     def saved(self, writer: CheckpointWriter, tensors: Mapping[str, torch.Tensor], ctx: EngineContext) -> None:
         """Report this save's group file to the lifecycle (``ctx.group_files``, ``group_crcs``) and,
@@ -251,6 +278,7 @@ class DCPEngine:
         metadata = read_dcp_metadata(directory, meta=dict(ctx.meta), level=level)
         check_data_files(metadata, directory)  # before targets are allocated from the sizes it claims
         ctx.extra[_METADATA] = (directory, metadata)
+        self._groups.learn(metadata, ctx)  # a resumed run's first save may share this rank's group file
         tensor_meta = TensorStorageMetadata
         entries = [(k, m) for k, m in metadata.state_dict_metadata.items() if type(m) is tensor_meta]
         # a TensorInfo per entry, built without a Python call per entry (tens of thousands of small tensors)
