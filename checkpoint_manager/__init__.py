@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         EngineContext,
         EngineState,
         FileRecord,
+        GroupBase,
         StagingEngine,
         TensorInfo,
     )
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     )
     from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
     from checkpoint_manager.lifecycle.finite import NonFiniteStateError
+    from checkpoint_manager.lifecycle.frozen import FrozenChangedError
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
     from checkpoint_manager.lifecycle.observe import (
         CheckpointCallback,
@@ -131,6 +133,8 @@ _EXPORTS: dict[str, str] = {
     "EngineContext": "checkpoint_manager.engine.base",
     "EngineState": "checkpoint_manager.engine.base",
     "FileRecord": "checkpoint_manager.engine.base",
+    "FrozenChangedError": "checkpoint_manager.lifecycle.frozen",
+    "GroupBase": "checkpoint_manager.engine.base",
     "StagingEngine": "checkpoint_manager.engine.base",
     "TensorInfo": "checkpoint_manager.engine.base",
     "Continuous": "checkpoint_manager.lifecycle.policy",
@@ -226,7 +230,9 @@ __all__ = [
     "FileRecord",
     "FinalStep",
     "FinalizeOnExit",
+    "FrozenChangedError",
     "FsspecStorage",
+    "GroupBase",
     "KeepAll",
     "KeepAny",
     "KeepBest",
