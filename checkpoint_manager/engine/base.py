@@ -54,9 +54,10 @@ Every checkpoint must load with its own files alone, so a group's files are refe
 file of the checkpoint is. With ``stage``, keys in ``ctx.group`` are not snapshotted: pass those
 tensors through unchanged (``save`` reads them only when it writes them).
 
-A load takes the engine ``checkpoint.json`` names (``"engine"``, the engine's ``name``), resolved as
-``engine=`` is (``"dcp"``, an entry-point name, a dotted path): the manager's own engine if the names
-are equal, else that one, built as ``cls(config)``.
+A load takes the engine ``checkpoint.json`` names (``"engine"``, the engine's ``name``): the manager's
+own engine if the names are equal, else one this process can name without importing anything the
+file says (:func:`checkpoint_manager.engine.registry.engine_for_record`: a built-in, an installed
+entry point, the engine the config names), built as ``cls(config)``.
 """
 
 from __future__ import annotations
