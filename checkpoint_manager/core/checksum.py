@@ -15,8 +15,6 @@ import warnings
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-import torch
-
 __all__ = [
     "CRC32_BACKEND",
     "SLOW_CRC32_WARNING",
@@ -76,6 +74,7 @@ def crc32_combine_py(crc1: int, crc2: int, len2: int) -> int:
 
 
 if TYPE_CHECKING:
+    import torch
     from typing_extensions import Buffer
 
     def crc32(data: Buffer, value: int = 0, /) -> int:
@@ -130,6 +129,8 @@ _DEVICE_PIECE = 64 << 20
 def tensor_crc32(tensor: torch.Tensor) -> int:
     """CRC32 of a tensor's bytes in C order (what a torch.save record of it holds), at memory speed
     for a host tensor (read in place); a device tensor's bytes pass through a host buffer in pieces."""
+    import torch  # here: the command line imports this module and must not import torch
+
     t = tensor.detach()
     if not t.is_contiguous():
         t = t.contiguous()
