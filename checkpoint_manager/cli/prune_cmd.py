@@ -105,6 +105,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     pruner = Pruner(storage, policy, monitor=args.monitor, mode=args.mode, owns_pointers=False, force=args.force)
     plan = pruner.prune(dry_run=True)  # refuses rules that do not fit the directory
     sizes = {c.name: storage.size_of(c.location) for c in plan.delete}
+    files = _file_tables(storage, plan.delete)  # before anything is deleted: what each holds, by inode
     if args.dry_run:
         deleted_names = [c.name for c in plan.delete]
         failed: list[str] = []
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         "deleted": [{"name": n, "step": steps.get(n), "superseded": n in superseded, "bytes": sizes.get(n, 0)}
                     for n in deleted_names],
         "failed": failed,
-        "freed_bytes": sum(sizes.get(n, 0) for n in deleted_names),
+        "freed_bytes": _freed(deleted_names, sizes, files),
     }
     if out.json_mode:
         out.emit(doc)
@@ -177,3 +178,23 @@ def _reasons(raw: list[str], pointers: list[str]) -> list[str]:
         out.append(" ".join([name, *values[:1]]) if head != "KeepUnranked" else name)
     return out
 
+
+def _file_tables(storage: Any, doomed: list[Any]) -> dict[str, Any] | None:
+    """Each checkpoint's files by inode, on a local disk (None in an object store: no links there)."""
+    if not storage.is_local:
+        return None
+    from pathlib import Path
+
+    from checkpoint_manager.storage.local import file_table
+
+    return {c.name: file_table(Path(c.location)) for c in doomed}
+
+
+def _freed(deleted: list[str], sizes: dict[str, int], files: dict[str, Any] | None) -> int:
+    """What the deletion frees: on a local disk a file hard-linked into a kept checkpoint (a shared
+    frozen file, ``save_frozen="once"``) frees nothing; in an object store every object is its own."""
+    if files is None:
+        return sum(sizes.get(n, 0) for n in deleted)
+    from checkpoint_manager.storage.local import freed_size
+
+    return freed_size([files[n] for n in deleted if n in files])
