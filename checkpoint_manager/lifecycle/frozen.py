@@ -14,6 +14,7 @@ of its own, so deleting any one of them leaves the others loadable.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from checkpoint_manager.core.checksum import tensor_crc32
+from checkpoint_manager.core.checksum import crc32_many, tensor_crc32
 from checkpoint_manager.engine.base import EngineContext, FileRecord, GroupBase
 from checkpoint_manager.engine.staging import local_tensor
 from checkpoint_manager.errors import CheckpointError
@@ -56,6 +57,23 @@ def _described(tensor: torch.Tensor, crc: int) -> Fingerprint:
 def fingerprint(tensor: torch.Tensor) -> Fingerprint:
     """A tensor's fingerprint (its local shard's, for a DTensor): one CRC-32 pass over its bytes."""
     return _described(tensor, tensor_crc32(local_tensor(tensor)))
+
+
+def fingerprints(tensors: Mapping[str, torch.Tensor], keys: frozenset[str]) -> dict[str, Fingerprint]:
+    """The fingerprints of ``keys``, in key order: the host tensors' bytes read in place by several
+    threads at once (``crc32_many``), a device tensor's through a host buffer."""
+    out: dict[str, Fingerprint] = {}
+    host: list[tuple[str, torch.Tensor]] = []
+    for key in sorted(keys):
+        local = local_tensor(tensors[key]).detach()
+        if local.is_cpu and local.is_contiguous() and local.numel():
+            host.append((key, local))
+        else:
+            out[key] = fingerprint(tensors[key])
+    views = [memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B") for _, t in host]
+    for (key, _), crc in zip(host, crc32_many(views), strict=True):
+        out[key] = _described(tensors[key], crc)
+    return dict(sorted(out.items()))
 
 
 @dataclass
@@ -121,7 +139,7 @@ class FrozenSaves:
         if holder is None or not keys:
             return plan
         t0 = time.perf_counter()
-        checked = {key: fingerprint(tensors[key]) for key in sorted(keys)}
+        checked = fingerprints(tensors, keys)
         plan.checked = checked
         if checked == holder.fingerprints:
             how = storage.share_files(holder.location, pending, holder.files)
