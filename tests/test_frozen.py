@@ -176,11 +176,16 @@ def test_where_files_cannot_be_linked_the_base_is_written_and_the_record_says_so
         raise OSError(18, "Invalid cross-device link")  # what link() says across file systems
 
     run = Run(0)
-    with DefaultCheckpointManager(frozen_config(tmp_path, keep_last=None)) as manager:
+    with DefaultCheckpointManager(frozen_config(tmp_path, keep_last=None, event_log=True)) as manager:
         run.train_to(1, manager)
         monkeypatch.setattr(os, "link", cross_device)
         (result,) = run.train_to(2, manager)
     how = result.frozen["files"][FROZEN_FILE]["how"]
+    from checkpoint_manager import read_event_log
+
+    logged = [r["frozen"]["files"][FROZEN_FILE]["how"] for r in read_event_log(tmp_path / "checkpoint_events.jsonl")
+              if r["event"] == "save"]
+    assert logged == ["write", how]
     assert how in ("reflink", "write")  # a clone where the file system has them (XFS, btrfs), else a write
     assert result.frozen["written_bytes" if how == "write" else "shared_bytes"] > 0
     a, b = (os.stat(tmp_path / n / FROZEN_FILE) for n in steps_in(tmp_path))
@@ -316,3 +321,16 @@ def test_an_engine_that_cannot_place_a_group_is_told(tmp_path: Path) -> None:
         pass
     with pytest.raises(ValueError, match=r"save_frozen='once' has no effect.*on_unsupported_field='error'"):
         DefaultCheckpointManager(frozen_config(tmp_path / "b", engine="safetensors", on_unsupported_field="error"))
+
+
+def test_a_shared_file_replaced_on_disk_is_not_shared_but_written_again(tmp_path: Path) -> None:
+    run = Run(0)
+    with DefaultCheckpointManager(frozen_config(tmp_path, keep_last=None)) as manager:
+        run.train_to(1, manager)
+        frozen = tmp_path / "step_00000001" / FROZEN_FILE
+        data = frozen.read_bytes()
+        frozen.unlink()
+        frozen.write_bytes(data)  # the same bytes in another file: not the one this manager wrote
+        (result,) = run.train_to(2, manager)
+    assert result.frozen["files"][FROZEN_FILE] == {"how": "write"}
+    assert os.stat(tmp_path / "step_00000002" / FROZEN_FILE).st_nlink == 1
