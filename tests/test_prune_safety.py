@@ -75,7 +75,7 @@ def pointers(root: Path) -> dict[str, Any]:
 
 ALL = sorted(LOSS)
 POINTERS = {
-    "latest": {"name": name(60), "step": 60},
+    "latest": {"name": name(60), "step": 60, "lineage": {"seq": 6, "line": [[1, 6]]}},
     "best": {"name": name(30), "step": 30, "monitor": "loss", "mode": "min", "value": 0.1},
 }
 
@@ -100,7 +100,7 @@ def test_the_run_records_its_ranking(run: Path) -> None:
 def test_a_monitor_no_checkpoint_logged_is_refused(
     run: Path, rules: list[str], dry_run: bool, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["prune", str(run), *rules, *(["--dry-run"] if dry_run else [])]) == 2
+    assert main(["prune", str(run), *rules, *(["--dry-run"] if dry_run else ["--yes"])]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (
@@ -156,7 +156,7 @@ def test_a_mode_against_the_runs_needs_force(run: Path, capsys: pytest.CaptureFi
     assert main(["prune", str(run), "--keep-last", "1", "--monitor", "loss", "--mode", "max", "--dry-run"]) == 2
     assert "(recorded in the best pointer)" in capsys.readouterr().err
 
-    assert main(["prune", str(run), "--keep-best", "1", "--monitor", "loss", "--mode", "max", "--force", "--json"]) == 0
+    assert main(["prune", str(run), "--keep-best", "1", "--monitor", "loss", "--mode", "max", "--force", "--json", "--yes"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [d["step"] for d in doc["deleted"]] == [20, 40, 50]
     assert {k["step"]: k["reasons"] for k in doc["kept"]} == {
@@ -169,21 +169,21 @@ def test_a_mode_against_the_runs_needs_force(run: Path, capsys: pytest.CaptureFi
 
 
 def test_the_same_mode_or_another_metric_needs_no_force(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["prune", str(run), "--keep-best", "1", "--monitor", "loss", "--mode", "min"]) == 0
+    assert main(["prune", str(run), "--keep-best", "1", "--monitor", "loss", "--mode", "min", "--yes"]) == 0
     assert on_disk(run) == [30, 60]
     assert pointers(run) == POINTERS
 
 
 # -- pointer targets whatever the flags ----------------------------------------------------------------
 def test_keep_last_keeps_the_pointer_targets(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["prune", str(run), "--keep-last", "1", "--monitor", "loss"]) == 0
+    assert main(["prune", str(run), "--keep-last", "1", "--monitor", "loss", "--yes"]) == 0
     assert on_disk(run) == [30, 60] and pointers(run) == POINTERS
 
 
 def test_pointers_moved_by_hand_are_protected_too(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (run / "best").write_text(json.dumps({"name": name(20), "step": 20, "monitor": "loss", "mode": "min", "value": 0.3}))
     (run / "latest").write_text(json.dumps({"name": name(40), "step": 40}))
-    assert main(["prune", str(run), "--keep-last", "1", "--keep-best", "1", "--monitor", "loss", "--json"]) == 0
+    assert main(["prune", str(run), "--keep-last", "1", "--keep-best", "1", "--monitor", "loss", "--json", "--yes"]) == 0
     kept = {k["step"]: k["reasons"] for k in json.loads(capsys.readouterr().out)["kept"]}
     assert kept == {
         20: ["best pointer"],
@@ -206,7 +206,7 @@ def test_object_store_directories_are_checked_the_same_way(capsys: pytest.Captur
         )
         assert main(["prune", url, "--keep-best", "1", "--monitor", "loss", "--mode", "max"]) == 2
         assert "ranks 'loss' the other way" in capsys.readouterr().err
-        assert main(["prune", url, "--keep-last", "1", "--json"]) == 0
+        assert main(["prune", url, "--keep-last", "1", "--json", "--yes"]) == 0
         assert [d["step"] for d in json.loads(capsys.readouterr().out)["deleted"]] == [10, 20, 40, 50]
         key = url.removeprefix("memory://")
         assert sorted(p.rsplit("/", 2)[-2] for p in fs.find(key) if p.endswith(CHECKPOINT_JSON)) == [name(30), name(60)]

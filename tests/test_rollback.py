@@ -3,7 +3,8 @@
 The scenario of issue 19: save 100, 200, 300; load 200; save 210, 220, 230. Auto-resume follows
 the current line (230, even with ``latest`` gone after a crash), retention ranks by it, and the
 abandoned 300 is marked superseded (listed, loadable by an explicit step or path, never picked by
-auto-resume; retention keeps it only while nothing is configured). Local and memory:// directories
+auto-resume; retention keeps it unless ``delete_superseded=True``; a new line's save of the same
+step takes its name and sets it aside as ``<name>.superseded``). Local and memory:// directories
 share the discovery code, so both are driven. Also: negative or non-integer steps refused at save.
 """
 
@@ -93,6 +94,12 @@ def step_dir(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def latest(root: Path) -> tuple[str, int] | None:
+    """The name and step the ``latest`` pointer names (it records the lineage too)."""
+    pointer = read_pointer(root, "latest")
+    return None if pointer is None else (pointer["name"], pointer["step"])
+
+
 def rewrite_checkpoint_json(file: Path, change: Callable[[dict[str, Any]], Any]) -> None:
     """Change a checkpoint.json by hand and seal it again (an unsealed edit fails its checksum)."""
     meta = json.loads(file.read_text())
@@ -107,27 +114,30 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 # -- the issue's scenario ---------------------------------------------------------------------------
-def test_keep_last_ranks_the_current_line_and_prunes_the_abandoned_one(tmp_path: Path) -> None:
+def test_keep_last_ranks_the_current_line_and_keeps_the_abandoned_one(tmp_path: Path) -> None:
     rolled_back(tmp_path, keep_last=2)
     # 220 and 230 are the line's newest two, 200 is protected as the checkpoint this run resumed from
     # (while it lived, and it survived its last pass); 300 was superseded at the first save after
-    # the load, so no rule kept it
-    assert on_disk(tmp_path) == [step_dir(200), step_dir(220), step_dir(230)]
-    assert read_pointer(tmp_path, "latest") == {"name": step_dir(230), "step": 230}
+    # the load: kept, since nothing asked to delete superseded checkpoints
+    assert on_disk(tmp_path) == [step_dir(200), step_dir(220), step_dir(230), step_dir(300)]
+    assert latest(tmp_path) == (step_dir(230), 230)
     with DefaultCheckpointManager(config(tmp_path, keep_last=2)) as mgr:
         step, weights = load(mgr)
         assert step == 230
         assert_same(weights, weights_for(230))
         save(mgr, 240)
-    assert on_disk(tmp_path) == [step_dir(230), step_dir(240)]
+    assert on_disk(tmp_path) == [step_dir(230), step_dir(240), step_dir(300)]
+    with DefaultCheckpointManager(config(tmp_path, keep_last=2, delete_superseded=True)) as mgr:
+        save(mgr, 250)  # the opt-in: superseded checkpoints go too
+    assert on_disk(tmp_path) == [step_dir(240), step_dir(250)]
 
 
 def test_keep_last_counts_only_the_line(tmp_path: Path) -> None:
     rolled_back(tmp_path)  # no rule: nothing is deleted
     with DefaultCheckpointManager(config(tmp_path, keep_last=5, load_mode="never")) as mgr:
         save(mgr, 240)  # a run that loaded nothing continues the newest line
-    # the line's newest five; the superseded 300 is not one of them, and the line's 100 is
-    assert on_disk(tmp_path) == [step_dir(s) for s in (100, 200, 210, 220, 230, 240)][1:]
+    # the line's newest five (the line's 100 is not one of them); the superseded 300 is kept
+    assert on_disk(tmp_path) == [step_dir(s) for s in (200, 210, 220, 230, 240, 300)]
 
 
 def test_auto_resume_follows_the_line_after_a_crash_without_latest(tmp_path: Path) -> None:
@@ -151,7 +161,7 @@ def test_auto_resume_follows_the_line_after_a_crash_without_latest(tmp_path: Pat
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(rolled_first)], env=env, timeout=300,
                           capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    assert read_pointer(tmp_path, "latest") == {"name": step_dir(230), "step": 230}
+    assert latest(tmp_path) == (step_dir(230), 230)
     (tmp_path / "latest").unlink()  # a crash between the commit and the pointer, or a lost pointer
     with DefaultCheckpointManager(config(tmp_path)) as mgr:  # takes over the dead run's lock
         assert mgr.latest_checkpoint() is not None and mgr.latest_checkpoint().name == step_dir(230)  # type: ignore[union-attr]
@@ -202,12 +212,18 @@ def test_the_step_both_lines_hold_loads_from_the_current_line(tmp_path: Path) ->
         other = {k: v + 1 for k, v in weights_for(300).items()}
         model.load_state_dict(other)
         mgr.save(SaveContext(model=model, train_state=TrainState(step=300), force=True))
-    assert on_disk(tmp_path) == [step_dir(100), step_dir(200), step_dir(300), step_dir(300) + "-v2"]
+    # the new line's 300 takes the name; the superseded one is set aside, listed and loadable by path
+    assert on_disk(tmp_path) == [step_dir(100), step_dir(200), step_dir(300), step_dir(300) + ".superseded"]
     with DefaultCheckpointManager(config(tmp_path)) as mgr:
-        assert [i.superseded for i in mgr.list_checkpoints()] == [False, False, True, False]
+        assert [(i.name, i.superseded) for i in mgr.list_checkpoints()] == [
+            (step_dir(100), False), (step_dir(200), False), (step_dir(300) + ".superseded", True), (step_dir(300), False)
+        ]
         step, weights = load(mgr, 300)
-    assert step == 300
-    assert_same(weights, other)
+        assert step == 300
+        assert_same(weights, other)
+        result = mgr.load(LoadContext(model=(model := nn.Linear(3, 2)), path=str(tmp_path / (step_dir(300) + ".superseded"))))
+        assert result.step == 300
+        assert_same(model.state_dict(), weights_for(300))
 
 
 def test_ckpt_list_and_inspect_show_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -237,7 +253,7 @@ def test_object_store_directories_follow_the_same_rule() -> None:
         assert_same(weights, weights_for(230))
         with DefaultCheckpointManager(config(url, keep_last=1)) as mgr:
             save(mgr, 240)
-            assert [i.step for i in mgr.list_checkpoints()] == [240]
+            assert [(i.step, i.superseded) for i in mgr.list_checkpoints()] == [(300, True), (240, False)]
     finally:
         fs = fsspec.filesystem("memory")
         if fs.exists(url.removeprefix("memory://")):
@@ -252,6 +268,7 @@ def test_checkpoints_written_without_a_lineage(tmp_path: Path) -> None:
             save(mgr, step)
     for step in (100, 200, 300):
         rewrite_checkpoint_json(tmp_path / step_dir(step) / CHECKPOINT_JSON, lambda m: [m.pop("lineage"), m.pop("parent")])
+    (tmp_path / "latest").write_text(json.dumps({"name": step_dir(300), "step": 300}))  # as such versions wrote it
     with DefaultCheckpointManager(config(tmp_path)) as mgr:
         assert [(i.step, i.superseded, i.lineage) for i in mgr.list_checkpoints()] == [
             (100, False, None), (200, False, None), (300, False, None)

@@ -249,10 +249,10 @@ class TieredCheckpointManager(FinalizeOnExit):
         result = self._load(ctx)
         rep = self._replicator
         if rep is not None:
-            # the run goes on from this step: the local steps above it (a line this run abandons) and
-            # unfinished replications are never resumed from again
+            # unfinished replications are never finished now; steps above this one stay (the next
+            # save supersedes them, by the lineage the local tier records, and retention keeps them)
             if rep.topo.local_rank == 0:  # one rank per node looks after the node's store
-                rep.store.drop_newer_than(result.step)
+                rep.store.drop_unfinished()
             rep.ctl.barrier("replicas: store after the resume")
         return result
 
