@@ -315,6 +315,128 @@ def test_order_checkpoints_is_idempotent_and_needs_no_disk(tmp_path: Path) -> No
     assert [(i.name, i.superseded) for i in again] == [(i.name, i.superseded) for i in infos]
 
 
+# -- going back keeps what it supersedes -------------------------------------------------------------
+def test_going_back_warns_at_load_and_keeps_the_newer_checkpoints(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """keep_last=3 and checkpoints 300-500: an evaluation that loads 300 and saves once keeps 400 and 500."""
+    with DefaultCheckpointManager(config(tmp_path, keep_last=3)) as mgr:
+        for step in (300, 400, 500):
+            save(mgr, step)
+    with caplog.at_level(logging.WARNING, "checkpoint_manager"), DefaultCheckpointManager(config(tmp_path, keep_last=3)) as mgr:
+        assert load(mgr, 300)[0] == 300
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warnings == [
+            f"loaded {step_dir(300)} (step 300), older than the newest checkpoint of {tmp_path}: the next save "
+            f"starts a new line from it and supersedes {step_dir(400)} (step 400), {step_dir(500)} (step 500); "
+            "they are kept, listed as superseded and loadable by path (delete them with delete_superseded=True "
+            "or `ckpt prune --superseded`)"
+        ]
+        save(mgr, 310)
+        assert [(i.step, i.superseded) for i in mgr.list_checkpoints()] == [
+            (300, False), (400, True), (500, True), (310, False)
+        ]
+    assert on_disk(tmp_path) == [step_dir(s) for s in (300, 310, 400, 500)]
+    for step in (400, 500):  # loadable by path
+        with DefaultCheckpointManager(config(tmp_path / "other")) as mgr:
+            model = nn.Linear(3, 2)
+            assert mgr.load(LoadContext(model=model, path=str(tmp_path / step_dir(step)))).step == step
+        assert_same(model.state_dict(), weights_for(step))
+    assert main(["prune", str(tmp_path), "--superseded", "--yes", "--json"]) == 0  # the explicit way
+    assert on_disk(tmp_path) == [step_dir(300), step_dir(310)]
+
+
+def test_loading_the_newest_or_elsewhere_warns_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with DefaultCheckpointManager(config(tmp_path)) as mgr:
+        for step in (100, 200):
+            save(mgr, step)
+    with caplog.at_level(logging.WARNING, "checkpoint_manager"):
+        with DefaultCheckpointManager(config(tmp_path)) as mgr:
+            assert load(mgr)[0] == 200
+        with DefaultCheckpointManager(config(tmp_path / "eval")) as mgr:  # another save_dir: nothing superseded there
+            model = nn.Linear(3, 2)
+            mgr.load(LoadContext(model=model, path=str(tmp_path / step_dir(100))))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_new_line_takes_the_name_and_sets_the_superseded_one_aside_in_an_object_store() -> None:
+    url = f"memory://rollback-aside-{uuid.uuid4().hex[:8]}/run"
+    fs = fsspec.filesystem("memory")
+    try:
+        with DefaultCheckpointManager(config(url)) as mgr:
+            for step in (100, 200, 300):
+                save(mgr, step)
+        with DefaultCheckpointManager(config(url)) as mgr:
+            load(mgr, 200)
+            model = nn.Linear(3, 2)
+            other = {k: v + 1 for k, v in weights_for(300).items()}
+            model.load_state_dict(other)
+            mgr.save(SaveContext(model=model, train_state=TrainState(step=300), force=True))
+            assert [(i.name, i.superseded) for i in mgr.list_checkpoints()] == [
+                (step_dir(100), False), (step_dir(200), False), (step_dir(300) + ".superseded", True), (step_dir(300), False)
+            ]
+            for where, expected in ((step_dir(300), other), (step_dir(300) + ".superseded", weights_for(300))):
+                fresh = nn.Linear(3, 2)
+                assert mgr.load(LoadContext(model=fresh, path=f"{url}/{where}")).step == 300
+                assert_same(fresh.state_dict(), expected)
+    finally:
+        if fs.exists(url.removeprefix("memory://")):
+            fs.rm(url.removeprefix("memory://"), recursive=True)
+
+
+def test_a_damaged_head_of_a_new_line_falls_back_along_its_own_line(tmp_path: Path) -> None:
+    """Go back to step 3, save step 4 again, then one bit flips in the new 4's checkpoint.json:
+    auto-resume loads 3 (never the abandoned 6), and keep_last never deletes 3, the branch point."""
+    with DefaultCheckpointManager(config(tmp_path)) as mgr:
+        for step in range(1, 7):
+            save(mgr, step)
+    with DefaultCheckpointManager(config(tmp_path)) as mgr:
+        load(mgr, 3)
+        model = nn.Linear(3, 2)
+        model.load_state_dict({k: v * 2 for k, v in weights_for(4).items()})
+        mgr.save(SaveContext(model=model, train_state=TrainState(step=4), force=True))
+    head = tmp_path / step_dir(4) / CHECKPOINT_JSON
+    raw = bytearray(head.read_bytes())
+    raw[raw.index(b'"step"') + 1] ^= 0x01  # one bit of one key
+    head.write_bytes(bytes(raw))
+    with DefaultCheckpointManager(config(tmp_path, keep_last=1)) as mgr:
+        infos = mgr.list_checkpoints()
+        assert [(i.name, i.superseded) for i in infos] == [
+            (step_dir(1), False), (step_dir(2), False), (step_dir(3), False), (step_dir(4) + ".superseded", True),
+            (step_dir(5), True), (step_dir(6), True),
+        ]
+        step, weights = load(mgr)
+        assert step == 3
+        assert_same(weights, weights_for(3))
+        # the new line goes on from 3 (3 stays: the run resumed from it); the abandoned 4-6 stay, superseded
+        save(mgr, 7)
+    # the damaged head (its checkpoint.json unreadable) is no listed checkpoint, and is left alone
+    aside = step_dir(4) + ".superseded"
+    assert on_disk(tmp_path) == sorted([step_dir(3), step_dir(4), aside, step_dir(5), step_dir(6), step_dir(7)])
+    assert main(["prune", str(tmp_path), "--keep-last", "1", "--yes", "--json"]) == 0  # 7 is intact: 3 may go
+    assert on_disk(tmp_path) == sorted([step_dir(4), aside, step_dir(5), step_dir(6), step_dir(7)])
+
+
+def test_retention_keeps_the_branch_point_while_the_new_line_has_no_intact_checkpoint(tmp_path: Path) -> None:
+    with DefaultCheckpointManager(config(tmp_path)) as mgr:
+        for step in range(1, 7):
+            save(mgr, step)
+    with DefaultCheckpointManager(config(tmp_path)) as mgr:
+        load(mgr, 3)
+        model = nn.Linear(3, 2)
+        mgr.save(SaveContext(model=model, train_state=TrainState(step=4), force=True))
+    data = tmp_path / step_dir(4) / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-4])  # the new line's only checkpoint is damaged
+    gone = prune_dir(tmp_path, keep_last=1)
+    assert gone == [step_dir(1), step_dir(2)]  # 3, the branch point, is the line's newest intact
+    with DefaultCheckpointManager(config(tmp_path)) as mgr:
+        assert load(mgr)[0] == 3
+
+
+def prune_dir(root: Path, **rules: Any) -> list[str]:
+    from checkpoint_manager import prune
+
+    return [c.name for c in prune(root, **rules, dry_run=False, fsync=False)]
+
+
 # -- negative and non-integer steps -----------------------------------------------------------------
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_negative_step_is_refused_before_anything_is_written(tmp_path: Path, async_save: bool) -> None:

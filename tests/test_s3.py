@@ -245,7 +245,8 @@ def test_discovery_pointers_and_sweep(s3: MotoS3, url: str, tmp_path: Path) -> N
     ckpt = f"{url}/step_00000002"
     assert verify(ckpt, "full", storage_options=cfg.storage_options) == []
     data = storage.key("step_00000002", "__0_0.distcp")
-    raw = bytearray(storage.fs.cat_file(data))
+    original = bytes(storage.fs.cat_file(data))
+    raw = bytearray(original)
     raw[-100] ^= 0xFF
     storage.fs.pipe_file(data, bytes(raw))
     assert verify(ckpt, "sizes", storage_options=cfg.storage_options) == []
@@ -258,7 +259,10 @@ def test_discovery_pointers_and_sweep(s3: MotoS3, url: str, tmp_path: Path) -> N
         f"{url}/step_00000003/checkpoint.json: missing (not a committed checkpoint)"
     ]
 
-    # prune() outside a run takes the store's writer lock and deletes from the store
+    # prune() outside a run takes the store's writer lock and deletes from the store, never the
+    # newest intact checkpoint: while the newest is truncated, step 1 stays
+    assert prune(url, keep_last=1, dry_run=False, storage_options=cfg.storage_options) == []
+    storage.fs.pipe_file(data, original)
     assert [c.name for c in prune(url, keep_last=1, storage_options=cfg.storage_options)] == ["step_00000001"]
     assert storage.list_names() == ["step_00000001", "step_00000002"]  # a dry run deletes nothing
     deleted = prune(url, keep_last=1, dry_run=False, storage_options=cfg.storage_options)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
-from checkpoint_manager.core.layout import CheckpointInfo, metric_value, order_checkpoints
+from checkpoint_manager.core.layout import CheckpointInfo, metric_value
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
 from checkpoint_manager.lifecycle.pointers import (
     BEST_POINTER,
@@ -223,7 +223,8 @@ def plan_retention(
 ) -> RetentionPlan:
     """Decide, without deleting anything, which checkpoints a retention pass deletes.
 
-    Kept whatever the policy: the newest checkpoint of the current line, the best by ``monitor``, the
+    ``checkpoints`` as a listing gives them (``Storage.scan``, :func:`order_checkpoints`): their
+    ``superseded`` marks are taken as they are. Kept whatever the policy: the newest checkpoint of the current line, the best by ``monitor``, the
     names in ``protected`` and (unless ``delete_superseded``) every superseded checkpoint (one a run
     abandoned by going back to an older one). The rules rank the current line (save order).
 
@@ -234,7 +235,9 @@ def plan_retention(
     kept too, ``keep_last=N`` keeps N that load. So a pass never leaves fewer loadable checkpoints
     than its rules ask for, and never none when there was one.
     """
-    ordered = order_checkpoints(checkpoints)
+    # save order; which are superseded is the listing's to say (Storage.scan marks them by the
+    # directory's head, which may be a checkpoint the listing cannot show: see order_checkpoints)
+    ordered = sorted(checkpoints, key=lambda c: c.sort_key)
     line = [c for c in ordered if not c.superseded]
     superseded = [c for c in ordered if c.superseded]
     shielded = set(protected)
@@ -535,7 +538,7 @@ class Pruner:
                 plan.reasons[info.name] = ["not confirmed"]
             plan = dataclasses.replace(
                 plan,
-                keep=[c for c in order_checkpoints([*plan.keep, *plan.delete]) if c.name in plan.reasons],
+                keep=sorted((c for c in [*plan.keep, *plan.delete] if c.name in plan.reasons), key=lambda c: c.sort_key),
                 delete=[c for c in plan.delete if c.name in only],
             )
         self._report_damaged(plan)

@@ -267,12 +267,12 @@ class ReplicaStore:
                 return candidate
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def prune(self, keep: int) -> None:
+    def prune(self, keep: int, *, verify: VerifyLevel = "sizes") -> None:
         """Keep the newest ``keep`` committed steps of the current line by the library's retention
         (:class:`~checkpoint_manager.Pruner`: what it keeps is checked first, superseded steps stay).
         Unfinished ones are left alone: one may be the replication this node's other ranks are placing
         now (they go at the next resume)."""
-        Pruner(self, KeepLast(keep), owns_pointers=False).prune()
+        Pruner(self, KeepLast(keep), owns_pointers=False, verify=verify).prune()
 
     # -- what the library's Pruner needs of a store (checkpoint_manager.Prunable) -------------------
     @property
@@ -586,9 +586,17 @@ class Replicator:
     """Runs the replication of each committed local checkpoint on a background thread, in order."""
 
     def __init__(
-        self, local: NodeLocalManager, local_dir: str, k: int, keep: int, timeout_s: float, *, fsync: bool = True
+        self,
+        local: NodeLocalManager,
+        local_dir: str,
+        k: int,
+        keep: int,
+        timeout_s: float,
+        *,
+        fsync: bool = True,
+        verify: VerifyLevel = "sizes",
     ) -> None:
-        self.local, self.k, self.keep, self.fsync = local, k, keep, fsync
+        self.local, self.k, self.keep, self.fsync, self.verify = local, k, keep, fsync, verify
         self.store = ReplicaStore(local_dir, fsync=fsync)
         self.local_dir = Path(local_dir)
         self.ctl = DistContext(timeout_s)  # the training thread's collectives (decisions, resume)
@@ -750,7 +758,7 @@ class Replicator:
             )
             if not on_coord_node and written is not None:
                 shutil.rmtree(written, ignore_errors=True)  # its files were moved into the store
-            self.store.prune(self.keep)
+            self.store.prune(self.keep, verify=self.verify)
         marks.append(("commit", time.perf_counter()))
         stats.seconds = time.perf_counter() - t0
         stats.phases = {b[0]: b[1] - a[1] for a, b in itertools.pairwise(marks)}
