@@ -382,17 +382,22 @@ def test_a_new_line_takes_the_name_and_sets_the_superseded_one_aside_in_an_objec
             fs.rm(url.removeprefix("memory://"), recursive=True)
 
 
-def test_a_damaged_head_of_a_new_line_falls_back_along_its_own_line(tmp_path: Path) -> None:
-    """Go back to step 3, save step 4 again, then one bit flips in the new 4's checkpoint.json:
-    auto-resume loads 3 (never the abandoned 6), and keep_last never deletes 3, the branch point."""
-    with DefaultCheckpointManager(config(tmp_path)) as mgr:
+def went_back_to_3(root: Path) -> None:
+    """Steps 1-6 saved; a run loaded 3 and saved step 4 again (other weights): the old 4 is set aside."""
+    with DefaultCheckpointManager(config(root)) as mgr:
         for step in range(1, 7):
             save(mgr, step)
-    with DefaultCheckpointManager(config(tmp_path)) as mgr:
+    with DefaultCheckpointManager(config(root)) as mgr:
         load(mgr, 3)
         model = nn.Linear(3, 2)
         model.load_state_dict({k: v * 2 for k, v in weights_for(4).items()})
         mgr.save(SaveContext(model=model, train_state=TrainState(step=4), force=True))
+
+
+def test_a_damaged_head_of_a_new_line_falls_back_along_its_own_line(tmp_path: Path) -> None:
+    """Go back to step 3, save step 4 again, then one bit flips in the new 4's checkpoint.json:
+    auto-resume loads 3 (never the abandoned 6), and keep_last never deletes 3, the branch point."""
+    went_back_to_3(tmp_path)
     head = tmp_path / step_dir(4) / CHECKPOINT_JSON
     raw = bytearray(head.read_bytes())
     raw[raw.index(b'"step"') + 1] ^= 0x01  # one bit of one key
@@ -416,13 +421,7 @@ def test_a_damaged_head_of_a_new_line_falls_back_along_its_own_line(tmp_path: Pa
 
 
 def test_retention_keeps_the_branch_point_while_the_new_line_has_no_intact_checkpoint(tmp_path: Path) -> None:
-    with DefaultCheckpointManager(config(tmp_path)) as mgr:
-        for step in range(1, 7):
-            save(mgr, step)
-    with DefaultCheckpointManager(config(tmp_path)) as mgr:
-        load(mgr, 3)
-        model = nn.Linear(3, 2)
-        mgr.save(SaveContext(model=model, train_state=TrainState(step=4), force=True))
+    went_back_to_3(tmp_path)
     data = tmp_path / step_dir(4) / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[:-4])  # the new line's only checkpoint is damaged
     gone = prune_dir(tmp_path, keep_last=1)

@@ -224,9 +224,10 @@ def plan_retention(
     """Decide, without deleting anything, which checkpoints a retention pass deletes.
 
     ``checkpoints`` as a listing gives them (``Storage.scan``, :func:`order_checkpoints`): their
-    ``superseded`` marks are taken as they are. Kept whatever the policy: the newest checkpoint of the current line, the best by ``monitor``, the
-    names in ``protected`` and (unless ``delete_superseded``) every superseded checkpoint (one a run
-    abandoned by going back to an older one). The rules rank the current line (save order).
+    ``superseded`` marks are taken as they are. Kept whatever the policy: the newest checkpoint of
+    the current line, the best by ``monitor``, the names in ``protected`` and (unless
+    ``delete_superseded``) every superseded checkpoint (one a run abandoned by going back to an older
+    one). The rules rank the current line (save order).
 
     ``check`` (the problems of a checkpoint; empty when it loads) is asked about every checkpoint
     kept as the newest, the best, a protected name or one of the N that ``KeepLast``/``KeepBest``
@@ -373,6 +374,7 @@ class Pruner:
         self._warned_unlogged = False
         self._reported: set[tuple[str, str]] = set()  # damaged checkpoints already logged
         self._crc_checked: dict[str, tuple[Any, ...]] = {}  # name -> the file stats its CRCs were checked at
+        self._written: str | None = None  # the checkpoint the run just committed (see after_commit)
         self._executor: ThreadPoolExecutor | None = None
         # background removals queued by this pass and by the one before it: a pass first waits for
         # older ones, so deletion that falls behind slows saves rather than filling the disk
@@ -469,9 +471,17 @@ class Pruner:
         )
 
     # -- the pass ---------------------------------------------------------------------------------
-    def after_commit(self, protected: Iterable[str] = ()) -> RetentionPlan:
-        """Refresh ``best`` and the symlinks, then prune. Call only once the new checkpoint is durable."""
-        return self.prune(protected)
+    def after_commit(self, protected: Iterable[str] = (), *, written: str | None = None) -> RetentionPlan:
+        """Refresh ``best`` and the symlinks, then prune. Call only once the new checkpoint is durable.
+
+        ``written``: the checkpoint the run just committed; its CRC32s were computed from the bytes as
+        they were written, so this pass checks its sizes only (the next pass reads it under ``"full"``).
+        """
+        self._written = written
+        try:
+            return self.prune(protected)
+        finally:
+            self._written = None
 
     def prune(
         self, protected: Iterable[str] = (), *, dry_run: bool = False, only: Collection[str] | None = None
@@ -501,7 +511,7 @@ class Pruner:
             self.storage.check_info(info, "sizes")
         except CheckpointCorruptError as exc:
             return [str(exc)]
-        if self.verify != "full":
+        if self.verify != "full" or info.name == self._written:
             return []
         stamp = _file_stamp(info) if self.storage.is_local else ()
         if stamp is not None and self._crc_checked.get(info.name) == stamp:

@@ -453,7 +453,9 @@ class SavingMixin(ManagerCore):
         if not self._holds_writer_lock():  # writer_lock=False: another process may be the writer
             return False
         try:
-            plan = self._pruner.after_commit(protected={committed, *filter(None, [self._resumed_from])})
+            plan = self._pruner.after_commit(
+                protected={committed, *filter(None, [self._resumed_from])}, written=committed
+            )
             job.damaged = dict(plan.damaged)
         except Exception as exc:  # the save itself succeeded: report, and try again after the next one
             log.warning(
