@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         EngineContext,
         EngineState,
         FileRecord,
+        GroupBase,
         StagingEngine,
         TensorInfo,
     )
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     )
     from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
     from checkpoint_manager.lifecycle.finite import NonFiniteStateError
+    from checkpoint_manager.lifecycle.frozen import FrozenChangedError
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
     from checkpoint_manager.lifecycle.observe import (
         CheckpointCallback,
@@ -134,6 +136,8 @@ _EXPORTS: dict[str, str] = {
     "EngineContext": "checkpoint_manager.engine.base",
     "EngineState": "checkpoint_manager.engine.base",
     "FileRecord": "checkpoint_manager.engine.base",
+    "FrozenChangedError": "checkpoint_manager.lifecycle.frozen",
+    "GroupBase": "checkpoint_manager.engine.base",
     "StagingEngine": "checkpoint_manager.engine.base",
     "TensorInfo": "checkpoint_manager.engine.base",
     "Continuous": "checkpoint_manager.lifecycle.policy",
@@ -232,7 +236,9 @@ __all__ = [
     "FileRecord",
     "FinalStep",
     "FinalizeOnExit",
+    "FrozenChangedError",
     "FsspecStorage",
+    "GroupBase",
     "KeepAll",
     "KeepAny",
     "KeepBest",
