@@ -65,6 +65,7 @@ from checkpoint_manager.core.layout import (
     order_checkpoints,
     seal_checkpoint_json,
 )
+from checkpoint_manager.core.safe_io import read_json
 from checkpoint_manager.storage.base import set_aside_names
 
 if TYPE_CHECKING:
@@ -211,9 +212,8 @@ class ReplicaStore:
 
     def marker(self, name: str) -> dict[str, Any] | None:
         try:
-            with open(self.root / name / MARKER, "rb") as f:
-                data = json.loads(f.read().decode("utf-8"))
-        except (OSError, ValueError):
+            data = read_json(self.root / name / MARKER)
+        except (OSError, CheckpointError):
             return None
         return data if isinstance(data, dict) else None
 
@@ -673,8 +673,7 @@ class Replicator:
             if written is None or not written.is_dir():
                 raise ReplicationError(f"rank {rank}: the local files of step {step} are gone ({written})")
             rank_json = written / f"rank_{rank:05d}.json"
-            with open(rank_json, "rb") as f:
-                known = json.loads(f.read().decode("utf-8")).get("files", {})
+            known = read_json(rank_json).get("files", {})
             mine = sorted({*known, rank_json.name})
         except BaseException as exc:
             failure, mine, known = exc, [], {}
@@ -794,8 +793,7 @@ class Replicator:
     ) -> Any:
         """Rank 0's ``checkpoint.json`` lists what rank 0's node holds; the replica's lists every rank's
         files. Returns the checkpoint's recorded lineage (None without one)."""
-        with open(committed / CHECKPOINT_JSON, "rb") as f:
-            meta = json.loads(f.read().decode("utf-8"))
+        meta = read_json(committed / CHECKPOINT_JSON)
         files: dict[str, dict[str, int]] = {}
         for m in manifests:
             files.update({k: v for k, v in m.items() if k != CHECKPOINT_JSON})
