@@ -23,18 +23,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from cm_torchtitan import TorchTitanCheckpointManager
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.checkpointer import CheckpointManager as DCPCheckpointManager
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.llama3 import model_registry
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
-
-from cm_torchtitan import TorchTitanCheckpointManager
 
 SEQ, BATCH, VOCAB = 16, 2, 2048
 
@@ -126,7 +126,7 @@ def build_rig(*, steps: int = 8, seed: int = 0, fsdp: bool = False, layers: int 
 def checkpointer(rig: Rig, folder: Path | str, *, dcp: bool = False, **fields: Any) -> Any:
     """Our backend (or, ``dcp=True``, torchtitan's DCP one) built as the trainer builds it."""
     cls = DCPCheckpointManager if dcp else TorchTitanCheckpointManager
-    config = cls.Config(enable=True, folder=str(folder), **fields)
+    config = cls.Config(**{"enable": True, "folder": str(folder), **fields})
     return config.build(
         dataloader=rig.dataloader,
         model_parts=rig.model_parts,
@@ -144,13 +144,18 @@ def train(
     steps: int,
     *,
     load_step: int = -1,
+    stop_at: int | None = None,
     after_step: Callable[[int], None] | None = None,
+    log_metrics: Callable[[int, float], None] | None = None,
 ) -> None:
-    """``Trainer.train`` on CPU: load, then per step forward/backward, wait for staging, step, save."""
+    """``Trainer.train`` on CPU: load, then per step forward/backward, wait for staging, step, log
+    (``log_metrics``, where the trainer's metrics processor logs), save. ``steps`` is
+    ``training.steps`` (its last step is ``last_step``); ``stop_at`` ends the loop earlier, as a
+    killed job would."""
     ckpt.load(step=load_step)
     batches = iter(rig.dataloader)
     model = rig.model_parts[0]
-    while rig.trainer.step < steps:
+    while rig.trainer.step < (steps if stop_at is None else stop_at):
         rig.trainer.step += 1
         rig.optimizers.zero_grad()
         inputs, labels = next(batches)
@@ -162,6 +167,8 @@ def train(
         rig.lr_schedulers.step()
         rig.trainer.ntokens_seen += labels.numel()
         rig.losses.append(loss.item())
+        if log_metrics is not None:
+            log_metrics(rig.trainer.step, rig.losses[-1])
         ckpt.save(rig.trainer.step, last_step=rig.trainer.step == steps)
         if after_step is not None:
             after_step(rig.trainer.step)
@@ -188,7 +195,9 @@ def snapshot(rig: Rig) -> dict[str, torch.Tensor]:
     out["sched.last_epoch"] = torch.tensor(rig.lr_schedulers.schedulers[0].last_epoch)
     out["trainer.step"] = torch.tensor(rig.trainer.step)
     out["trainer.ntokens_seen"] = torch.tensor(rig.trainer.ntokens_seen)
-    out["data.index"] = torch.tensor(rig.dataloader.dataset.index)
+    position = StatefulDataLoader.state_dict(rig.dataloader)  # the pending position, also right after a load
+    out["data.index"] = torch.tensor(position["dataset_state"]["index"])
+    out["data.yielded"] = torch.tensor(position["_num_yielded"])
     return out
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.tensor import DTensor
 
 from checkpoint_manager import CheckpointNotFoundError
@@ -36,7 +36,7 @@ def hf_view(parts: list[nn.Module], sd_adapter: Any, dtype: torch.dtype) -> Para
     return tensor_tree(sd_adapter.to_hf(full))
 
 
-def load_hf_view(parts: list[nn.Module], sd_adapter: Any, loaded: ParamView, source: str) -> None:
+def load_hf_view(parts: list[nn.Module], sd_adapter: Any, loaded: nn.Module, source: str) -> None:
     """Set the model from HF-named tensors (those of :func:`hf_view`, after a load filled them)."""
     native = sd_adapter.from_hf(dict(loaded.state_dict()))
     live = canonical_state_dict(parts)
@@ -63,6 +63,6 @@ def load_hf_initial(parts: list[nn.Module], sd_adapter: Any, path: str, *, quant
     if not Path(path).is_dir():
         raise CheckpointNotFoundError(f"initial_load_path {path}: no such Hugging Face directory")
     hf_state = sd_adapter.to_hf(canonical_state_dict(parts))
-    dcp.load(hf_state, storage_reader=sd_adapter.get_hf_storage_reader(path, quantized))
+    dcp_load(hf_state, storage_reader=sd_adapter.get_hf_storage_reader(path, quantized))
     load_canonical(parts, sd_adapter.from_hf(hf_state), path)
     return len(hf_state)

@@ -39,7 +39,6 @@ from torchtitan.tools import filesystem
 
 from checkpoint_manager import (
     CheckpointManager,
-    CheckpointMismatchError,
     CheckpointNotFoundError,
     DefaultCheckpointManager,
     LoadContext,
@@ -81,14 +80,14 @@ _OWNED = {
 _POLICY_FIELDS = ("save_every_n_seconds", "save_continuously", "save_at_steps", "save_on_preemption", "save_policy")
 
 
-class TorchTitanCheckpointManager(BaseCheckpointManager):
+class TorchTitanCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # torchtitan is untyped
     """A torchtitan checkpointer whose saves and loads are checkpoint-manager's: atomic commits,
     fallback past a damaged checkpoint, keep-best, integrity checks, object storage, the tiered
     manager. Select it with ``--module cm_torchtitan`` or ``--override.imports
     cm_torchtitan.override.use_checkpoint_manager`` (see docs/integrations.md)."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseCheckpointManager.Config):
+    class Config(BaseCheckpointManager.Config):  # type: ignore[misc]
         """torchtitan's checkpoint fields (same names, same meaning) plus checkpoint-manager's."""
 
         async_mode: AsyncMode = "disabled"
@@ -243,13 +242,15 @@ class TorchTitanCheckpointManager(BaseCheckpointManager):
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if self.load_only:
             return False
-        due = last_step or curr_step % self.interval == 0 or (curr_step == 1 and self.config.enable_first_step_checkpoint)
-        if not due and not self._policy_decides:
+        first = curr_step == 1 and self.config.enable_first_step_checkpoint
+        # interval steps are the lifecycle policy's own (save_every_n_steps=interval): not forced, so
+        # a manager that treats forced saves apart (the tiered one makes them durable) sees them as such
+        if not (last_step or first or curr_step % self.interval == 0 or self._policy_decides):
             return False
         if last_step:
             ctx = self._last_step_context(curr_step)
         else:
-            ctx = self._full_save_context(curr_step, force=due)
+            ctx = self._full_save_context(curr_step, force=first)
         previous, self.save_future = self.save_future, None
         try:
             result = self.manager.save(ctx)  # waits for (and raises the error of) an earlier async save
@@ -524,6 +525,6 @@ def _tee_trainer_metrics(trainer: Any, record: Any) -> None:
     name any of it; a ``train_state`` without a metrics logger is left alone."""
     processor = getattr(trainer, "metrics_processor", None)
     inner = getattr(processor, "logger", None)
-    if inner is not None and callable(getattr(inner, "log", None)) and not isinstance(inner, _MetricsTee):
+    if processor is not None and callable(getattr(inner, "log", None)) and not isinstance(inner, _MetricsTee):
         processor.logger = _MetricsTee(inner, record)
 

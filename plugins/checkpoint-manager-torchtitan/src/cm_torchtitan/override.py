@@ -18,7 +18,8 @@ from cm_torchtitan.manager import TorchTitanCheckpointManager
 __all__ = ["use_checkpoint_manager"]
 
 
-@override(target=BaseCheckpointManager.Config, description="checkpoint-manager's lifecycle as the checkpointer")
+@override(target=BaseCheckpointManager.Config, description="checkpoint-manager's lifecycle as the checkpointer")  # type: ignore[untyped-decorator]
 def use_checkpoint_manager(config: BaseCheckpointManager.Config, **fields: Any) -> TorchTitanCheckpointManager.Config:
     """The trainer's checkpoint config as :class:`TorchTitanCheckpointManager`'s, ``fields`` set."""
-    return derive(config, TorchTitanCheckpointManager.Config, **fields)
+    config_: TorchTitanCheckpointManager.Config = derive(config, TorchTitanCheckpointManager.Config, **fields)
+    return config_

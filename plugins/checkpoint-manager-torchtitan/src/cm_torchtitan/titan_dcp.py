@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from checkpoint_manager import CheckpointMismatchError, CheckpointNotFoundError, UnsafeCheckpointError
 
@@ -196,7 +196,7 @@ def load_titan_dcp(
             else:
                 report.not_restored[DATALOADER] = f"no {rank_key!r} in the checkpoint"
                 rank_key = ""
-    dcp.load(flat, storage_reader=_Reader(path, metadata), planner=_WeightsOnlyPlanner())
+    dcp_load(flat, storage_reader=_Reader(path, metadata), planner=_WeightsOnlyPlanner())
     loader_state: dict[str, Any] | None = None
     if rank_key and loader is not None:
         try:  # decoded (and checked) before anything is set
