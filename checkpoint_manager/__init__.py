@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         EngineContext,
         EngineState,
         FileRecord,
+        GroupBase,
         StagingEngine,
         TensorInfo,
     )
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
         CheckpointMismatchError,
         CheckpointNotFoundError,
         CheckpointVersionError,
+        EngineNotAvailableError,
         ManagerClosedError,
         PostCommitError,
         UnsafeCheckpointError,
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
     )
     from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
     from checkpoint_manager.lifecycle.finite import NonFiniteStateError
+    from checkpoint_manager.lifecycle.frozen import FrozenChangedError
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
     from checkpoint_manager.lifecycle.observe import (
         CheckpointCallback,
@@ -123,6 +126,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointMismatchError": "checkpoint_manager.errors",
     "CheckpointNotFoundError": "checkpoint_manager.errors",
     "CheckpointVersionError": "checkpoint_manager.errors",
+    "EngineNotAvailableError": "checkpoint_manager.errors",
     "CollectiveTimeoutError": "checkpoint_manager.core.dist",
     "DefaultCheckpointManager": "checkpoint_manager.lifecycle.manager",
     "ENGINE_ENTRY_POINT_GROUP": "checkpoint_manager.factory",
@@ -131,6 +135,8 @@ _EXPORTS: dict[str, str] = {
     "EngineContext": "checkpoint_manager.engine.base",
     "EngineState": "checkpoint_manager.engine.base",
     "FileRecord": "checkpoint_manager.engine.base",
+    "FrozenChangedError": "checkpoint_manager.lifecycle.frozen",
+    "GroupBase": "checkpoint_manager.engine.base",
     "StagingEngine": "checkpoint_manager.engine.base",
     "TensorInfo": "checkpoint_manager.engine.base",
     "Continuous": "checkpoint_manager.lifecycle.policy",
@@ -220,13 +226,16 @@ __all__ = [
     "DefaultCheckpointManager",
     "Engine",
     "EngineContext",
+    "EngineNotAvailableError",
     "EngineState",
     "EveryNSeconds",
     "EveryNSteps",
     "FileRecord",
     "FinalStep",
     "FinalizeOnExit",
+    "FrozenChangedError",
     "FsspecStorage",
+    "GroupBase",
     "KeepAll",
     "KeepAny",
     "KeepBest",

@@ -242,6 +242,14 @@ class Storage(Protocol):
         """Make this rank's files (relative to ``pending``) durable in the store, before the vote."""
         ...
 
+    def share_files(self, source: str, pending: Path, files: Mapping[str, Mapping[str, int]]) -> str | None:
+        """Place ``files`` (relative paths, with their ``{size, crc32}`` records) of the committed
+        checkpoint at ``source`` into the save ``pending`` under the same names, as cheaply as the
+        store can while each checkpoint stays whole: deleting either checkpoint later must leave the
+        other's files intact. Returns how (``"link"``, ``"reflink"``, ``"copy"``: a server-side copy),
+        or None with nothing placed (the save then writes them itself)."""
+        ...
+
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
         """``{relative path: {size, crc32}}`` of every file of the save (every rank's) but the marker."""
         ...

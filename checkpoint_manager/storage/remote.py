@@ -69,7 +69,7 @@ CACHE_DIR = ".cache"
 #: multipart part size of a streamed file: large parts mean few requests; memory holds about one part
 PART_BYTES = 64 << 20
 # what a save of ours puts under a checkpoint prefix: only prefixes made of these are ever swept
-_OURS = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank_\d+\.json|state\.json|hf/.+)$")
+_OURS = re.compile(r"^(\.metadata|__\d+_(\d+|frozen)\.distcp|rank_\d+\.json|state\.json|hf/.+)$")
 _RANK_JSON = re.compile(r"^rank_\d+\.json$")
 _CACHE_STALE_S = 3600.0  # a download this old belongs to no running load
 _TRANSFERS = 8  # files moved at once (each big one is itself a concurrent multipart transfer)
@@ -449,6 +449,28 @@ class FsspecStorage(_ObjectRoot):
         return sorted(
             p.relative_to(pending).as_posix() for p in pending.rglob("*") if p.is_file()
         )
+
+    def share_files(self, source: str, pending: Path, files: Mapping[str, Mapping[str, int]]) -> str | None:
+        """A server-side copy of each file (``fs.copy``: S3's CopyObject, no byte through this
+        process), checked for its recorded size; None, with nothing left, where the store cannot."""
+        src, dst = self._key_of_location(source), self.remote_dir(pending)
+        done: list[str] = []
+        try:
+            for rel in files:
+                self._call(f"copy {source}/{rel}", self.fs.copy, f"{src}/{rel}", f"{dst}/{rel}")
+                done.append(rel)
+                self.fs.invalidate_cache(dst)
+                size = self._call(f"look at {dst}/{rel}", self.fs.size, f"{dst}/{rel}")
+                if size != files[rel].get("size"):
+                    raise FileNotFoundError(f"{source}/{rel}: {size} bytes, {files[rel].get('size')} recorded")
+        except Exception as exc:  # a store without copies, a refused one, the source gone: write them
+            log.info("not sharing %s of %s (%s): they are written again", sorted(files), source, exc)
+            for rel in done:
+                with contextlib.suppress(Exception):
+                    self._call(f"delete {dst}/{rel}", self.fs.rm_file, f"{dst}/{rel}")
+            return None
+        self._uploaded.setdefault(str(pending), set()).update(done)
+        return "copy"
 
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
         """Every rank's files as the store lists them (sizes), CRC32s from the rank JSONs; the small
