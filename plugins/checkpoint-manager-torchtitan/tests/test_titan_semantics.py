@@ -270,6 +270,24 @@ def test_an_unknown_option_names_the_field_meant(tmp_path: Path) -> None:
         checkpointer(build_rig(), tmp_path, options={"verify_onload": "full"})
 
 
+def test_save_frozen_once_shares_a_frozen_embedding(tmp_path: Path) -> None:
+    ref = build_rig(steps=STEPS, frozen=("tok_embeddings",))
+    train(ref, checkpointer(ref, tmp_path / "never", enable=False), STEPS)
+    rig = build_rig(steps=STEPS, frozen=("tok_embeddings",))
+    ckpt = checkpointer(rig, tmp_path / "run", interval=1, keep_latest_k=2, save_frozen="once")
+    train(rig, ckpt, STEPS, stop_at=3)
+    ckpt.close()
+    assert committed_steps(tmp_path / "run") == [2, 3]
+    for step in (2, 3):
+        record = json.loads((tmp_path / "run" / f"step_{step:08d}" / "checkpoint.json").read_text())["frozen"]
+        assert [v["how"] for v in record["files"].values()] == ["link"] and record["written_bytes"] == 0
+    rig = build_rig(steps=STEPS, frozen=("tok_embeddings",), seed=1)
+    ckpt = checkpointer(rig, tmp_path / "run", interval=1, keep_latest_k=2, save_frozen="once")
+    train(rig, ckpt, STEPS)
+    ckpt.close()
+    assert_same(snapshot(rig), snapshot(ref))
+
+
 def test_the_tiered_manager_does_the_work(tmp_path: Path, reference: Ref) -> None:
     fields = {"interval": 2, "manager": "tiered", "local_dir": str(tmp_path / "local"), "options": {"durable_every_n_steps": 4}}
     run(tmp_path / "durable", 4, **fields)

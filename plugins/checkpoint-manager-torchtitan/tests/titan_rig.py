@@ -51,7 +51,8 @@ def model_config(layers: int = 1) -> Any:
 
 
 class TokenStream(IterableDataset[tuple[dict[str, torch.Tensor], torch.Tensor]]):
-    """Sample i of data-parallel rank r is a fixed function of (seed, r, i); the position is i."""
+    """Sample i of data-parallel rank r is a fixed function of (seed, r, i); the position is i (the
+    rigs all read seed 0: their own seed varies the initial weights only)."""
 
     def __init__(self, seed: int, dp_rank: int) -> None:
         self.seed, self.dp_rank, self.index = seed, dp_rank, 0
@@ -96,7 +97,7 @@ class Rig:
     losses: list[float] = dataclasses.field(default_factory=list)
 
 
-def build_rig(*, steps: int = 8, seed: int = 0, fsdp: bool = False, layers: int = 1) -> Rig:
+def build_rig(*, steps: int = 8, seed: int = 0, fsdp: bool = False, layers: int = 1, frozen: tuple[str, ...] = ()) -> Rig:
     torch.manual_seed(seed)
     cfg = model_config(layers)
     with torch.device("meta"):
@@ -113,13 +114,16 @@ def build_rig(*, steps: int = 8, seed: int = 0, fsdp: bool = False, layers: int 
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
+    for name, param in model.named_parameters():
+        if name.startswith(frozen):
+            param.requires_grad_(False)
     optim_config = default_adamw(lr=1e-3)
     optim_config.implementation = "foreach"
     optimizers = optim_config.build(model_parts=[model])
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.5).build(
         optimizers=optimizers, training_steps=steps
     )
-    loader = ParallelAwareDataloader(TokenStream(seed, rank), dp_rank=rank, dp_world_size=world, batch_size=BATCH)
+    loader = ParallelAwareDataloader(TokenStream(0, rank), dp_rank=rank, dp_world_size=world, batch_size=BATCH)
     return Rig([model], optimizers, lr_schedulers, loader, TrainerState(), Llama3StateDictAdapter(cfg, None))
 
 

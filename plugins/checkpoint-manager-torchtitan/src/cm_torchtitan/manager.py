@@ -121,6 +121,10 @@ class TorchTitanCheckpointManager(BaseCheckpointManager):  # type: ignore[misc] 
         check_finite: bool = False
         """Refuse to commit a checkpoint whose weights hold NaN or inf."""
 
+        save_frozen: Literal["every", "once"] = "every"
+        """once: parameters that do not require grad (a frozen base) are written by the first
+        checkpoint that needs them and shared (hard links, server-side copies) while unchanged."""
+
         on_save_error: Literal["raise", "continue"] = "raise"
         """continue: a failed save is cleaned up and reported, training goes on (the final save
         always raises)."""
@@ -204,6 +208,7 @@ class TorchTitanCheckpointManager(BaseCheckpointManager):  # type: ignore[misc] 
             "async_save": c.async_mode != "disabled",
             "verify_on_load": c.verify_on_load,
             "check_finite": c.check_finite,
+            "save_frozen": c.save_frozen,
             "on_save_error": c.on_save_error,
             # a load-only job (evaluation) must not lock out, sweep or prune the run that writes
             "writer_lock": not c.load_only,
