@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from checkpoint_manager.core.dist import CollectiveTimeoutError
     from checkpoint_manager.core.layout import CheckpointInfo, Lineage
     from checkpoint_manager.core.naming import format_name, parse_name
+    from checkpoint_manager.core.safe_io import parse_json, read_json
     from checkpoint_manager.engine.base import (
         Engine,
         EngineContext,
@@ -192,10 +193,12 @@ _EXPORTS: dict[str, str] = {
     "open_bundle": "checkpoint_manager.formats",
     "open_storage": "checkpoint_manager.storage",
     "pack_bundle": "checkpoint_manager.formats",
+    "parse_json": "checkpoint_manager.core.safe_io",
     "parse_name": "checkpoint_manager.core.naming",
     "plan_retention": "checkpoint_manager.lifecycle.retention",
     "prune": "checkpoint_manager.lifecycle.retention",
     "read_event_log": "checkpoint_manager.lifecycle.observe",
+    "read_json": "checkpoint_manager.core.safe_io",
     "resolve_checkpoint": "checkpoint_manager.formats.resolve",
     "resolve_manager_class": "checkpoint_manager.factory",
     "save_record": "checkpoint_manager.lifecycle.observe",
@@ -286,10 +289,12 @@ __all__ = [
     "open_bundle",
     "open_storage",
     "pack_bundle",
+    "parse_json",
     "parse_name",
     "plan_retention",
     "prune",
     "read_event_log",
+    "read_json",
     "resolve_checkpoint",
     "resolve_manager_class",
     "save_record",

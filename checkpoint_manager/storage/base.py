@@ -18,6 +18,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
+from checkpoint_manager.core.layout import POINTER_LIMIT
+from checkpoint_manager.core.safe_io import parse_json
+
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
     from checkpoint_manager.core.layout import CheckpointInfo
@@ -66,8 +69,8 @@ def parse_pointer(raw: bytes) -> dict[str, Any] | None:
     """A ``latest`` / ``best`` pointer's JSON, or None when it is not one: no JSON object, or no
     checkpoint name in it (a name is one entry of the save directory: no ``/``, not ``.`` or ``..``)."""
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except ValueError:  # UnicodeDecodeError is one
+        data = parse_json(raw, "pointer", limit=POINTER_LIMIT, error=ValueError)
+    except ValueError:
         return None
     name = data.get("name") if isinstance(data, dict) else None
     if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import re
@@ -29,7 +28,7 @@ from checkpoint_manager.core.layout import (
     read_checkpoint_json,
     scan_checkpoints,
 )
-from checkpoint_manager.core.safe_io import inside, read_small
+from checkpoint_manager.core.safe_io import inside, read_json, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, PostCommitError, UnsafeCheckpointError
 from checkpoint_manager.storage.base import deleting_name, is_deleting, json_bytes, parse_pointer
 from checkpoint_manager.storage.lock import WriterLock
@@ -448,8 +447,8 @@ class LocalStorage:
 
     @staticmethod
     def read_json(path: Path) -> Any:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
+        """A JSON file this storage wrote (bounded, regular: it may have been replaced since)."""
+        return read_json(path)
 
     # -- commit -----------------------------------------------------------------------------------
     def commit(self, pending: Path, name: str) -> Path:

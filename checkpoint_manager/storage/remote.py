@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import logging
 import re
 import shutil
@@ -42,6 +41,7 @@ from checkpoint_manager.core.layout import (
     parse_checkpoint_json,
     rank_file,
 )
+from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
 from checkpoint_manager.storage.base import json_bytes, parse_pointer
 from checkpoint_manager.storage.local import (
@@ -486,7 +486,7 @@ class FsspecStorage(_ObjectRoot):
         for rel in sizes:
             if _RANK_JSON.match(rel) and not (pending / rel).is_file():  # a rank on another host
                 raw = self._call(f"read {rel}", self.fs.cat_file, f"{remote}/{rel}")
-                known.update(json.loads(bytes(raw).decode("utf-8")).get("files", {}))
+                known.update(parse_json(bytes(raw), f"{remote}/{rel}").get("files", {}))
         out = describe_files(pending, known)
         for rel, size in sizes.items():
             if rel in out or rel == CHECKPOINT_JSON or not rel:
