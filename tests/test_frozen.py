@@ -301,7 +301,7 @@ def test_ckpt_prune_frees_a_shared_base_only_with_its_last_name(
     own = sum(p.stat().st_size for n in ("step_00000001", "step_00000002")
               for p in (tmp_path / n).iterdir() if p.name != FROZEN_FILE)
     capsys.readouterr()
-    assert ckpt(["prune", str(tmp_path), "--keep-last", "1", "--json"]) == 0
+    assert ckpt(["prune", str(tmp_path), "--keep-last", "1", "--yes", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [d["name"] for d in doc["deleted"]] == ["step_00000001", "step_00000002"]
     assert doc["freed_bytes"] == own  # the base lives on in step 3

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_manager import errors
+from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.errors import CheckpointError
 
 __all__ = ["CollectiveTimeoutError", "DistContext"]
@@ -257,7 +258,8 @@ def _slot_size(slot: torch.Tensor) -> int:
 
 
 def _decode(buf: torch.Tensor) -> Any:
-    return json.loads(_bytes(buf).decode("utf-8"))
+    raw = _bytes(buf)
+    return parse_json(raw, "a payload from another rank", limit=len(raw), error=ValueError)
 
 
 def _bytes(t: torch.Tensor) -> bytes:
