@@ -21,6 +21,13 @@ from torchtitan.config import ConfigManager
 
 __all__ = ["deterministic", "reference"]  # fixtures, used by name
 
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"),  # torchdata's, on every loader
+    pytest.mark.filterwarnings("ignore:To get the last learning rate"),  # torchtitan's scheduler load
+    pytest.mark.filterwarnings("ignore::checkpoint_manager.MissingConfigWarning"),  # no HF config.json here
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),  # torchtitan's backend, one process
+]
+
 Ref = dict[int, dict[str, torch.Tensor]]
 
 

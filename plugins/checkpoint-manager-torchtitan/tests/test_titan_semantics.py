@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 import types
 from pathlib import Path
 
@@ -25,6 +26,13 @@ from checkpoint_manager import CheckpointNotFoundError, NonFiniteStateError, Uns
 from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 
 __all__ = ["deterministic", "reference"]  # fixtures, used by name
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"),  # torchdata's, on every loader
+    pytest.mark.filterwarnings("ignore:To get the last learning rate"),  # torchtitan's scheduler load
+    pytest.mark.filterwarnings("ignore::checkpoint_manager.MissingConfigWarning"),  # no HF config.json here
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),  # torchtitan's backend, one process
+]
 
 Ref = dict[int, dict[str, torch.Tensor]]
 
@@ -286,6 +294,18 @@ def test_save_frozen_once_shares_a_frozen_embedding(tmp_path: Path) -> None:
     train(rig, ckpt, STEPS)
     ckpt.close()
     assert_same(snapshot(rig), snapshot(ref))
+
+
+def test_a_folder_in_object_storage(reference: Ref) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))  # the repository's S3 server
+    from s3_server import MotoS3, storage_options
+
+    with MotoS3() as s3:
+        url = f"s3://{s3.make_bucket()}/run"
+        options = storage_options(s3.endpoint)
+        run(url, 4, interval=2, storage_options=options)  # type: ignore[arg-type]
+        rig, _ = resumed(url, interval=2, storage_options=options)  # type: ignore[arg-type]
+        assert_same(snapshot(rig), reference[4])
 
 
 def test_the_tiered_manager_does_the_work(tmp_path: Path, reference: Ref) -> None:
