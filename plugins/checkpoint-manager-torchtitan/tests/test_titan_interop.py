@@ -144,15 +144,18 @@ def test_our_hf_export_into_torchtitans_dcp_backend(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        # our fields are --checkpoint.* flags: the config function already holds our Config
+        # our fields are --checkpoint.* flags: the config function already holds our Config; the
+        # dict fields (tyro parses no dict[str, Any]) come through the override's JSON
         [
             "--module", "cm_torchtitan", "--config", "llama3_debugmodel",
             "--checkpoint.keep_best", "3", "--checkpoint.monitor", "loss_metrics/global_avg_loss",
+            "--override.imports", 'cm_torchtitan.override.use_checkpoint_manager={"options": {"save_at_steps": [7]}}',
         ],
         # torchtitan parses its own Config, so ours come as the override's JSON
         [
             "--module", "llama3", "--config", "llama3_debugmodel", "--override.imports",
-            'cm_torchtitan.override.use_checkpoint_manager={"keep_best": 3, "monitor": "loss_metrics/global_avg_loss"}',
+            'cm_torchtitan.override.use_checkpoint_manager={"keep_best": 3, "monitor": "loss_metrics/global_avg_loss",'
+            ' "options": {"save_at_steps": [7]}}',
         ],
     ],
     ids=["module", "override"],
@@ -168,5 +171,5 @@ def test_selected_by_torchtitans_command_line(argv: list[str]) -> None:
     checkpoint = config.checkpoint
     assert type(checkpoint) is TorchTitanCheckpointManager.Config
     assert (checkpoint.enable, checkpoint.interval, checkpoint.keep_best) == (True, 5, 3)
-    assert checkpoint.monitor == "loss_metrics/global_avg_loss"
+    assert checkpoint.monitor == "loss_metrics/global_avg_loss" and checkpoint.options == {"save_at_steps": [7]}
     assert checkpoint.last_save_model_only is False  # llama3_debugmodel's own value, kept

@@ -65,6 +65,11 @@ def test_enable_first_step_checkpoint_saves_step_one(tmp_path: Path) -> None:
     assert committed_steps(tmp_path) == [1]
 
 
+def test_a_save_policy_of_ours_decides_beside_interval(tmp_path: Path) -> None:
+    run(tmp_path, 5, interval=4, keep_latest_k=0, options={"save_at_steps": [3]})
+    assert committed_steps(tmp_path) == [3, 4]
+
+
 def test_keep_latest_k_keeps_only_the_newest(tmp_path: Path) -> None:
     run(tmp_path, 6, interval=1, keep_latest_k=2, last_save_model_only=False)
     assert committed_steps(tmp_path) == [5, 6]
