@@ -27,7 +27,7 @@ __all__ = ["deterministic", "reference"]  # fixtures, used by name
 CHILD = Path(__file__).resolve().parent / "titan_child.py"
 TIMEOUT = 240  # seconds per run: a process importing torchtitan on a busy 2-core machine takes a while
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")]
 
 
 def launch(world: int, folder: Path, out: Path, *extra: str) -> list[subprocess.Popen[str]]:
