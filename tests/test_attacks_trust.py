@@ -7,11 +7,23 @@ Each group is one promise, and its tests are named after it:
   working directory is, never gets it imported, by any load, ``initial_load_path``, any ``ckpt``
   command or a bundle; names read from other files (Hugging Face ``architectures``, dtype names) are
   looked up among known values only.
+- ``test_bounded_json_*``: one JSON reader with depth and size limits reads every JSON this library
+  reads (a grep finds no other parser of file contents); each kind of file nested past the limit is
+  a typed error naming it (or, for hints such as pointers and lock files, ignored), never a
+  ``RecursionError``.
+- ``test_bundle_limits_*``: tar members are checked for depth, name length, count and size before
+  anything is written; an unpack that fails leaves no partial tree; ``ckpt list`` and ``ckpt inspect``
+  refuse what ``ckpt unpack`` refuses.
+- ``test_cli_exit_*``: every ``ckpt`` command exits with the documented code for every typed error
+  (4 for damaged or unsafe, never a traceback without ``--debug``, never 1 for an error: 1 means
+  "tensors differ" or "verification failed"); ``ckpt verify`` fails what a load would refuse; a name
+  template that cannot format a step is refused when the config is built.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -26,6 +38,7 @@ from torch import nn
 from checkpoint_manager import (
     CheckpointConfig,
     CheckpointCorruptError,
+    CheckpointNotFoundError,
     DefaultCheckpointManager,
     EngineNotAvailableError,
     LoadContext,
@@ -357,3 +370,466 @@ def test_code_choice_dtype_names_in_engine_files_are_looked_up_among_torch_dtype
         "    raise AssertionError('accepted')\n"
     )
     assert _imported_by(body, ["torch._dynamo"]) == []
+
+
+# -- one bounded JSON reader ---------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE_SOURCES = [REPO / "checkpoint_manager", *sorted((REPO / "plugins").glob("*/src"))]
+
+
+def test_bounded_json_no_other_parser_reads_json() -> None:
+    """Every ``json.load``/``json.loads`` of the package and its plugins is the bounded reader's own."""
+    import re
+
+    found = []
+    for root in PACKAGE_SOURCES:
+        for file in sorted(root.rglob("*.py")):
+            if file.name == "safe_io.py" and file.parent.name == "core":
+                continue
+            for number, line in enumerate(file.read_text().splitlines(), 1):
+                if re.search(r"\bjson\.loads?\(|\bfrom json import\b.*\bloads?\b|\bJSONDecoder\(", line):
+                    found.append(f"{file.relative_to(REPO)}:{number}: {line.strip()}")
+    assert found == [], "JSON parsed outside checkpoint_manager.core.safe_io.parse_json:\n" + "\n".join(found)
+
+
+def deep(levels: int, inner: str = "1") -> str:
+    return "[" * levels + inner + "]" * levels
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        (deep(256), True),
+        (deep(257), False),
+        ('{"a": ' * 257 + "1" + "}" * 257, False),
+        ('["' + "[" * 5000 + '"]', True),  # brackets inside a string are text
+        ('["\\"' + "[" * 5000 + '"]', True),  # an escaped quote does not end the string
+        ('["\\\\", ' + deep(256) + "]", False),  # an escaped backslash does
+        ('["][", ' * 200 + "1" + "]" * 200, True),  # strings cannot hide depth ...
+        ('["][", ' * 257 + "1" + "]" * 257, False),  # ... either way
+        ("[" * 5000, False),  # unclosed
+        ("]" * 5000 + "[", None),  # malformed, shallow: the parser's own message
+    ],
+)
+def test_bounded_json_the_reader_measures_depth_without_parsing(text: str, ok: bool | None) -> None:
+    from checkpoint_manager import parse_json
+
+    if ok:
+        assert parse_json(text.encode(), "x.json") == json.loads(text)
+        return
+    with pytest.raises(CheckpointCorruptError) as info:
+        parse_json(text.encode(), "dir/x.json")
+    expected = "nested deeper than 256 levels" if ok is False else "Expecting value"
+    assert str(info.value).startswith("dir/x.json: not valid JSON (") and expected in str(info.value)
+
+
+def test_bounded_json_the_reader_bounds_size_and_takes_the_callers_error(tmp_path: Path) -> None:
+    from checkpoint_manager import parse_json, read_json
+
+    with pytest.raises(CheckpointCorruptError, match=r"^f\.json: 11 bytes of JSON, more than the 10 such a file may hold$"):
+        parse_json(b'"123456789"', "f.json", limit=10)
+    with pytest.raises(ValueError, match=r"^cfg\.json: not valid JSON \(nested deeper than 3 levels\)$") as info:
+        parse_json(deep(4), "cfg.json", depth=3, error=ValueError)
+    assert not isinstance(info.value, CheckpointCorruptError)
+    file = tmp_path / "x.json"
+    file.write_text(deep(300))
+    with pytest.raises(CheckpointCorruptError, match=rf"^{file}: not valid JSON \(nested deeper than 256 levels\)$"):
+        read_json(file)
+    os_fifo = tmp_path / "fifo.json"
+    import os
+
+    os.mkfifo(os_fifo)
+    with pytest.raises(CheckpointCorruptError, match="is not a regular file"):
+        read_json(os_fifo)
+
+
+DEEP_JSON = deep(5_000)  # past any recursion limit: a RecursionError wherever a plain parser reads it
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    with mgr(tmp_path / "run", event_log=True) as m:
+        for step in (1, 2):
+            model, opt, ts = build(step)
+            m.save(SaveContext(model=model, optimizer=opt, train_state=ts, force=True))
+    return tmp_path / "run"
+
+
+def test_bounded_json_a_deep_pointer_is_no_pointer(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (saved / "latest").write_text(DEEP_JSON)
+    model, opt, ts = build(9)
+    with mgr(saved) as m:
+        assert m.load(LoadContext(model=model, optimizer=opt, train_state=ts)).step == 2
+    assert ckpt(["list", str(saved), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [c["step"] for c in listed["checkpoints"]] == [1, 2]
+
+
+def test_bounded_json_a_deep_event_log_line_is_skipped(saved: Path) -> None:
+    from checkpoint_manager import read_event_log
+
+    log = saved / "checkpoint_events.jsonl"
+    good = log.read_text().splitlines()
+    log.write_text("\n".join([good[0], DEEP_JSON, *good[1:]]) + "\n")
+    assert read_event_log(log) == [json.loads(line) for line in good]
+
+
+def test_bounded_json_a_deep_lock_file_names_no_owner(tmp_path: Path) -> None:
+    from checkpoint_manager.storage.lock import LOCK_FILE, read_lock_owner
+
+    (tmp_path / LOCK_FILE).write_text(DEEP_JSON)
+    assert read_lock_owner(tmp_path) is None
+
+
+def test_bounded_json_a_deep_hf_config_is_damage(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from checkpoint_manager import export_hf
+
+    step = saved / STEP2
+    (step / "hf_config.json").write_text(DEEP_JSON)
+    edit_meta(step)
+    with pytest.raises(CheckpointCorruptError, match=rf"^{step / 'hf_config.json'}: not valid JSON \(nested deeper"):
+        export_hf(step, tmp_path / "hf")
+    assert ckpt(["export", str(step), "--to", "hf", "--out", str(tmp_path / "hf2")]) == 4
+    assert "nested deeper than 256 levels" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("file", ["state.json", "rank_00000.json", "checkpoint.json"])
+def test_bounded_json_deep_checkpoint_files_are_damage(saved: Path, file: str) -> None:
+    step = saved / STEP2
+    (step / file).write_text(deep(300))  # past the reader's limit, short of the interpreter's
+    if file != "checkpoint.json":
+        edit_meta(step)
+    model, opt, ts = build(9)
+    before = state_of(model, opt, ts)
+    with mgr(saved) as m, pytest.raises(CheckpointCorruptError, match=rf"{file}: .*nested deeper than 256 levels"):
+        m.load(LoadContext(model=model, optimizer=opt, train_state=ts, path=str(step)))
+    assert_same(before, state_of(model, opt, ts))
+
+
+def test_bounded_json_deep_files_next_to_weights_are_typed_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import struct
+
+    from checkpoint_manager.formats.hf import hf_weight_files
+    from checkpoint_manager.formats.safetensors_io import SafetensorsFile
+
+    header = DEEP_JSON.encode()
+    weights = tmp_path / "deep.safetensors"
+    weights.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CheckpointCorruptError, match=r"deep\.safetensors: header: not valid JSON \(nested deeper"):
+        SafetensorsFile(weights)
+    assert ckpt(["convert", str(weights), str(tmp_path / "out.pt"), "--to", "torch"]) == 4
+    assert "nested deeper than 256 levels" in capsys.readouterr().err
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors.index.json").write_text(DEEP_JSON)
+    with pytest.raises(CheckpointCorruptError, match=r"model\.safetensors\.index\.json: not valid JSON \(nested deeper"):
+        hf_weight_files(hf)
+
+
+def test_bounded_json_a_deep_config_file_is_a_value_error(tmp_path: Path) -> None:
+    file = tmp_path / "config.json"
+    file.write_text(DEEP_JSON)
+    with pytest.raises(ValueError, match=rf"^{file}: not valid JSON \(nested deeper than 256 levels\)$"):
+        CheckpointConfig.from_file(file)
+
+
+@pytest.mark.parametrize("member", ["bundle.json", "checkpoint_config.json"])
+def test_bounded_json_deep_bundle_metadata_is_damage(saved: Path, tmp_path: Path, member: str) -> None:
+    import tarfile
+
+    bundle = tmp_path / "b.tar"
+    assert ckpt(["pack", str(saved / STEP2), str(bundle)]) == 0
+    rebuilt = tmp_path / "deep.tar"
+    with tarfile.open(bundle) as src, tarfile.open(rebuilt, "w") as dst:
+        for info in src.getmembers():
+            data = src.extractfile(info).read() if info.isfile() else None  # type: ignore[union-attr]
+            if info.name == member or (member == "checkpoint_config.json" and info.name == "bundle.json"):
+                manifest = json.loads(data or b"{}")
+                if member == "checkpoint_config.json":
+                    manifest["config"] = member
+                data = (json.dumps(manifest) if info.name != member else DEEP_JSON).encode()
+                info.size = len(data)
+            dst.addfile(info, None if data is None else __import__("io").BytesIO(data))
+        if member == "checkpoint_config.json":
+            info = tarfile.TarInfo(member)
+            info.size = len(DEEP_JSON)
+            dst.addfile(info, __import__("io").BytesIO(DEEP_JSON.encode()))
+    model, opt, ts = build(9)
+    with mgr(tmp_path / "x") as m, pytest.raises(CheckpointCorruptError, match=rf"{member}: .*nested deeper than 256"):
+        m.load(LoadContext(model=model, optimizer=opt, train_state=ts, path=str(rebuilt)))
+
+
+# -- tar bundles: every member checked before anything is written --------------------------------------
+
+
+def _tar(path: Path, members: list[tuple[str, bytes | None]]) -> Path:
+    """A tar of ``(name, data)`` members (``None``: a directory)."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("members", "problem"),
+    [
+        ([("a/" * n, None) for n in range(1, 2001)], "is nested more than 32 directories deep"),
+        ([("d/" * 33 + "f", b"x")], "is nested more than 32 directories deep"),
+        ([("n" * 1100, b"x")], "is a name of 1100 characters (at most 1024)"),
+    ],
+    ids=["2000_nested_directories", "33_deep", "long_name"],
+)
+def test_bundle_limits_deep_members_are_refused_by_every_reader(
+    tmp_path: Path, members: list[tuple[str, bytes | None]], problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from checkpoint_manager import UnsafeCheckpointError
+
+    bundle = _tar(tmp_path / "deep.tar", [("bundle.json", b"{}"), *members])
+    dest = tmp_path / "out"
+    for argv in (["unpack", str(bundle), str(dest)], ["list", str(bundle)], ["inspect", str(bundle)]):
+        assert ckpt([*argv, "--json"]) == 4, argv
+        err = capsys.readouterr().err
+        assert f"{bundle}: member " in err and problem in err and "Traceback" not in err, err
+    assert not dest.exists()
+    model = nn.Linear(2, 2)
+    with mgr(tmp_path / "x") as m, pytest.raises(UnsafeCheckpointError, match=re.escape(problem)):
+        m.load(LoadContext(model=model, path=str(bundle)))
+
+
+def test_bundle_limits_a_member_count_limit(tmp_path: Path) -> None:
+    from checkpoint_manager import BundleTooLargeError
+    from checkpoint_manager.formats.bundle import BundleLimits, extract_bundle, list_bundle
+
+    assert BundleLimits().max_members == 100_000 and BundleLimits().max_depth == 32
+    bundle = _tar(tmp_path / "many.tar", [(f"e{i}", b"") for i in range(101)])
+    limits = BundleLimits(max_members=100)
+    for read in (lambda: list_bundle(bundle, limits=limits), lambda: extract_bundle(bundle, tmp_path / "o", limits=limits)):
+        with pytest.raises(BundleTooLargeError, match=r"many\.tar: has more than 100 members; refusing to read further"):
+            read()
+    assert not (tmp_path / "o").exists()
+    assert len(list_bundle(bundle, limits=BundleLimits(max_members=101))) == 101
+
+
+def test_bundle_limits_a_failed_unpack_leaves_no_partial_tree(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bundle whose last member's data is cut off passes the header checks and fails mid-extraction."""
+    bundle = tmp_path / "b.tar"
+    assert ckpt(["pack", str(saved / STEP2), str(bundle)]) == 0
+    data = bundle.read_bytes()
+    import tarfile
+
+    with tarfile.open(bundle) as tar:
+        last = tar.getmembers()[-1]
+    assert last.size > 100
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(data[: last.offset_data + last.size // 2])
+    dest = tmp_path / "out"
+    assert ckpt(["unpack", str(cut), str(dest)]) == 4
+    assert "truncated or damaged tar" in capsys.readouterr().err
+    assert not dest.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert ckpt(["unpack", str(cut), str(empty)]) == 4
+    assert list(empty.iterdir()) == []
+
+
+# -- ckpt: documented exit codes, and verify fails what a load refuses ----------------------------------
+
+
+def _symlinked_data_file(step: Path, tmp: Path) -> None:
+    data = step / "__0_0.distcp"
+    outside = tmp / "outside.distcp"
+    shutil.copy(data, outside)
+    data.unlink()
+    data.symlink_to(outside)
+
+
+def _refused_record(step: Path, tmp: Path) -> None:
+    """The first tensor record claims a storage one byte longer than its tensor (its zip directory
+    says so, and its envelope is not the writer's), every recorded size and CRC-32 rewritten to match."""
+    data = step / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    assert raw[:4] == b"PK\x03\x04"
+    raw[:4] = b"PK\x07\x07"  # not our writer's envelope: the reader goes by the zip's directory
+    pos = raw.find(b"PK\x01\x02")
+    while not raw[pos + 46 : pos + 46 + int.from_bytes(raw[pos + 28 : pos + 30], "little")].endswith(b"/data/0"):
+        pos = raw.find(b"PK\x01\x02", pos + 4)
+    for field in (pos + 20, pos + 24):  # compressed and uncompressed size of the storage
+        raw[field : field + 4] = (int.from_bytes(raw[field : field + 4], "little") + 1).to_bytes(4, "little")
+    data.write_bytes(bytes(raw))
+    edit_meta(step)
+
+
+DAMAGES = {"symlinked_data_file": _symlinked_data_file, "refused_record": _refused_record}
+READING_COMMANDS = [
+    ("diff", "{step1}", "{step2}"),
+    ("diff", "{step2}", "{step1}"),
+    ("export", "{step2}", "--to", "safetensors", "--out", "{tmp}/e.safetensors"),
+    ("export", "{step2}", "--to", "torch", "--out", "{tmp}/e.pt"),
+    ("convert", "{step2}", "{tmp}/c.safetensors", "--to", "safetensors"),
+    ("convert", "{step2}", "{tmp}/c.pt", "--to", "torch"),
+]
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_cli_exit_reading_a_refused_file_is_4_in_one_line(
+    saved: Path, tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    step2 = saved / STEP2
+    DAMAGES[damage](step2, tmp_path)
+    names = {"step1": saved / STEP1, "step2": step2, "tmp": tmp_path}
+    expected = {"symlinked_data_file": "is a symlink, where a regular file was expected",
+                "refused_record": "step_00000002"}[damage]
+    for command in READING_COMMANDS:
+        argv = [part.format(**names) for part in command]
+        code = ckpt(argv)
+        err = capsys.readouterr().err
+        assert code == 4, (argv, code, err)  # never 1 ("tensors differ"), never a traceback
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"ckpt {argv[0]}: error: ") and expected in err, err
+        assert ckpt([*argv, "--debug"]) == 4
+        assert "Traceback" in capsys.readouterr().err  # --debug shows it
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_cli_exit_verify_fails_a_file_a_load_refuses(saved: Path, tmp_path: Path, damage: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    step2 = saved / STEP2
+    DAMAGES[damage](step2, tmp_path)
+    model, opt, ts = build(9)
+    with mgr(saved, verify_on_load="full") as m, pytest.raises(CheckpointCorruptError):
+        m.load(LoadContext(model=model, optimizer=opt, train_state=ts, path=str(step2)))
+    assert ckpt(["verify", str(step2), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["checkpoints"][0]["problems"]
+    assert ckpt(["verify", str(saved)]) == 1
+    assert f"FAILED {STEP2}" in capsys.readouterr().out
+
+
+def test_cli_exit_verify_fails_state_a_load_cannot_decode(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    step2 = saved / STEP2
+    state = json.loads((step2 / "state.json").read_text())
+    state["planted"] = {"__cm__": "no_such_tag"}
+    (step2 / "state.json").write_text(json.dumps(state))
+    edit_meta(step2)
+    model, opt, ts = build(9)
+    with mgr(saved) as m, pytest.raises(CheckpointCorruptError, match=r"state\.json: damaged state"):
+        m.load(LoadContext(model=model, optimizer=opt, train_state=ts, path=str(step2)))
+    for level in ("--sizes", "--full"):
+        assert ckpt(["verify", str(step2), level]) == 1, level
+        out = capsys.readouterr().out
+        assert "state.json: damaged state" in out, out
+
+
+def test_cli_exit_verify_fails_an_engine_this_process_lacks(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    step2 = saved / STEP2
+    edit_meta(step2, engine="no_such_pkg.engines:Engine")
+    assert ckpt(["verify", str(saved)]) == 1
+    out = capsys.readouterr().out
+    assert "records engine 'no_such_pkg.engines:Engine', which this process does not have" in out
+
+
+def test_cli_exit_verify_fails_a_symlinked_checkpoint_entry(saved: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A symlink in the save directory is no checkpoint to a load (discovery never follows one)."""
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(str(saved / STEP2), elsewhere)
+    (saved / STEP2).symlink_to(elsewhere)
+    model, opt, ts = build(9)
+    with mgr(saved) as m:
+        assert m.load(LoadContext(model=model, optimizer=opt, train_state=ts)).step == 1
+        with pytest.raises(CheckpointNotFoundError):
+            m.load(LoadContext(model=model, optimizer=opt, train_state=ts, step=2))
+    assert ckpt(["verify", str(saved)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED {STEP2}" in out and f"{saved / STEP2}: a symlink (to '{elsewhere}'), not a checkpoint directory" in out
+
+
+def test_cli_exit_verify_passes_intact_checkpoints_of_every_engine(saved: Path, tmp_path: Path) -> None:
+    """The load's checks pass what a load passes: DCP and an installed plugin's engine, 1 rank."""
+    assert ckpt(["verify", str(saved)]) == 0
+    assert ckpt(["verify", str(saved), "--sizes"]) == 0
+    with mgr(tmp_path / "st", engine="safetensors") as m:
+        model, opt, ts = build(3)
+        m.save(SaveContext(model=model, optimizer=opt, train_state=ts, force=True))
+    assert ckpt(["verify", str(tmp_path / "st")]) == 0
+
+
+def _every_error() -> dict[str, BaseException]:
+    """An instance of every error class the package exports (and those of its parts a command meets)."""
+    import checkpoint_manager as cm
+    from checkpoint_manager.core.safe_io import UnsafeFileError
+    from checkpoint_manager.lifecycle.finite import NonFiniteStateError
+
+    made: dict[str, BaseException] = {}
+    for name in cm.__all__:
+        cls = getattr(cm, name)
+        if not (isinstance(cls, type) and issubclass(cls, BaseException)) or issubclass(cls, Warning):
+            continue
+        if cls is cm.PostCommitError:
+            made[name] = cls("ckpt", "the pointer", OSError("disk"))
+        elif cls is NonFiniteStateError:
+            made[name] = cls(1, ["model.w"], 1)
+        else:
+            made[name] = cls("x")
+    made["UnsafeFileError"] = UnsafeFileError("x")
+    return made
+
+
+EXIT_CODES = {
+    "CheckpointNotFoundError": 3,
+    "CheckpointCorruptError": 4, "CheckpointVersionError": 4, "UnsafeCheckpointError": 4,
+    "BundleTooLargeError": 4, "EngineNotAvailableError": 4, "UnsafeFileError": 4, "NonFiniteStateError": 4,
+    "CheckpointError": 4, "FrozenChangedError": 4,
+    "CheckpointMismatchError": 2, "UnsupportedAdapterError": 2, "MissingConfigWarning": 2,
+    "CheckpointLockError": 5,
+    "BundleCacheError": 6, "CollectiveTimeoutError": 6, "AsyncSaveError": 6, "PostCommitError": 6,
+    "ManagerClosedError": 6,
+}
+
+
+def test_cli_exit_every_typed_error_has_its_documented_code() -> None:
+    from checkpoint_manager.cli.errors import classify
+
+    errors = _every_error()
+    assert set(errors) <= set(EXIT_CODES), f"no documented exit code for {sorted(set(errors) - set(EXIT_CODES))}"
+    for name, exc in errors.items():
+        assert int(classify(exc)) == EXIT_CODES[name], name
+        assert int(classify(exc)) != 1, name  # 1 is a finding (differences, a failed verification), not an error
+
+
+def test_cli_exit_a_dcp_checkpoint_exception_is_its_ranks_error() -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from checkpoint_manager.cli.errors import classify, describe
+    from checkpoint_manager.core.safe_io import UnsafeFileError
+
+    wrapped = CheckpointException("read", {0: (UnsafeFileError("d/x.distcp: is a symlink"), None)})
+    assert not isinstance(wrapped, Exception)
+    assert int(classify(wrapped)) == 4 and describe(wrapped) == "d/x.distcp: is a symlink"
+
+
+@pytest.mark.parametrize(
+    ("template", "shown"),
+    [("{step:q}", "{step:q} cannot format an int: Unknown format code 'q'"),
+     ("step_{step!z}", "{step!z} cannot format an int: Unknown conversion specifier z"),
+     ("{step}_{loss:%Y}", "{loss:%Y} cannot format an int or a float")],
+)
+def test_cli_exit_a_name_template_that_cannot_format_is_refused_when_the_config_is_built(
+    tmp_path: Path, template: str, shown: str
+) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=re.escape(f"name_template {template!r}: {shown}")):
+        CheckpointConfig(save_dir=str(tmp_path), name_template=template)
+    for fine in ("step_{step:08d}", "{step}-{val_loss:.3f}", "{epoch:03d}_{step}", "{step:>6}", "{step!r}"):
+        assert CheckpointConfig(save_dir=str(tmp_path), name_template=fine).name_template == fine

@@ -25,9 +25,11 @@ from checkpoint_manager.core.integrity import Presence, VerifyLevel, check, read
 from checkpoint_manager.core.layout import (
     STATE_JSON,
     STATE_JSON_LIMIT,
+    CheckpointInfo,
     info_from_meta,
     rank_file,
     read_checkpoint_json,
+    superseded_by,
 )
 from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.engine.base import Engine, EngineContext
@@ -229,7 +231,7 @@ class LoadingMixin(ManagerCore):
             steps: _Steps | None = None
             failure: BaseException | None = None
             try:
-                steps = self._check_load(ctx, location, model_only, t0)
+                steps = self._check_load(ctx, location, model_only, t0, skip)
             except Exception as exc:
                 failure = exc
             try:
@@ -246,7 +248,9 @@ class LoadingMixin(ManagerCore):
                 if steps is not None:
                     steps.close()
 
-    def _check_load(self, ctx: LoadContext, location: str, model_only: bool, t0: float) -> _Steps:
+    def _check_load(
+        self, ctx: LoadContext, location: str, model_only: bool, t0: float, skipped: Collection[str] = ()
+    ) -> _Steps:
         """Everything a load checks before it reads a tensor; nothing live is changed."""
         source = location
         if is_url(location):  # object store: download, then the fast reader and the CRC check run locally
@@ -260,7 +264,32 @@ class LoadingMixin(ManagerCore):
             return _HFSteps(self, ctx, path, t0)
         if is_plain_dcp(path):  # written by plain dcp.save: weights (and optimizer state) imported
             return _PlainSteps(self, ctx, path, model_only, t0)
-        return _OurSteps(self, ctx, path, source, model_only, t0)
+        return _OurSteps(self, ctx, path, source, model_only, t0, skipped)
+
+    def _warn_going_back(self, loaded: CheckpointInfo, skipped: Collection[str] = ()) -> None:
+        """Rank 0: a load of a checkpoint older than the newest of its line names what the next save
+        supersedes (a run that goes on from here starts a new line), and what becomes of them; those
+        auto-resume skipped as unloadable were named already."""
+        if self._dist.rank != 0:
+            return
+        newer = [i for i in superseded_by(loaded, self.list_checkpoints()) if i.location not in skipped]
+        if not newer:
+            return
+        fate = (
+            "retention deletes them (delete_superseded=True)"
+            if self.config.delete_superseded
+            else "they are kept, listed as superseded and loadable by path (delete them with "
+            "delete_superseded=True or `ckpt prune --superseded`)"
+        )
+        log.warning(
+            "loaded %s (step %d), older than the newest checkpoint of %s: the next save starts a new line "
+            "from it and supersedes %s; %s",
+            loaded.name,
+            loaded.step,
+            self.config.save_dir,
+            ", ".join(f"{i.name} (step {i.step})" for i in newer),
+            fate,
+        )
 
     def _check_still_there(self, watch: Watch) -> None:
         """Before any object is set: a checkpoint deleted while it was read may have read as absent."""
@@ -294,11 +323,19 @@ class _OurSteps(_Steps):
     """A checkpoint of this library: read by the engine that wrote it, then applied by :class:`StateLoader`."""
 
     def __init__(
-        self, manager: LoadingMixin, ctx: LoadContext, path: Path, source: str, model_only: bool, t0: float
+        self,
+        manager: LoadingMixin,
+        ctx: LoadContext,
+        path: Path,
+        source: str,
+        model_only: bool,
+        t0: float,
+        skipped: Collection[str] = (),
     ) -> None:
         self.manager, self.ctx, self.path, self.source, self.model_only, self.t0 = (
             manager, ctx, path, source, model_only, t0,
         )  # fmt: skip
+        self.skipped = skipped  # what auto-resume skipped before this one (named in its warnings)
         config, dist = manager.config, manager._dist
         level = config.verify_on_load
         meta = self.meta = read_checkpoint_json(path, verify_checksum=level != "off")
@@ -320,6 +357,7 @@ class _OurSteps(_Steps):
         )
         if rank_json is not None:  # decoded before any object is touched, like state.json
             _check_decodes(path / rank_file(dist.rank), rank_json)
+        self.rank_json = rank_json
         self.loader = StateLoader(
             ctx, global_json, rank_json, meta.get("train_state"), source=str(path), model_only=model_only
         )
@@ -367,6 +405,10 @@ class _OurSteps(_Steps):
             if manager._in_save_dir(source):
                 manager._resumed_from = basename(source)
                 manager._parent, manager._parent_known = info_from_meta(Path(basename(source)), meta), True
+                manager._warn_going_back(manager._parent, self.skipped)
+                if self.rank_json is not None and int(meta.get("world_size") or 1) == manager._dist.world_size:
+                    # save_frozen="once": the next save may share this checkpoint's frozen files
+                    manager._frozen.resumed(source, basename(source), self.rank_json.get("frozen"), manager._storage)
             else:  # the next save continues save_dir's newest line
                 manager._parent, manager._parent_known = None, False
             if not manager._prepared:  # the first save after a resume is warm too
