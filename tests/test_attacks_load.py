@@ -481,6 +481,7 @@ def test_auto_resume_skips_any_checkpoint_that_cannot_be_loaded(
                 live.load_ctx(**pinned))
         live.assert_unchanged()
     live = Live(9)
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="checkpoint_manager"):
         result = DefaultCheckpointManager(CheckpointConfig(save_dir=str(root), verify_on_load=level)).load(
             live.load_ctx())
@@ -518,17 +519,19 @@ def test_every_checkpoint_unloadable_is_an_error_not_a_fresh_start(tmp_path: Pat
 
 
 def test_only_the_current_line_is_fallen_back_along(tmp_path: Path) -> None:
-    """Steps 1, 2, 3; back to 1 and save 2 again (step_00000002-v2): with the new 2 unloadable,
-    auto-resume takes 1, never the abandoned 3 or the superseded 2."""
+    """Steps 1, 2, 3; back to 1 and save 2 again: with the new 2 unloadable, auto-resume takes 1,
+    never the abandoned 3 or the superseded 2."""
     root = tmp_path / "run"
     save_run(root, (1, 2, 3))
     with DefaultCheckpointManager(CheckpointConfig(save_dir=str(root), fsync=False)) as manager:
         live = Live(5)
         manager.load(live.load_ctx(step=1))
         live.train_state.step = 2
-        manager.save(live.save_ctx(force=True))
-    assert (root / "step_00000002-v2").is_dir()
-    _record_zeroed(root / "step_00000002-v2")
+        new = manager.save(live.save_ctx(force=True))
+        assert new is not None
+        line = [(i.step, i.superseded) for i in manager.list_checkpoints()]
+    assert sorted(line) == [(1, False), (2, False), (2, True), (3, True)], line
+    _record_zeroed(Path(new.path))
     live = Live(9)
     result = DefaultCheckpointManager(CheckpointConfig(save_dir=str(root))).load(live.load_ctx())
     assert (result.step, Path(result.path).name) == (1, STEP1)

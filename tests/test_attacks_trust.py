@@ -779,6 +779,8 @@ def _every_error() -> dict[str, BaseException]:
             made[name] = cls("ckpt", "the pointer", OSError("disk"))
         elif cls is NonFiniteStateError:
             made[name] = cls(1, ["model.w"], 1)
+        elif cls is cm.NonFiniteCheckpointError:
+            made[name] = cls("ckpt", ["model.w"], 1)
         else:
             made[name] = cls("x")
     made["UnsafeFileError"] = UnsafeFileError("x")
@@ -789,6 +791,7 @@ EXIT_CODES = {
     "CheckpointNotFoundError": 3,
     "CheckpointCorruptError": 4, "CheckpointVersionError": 4, "UnsafeCheckpointError": 4,
     "BundleTooLargeError": 4, "EngineNotAvailableError": 4, "UnsafeFileError": 4, "NonFiniteStateError": 4,
+    "NonFiniteCheckpointError": 4,
     "CheckpointError": 4, "FrozenChangedError": 4,
     "CheckpointMismatchError": 2, "UnsupportedAdapterError": 2, "MissingConfigWarning": 2,
     "CheckpointLockError": 5,
