@@ -222,6 +222,14 @@ def test_cli_bundles_exports_and_fallback_work_on_a_checkpoint_that_shares_its_b
         assert manager.load(fallback.load_context()).step == 2
     assert torch.equal(fallback.model.base[0].weight, run.model.base[0].weight)
     assert ckpt(["verify", str(save_dir / "step_00000002")]) == 0
+    # verify reads the shared file too: a flipped byte in it shows in every checkpoint holding it
+    shared = save_dir / "step_00000002" / FROZEN_FILE
+    raw = bytearray(shared.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    with open(shared, "r+b") as f:  # in place: the very file both names point at
+        f.write(raw)
+    for name in ("step_00000001", "step_00000002"):
+        assert [p for p in verify(str(save_dir / name), "full") if FROZEN_FILE in p and "CRC32" in p], name
 
 
 @pytest.fixture
