@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointVersionError",
+    "EngineNotAvailableError",
     "ManagerClosedError",
     "PostCommitError",
     "UnsafeCheckpointError",
@@ -33,6 +34,12 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointVersionError(CheckpointCorruptError):
     """A checkpoint written by an unknown (newer) format version."""
+
+
+class EngineNotAvailableError(CheckpointCorruptError):
+    """A checkpoint names an engine this process does not have: not built in, not an installed entry
+    point, not the one the config names. The name is read from a file, so it is never imported;
+    auto-resume skips such a checkpoint like a damaged one."""
 
 
 class UnsafeCheckpointError(CheckpointCorruptError):

@@ -69,7 +69,8 @@ class RemoteCheckpoint:
     def download_metadata(self, into: Path) -> Path:
         """Only what ``inspect`` needs: ``state.json`` and the files the engine's index reads, into ``into``."""
         from checkpoint_manager.core.layout import STATE_JSON
-        from checkpoint_manager.engine.reading import engine_for_record, index_files
+        from checkpoint_manager.engine.reading import index_files
+        from checkpoint_manager.engine.registry import engine_for_record
 
         recorded = self.info.meta.get("files")
         files = [str(f) for f in recorded if ".." not in str(f).split("/")] if isinstance(recorded, dict) else []

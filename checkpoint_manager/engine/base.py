@@ -32,9 +32,10 @@ Call order of a load, on every rank:
    any world size: resharding is the engine's). A key absent from ``targets`` is not read. Both
    calls get the same ``ctx`` (what ``read_index`` read may wait in ``ctx.extra``).
 
-A load takes the engine ``checkpoint.json`` names (``"engine"``, the engine's ``name``), resolved as
-``engine=`` is (``"dcp"``, an entry-point name, a dotted path): the manager's own engine if the names
-are equal, else that one, built as ``cls(config)``.
+A load takes the engine ``checkpoint.json`` names (``"engine"``, the engine's ``name``): the manager's
+own engine if the names are equal, else one this process can name without importing anything the
+file says (:func:`checkpoint_manager.engine.registry.engine_for_record`: a built-in, an installed
+entry point, the engine the config names), built as ``cls(config)``.
 
 Reading outside a training run (``ckpt inspect|diff|export|convert|verify --finite``, ``export_hf``,
 ``export_peft``, bundles, ``save_consolidated``) goes through the same engine, as one process: a

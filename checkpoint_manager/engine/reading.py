@@ -19,34 +19,19 @@ from typing import Any, cast
 import torch
 
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, read_checkpoint_json
-from checkpoint_manager.core.plugins import ENGINE, check_plugin_class, find_plugin
+from checkpoint_manager.core.plugins import ENGINE, find_plugin
 from checkpoint_manager.engine.base import Engine, EngineContext, TensorInfo, TensorReader
-from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from checkpoint_manager.engine.registry import engine_for_record
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
 
 __all__ = [
     "CheckpointTensors",
     "IndexReader",
-    "engine_for_record",
     "index_files",
     "open_checkpoint",
     "open_reader",
     "plain_engine",
 ]
-
-
-def engine_for_record(name: str, config: Any | None = None) -> Engine:
-    """The engine a checkpoint's ``checkpoint.json`` names (its ``"engine"``), built as ``cls(config)``."""
-    if not isinstance(name, str) or not name:
-        raise CheckpointCorruptError(f"{CHECKPOINT_JSON} names no engine ({name!r})")
-    try:
-        cls = find_plugin(ENGINE, name)
-        check_plugin_class(ENGINE, cls, name=name, config_base=object)
-    except Exception as exc:
-        raise CheckpointError(
-            f"written by engine {name!r}, which is not installed here ({exc}); install it "
-            "(entry-point group 'checkpoint_manager.engines') to read this checkpoint"
-        ) from exc
-    return cast("Engine", cast(Any, cls)(config))
 
 
 def plain_engine(directory: Path) -> str | None:
@@ -169,7 +154,7 @@ def open_checkpoint(
     if engine is None:
         try:
             engine = engine_for_record(meta.get("engine", "dcp"), config)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{path}: {exc}") from exc.__cause__
+        except CheckpointCorruptError as exc:  # EngineNotAvailableError among them
+            raise type(exc)(f"{path}: {exc}") from exc
     meta = dict(meta)
     return CheckpointTensors(path, engine, meta, open_reader(engine, path, meta, config=config))

@@ -45,7 +45,6 @@ from checkpoint_manager.errors import (
     BundleCacheError,
     BundleTooLargeError,
     CheckpointCorruptError,
-    CheckpointError,
     CheckpointNotFoundError,
     CheckpointVersionError,
     UnsafeCheckpointError,
@@ -317,7 +316,8 @@ def read_bundle_metadata(bundle: str | Path, dest: str | Path, *, limits: Bundle
 def _extract_index_files(path: Path, target: Path, info: BundleInfo, limits: BundleLimits | None) -> None:
     """The files the checkpoint's engine reads its index from, in a second pass over the bundle."""
     from checkpoint_manager.core.layout import read_checkpoint_json
-    from checkpoint_manager.engine.reading import engine_for_record, index_files
+    from checkpoint_manager.engine.reading import index_files
+    from checkpoint_manager.engine.registry import engine_for_record
 
     meta = read_checkpoint_json(info.checkpoint)
     prefix = info.checkpoint.relative_to(target).as_posix()
@@ -328,8 +328,8 @@ def _extract_index_files(path: Path, target: Path, info: BundleInfo, limits: Bun
         files = {rel: m for rel, m in files.items() if posixpath.basename(rel) not in _METADATA_NAMES}
         try:
             engine = engine_for_record(meta.get("engine", "dcp"))
-        except CheckpointError as exc:
-            raise CheckpointError(f"{path}: {exc}") from exc.__cause__
+        except CheckpointCorruptError as exc:  # EngineNotAvailableError among them
+            raise type(exc)(f"{path}: {exc}") from exc
         _extract(path, tar, [files[rel] for rel in index_files(engine, files)], target)
 
 

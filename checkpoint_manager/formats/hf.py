@@ -354,15 +354,35 @@ def _class_tied_pairs(config: dict[str, Any]) -> dict[str, str]:
                     archs.append(name)
         except ImportError:
             pass
+    known = _registered_model_classes()
     for arch in archs:
+        if not isinstance(arch, str) or arch not in known:  # a name read from a file chooses no import
+            continue
         try:
-            cls = getattr(transformers, str(arch))
+            cls = getattr(transformers, arch)
         except (AttributeError, ImportError, RuntimeError):
             continue
         declared = getattr(cls, "_tied_weights_keys", None)
         if isinstance(declared, dict):
             pairs.update({str(k): str(v) for k, v in declared.items()})
     return pairs
+
+
+def _registered_model_classes() -> frozenset[str]:
+    """The model class names transformers' auto classes map to: the only ``architectures`` entries
+    looked up (``config.json`` is a file, and ``getattr(transformers, name)`` imports a module)."""
+    try:
+        from transformers.models.auto import modeling_auto
+    except ImportError:
+        return frozenset()
+    names: set[str] = set()
+    for table_name in dir(modeling_auto):
+        table = getattr(modeling_auto, table_name)
+        if not table_name.endswith("_MAPPING_NAMES") or not isinstance(table, Mapping):
+            continue
+        for value in table.values():
+            names.update(v for v in (value if isinstance(value, tuple | list) else (value,)) if isinstance(v, str))
+    return frozenset(names)
 
 
 def tied_pairs(config: Mapping[str, Any] | None) -> dict[str, str]:

@@ -7,7 +7,7 @@ import logging
 import operator
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,13 +23,13 @@ from checkpoint_manager.core.layout import (
 )
 from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.engine.base import Engine, EngineContext
+from checkpoint_manager.engine.registry import engine_for_record
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from checkpoint_manager.formats.plain_dcp import load_plain_dcp
 from checkpoint_manager.formats.resolve import is_plain_dcp
 from checkpoint_manager.lifecycle.background import save_context
 from checkpoint_manager.lifecycle.core import ManagerCore
 from checkpoint_manager.lifecycle.discovery import GONE_RETRIES
-from checkpoint_manager.lifecycle.engines import load_engine_class
 from checkpoint_manager.lifecycle.exports import load_initial_hf, resolve_load_path
 from checkpoint_manager.protocol import LoadContext, LoadResult
 from checkpoint_manager.state.training import StateLoader, per_rank_state, read_rank_json
@@ -110,21 +110,17 @@ class LoadingMixin(ManagerCore):
 
     def _engine_for(self, meta: dict[str, Any], path: Path) -> Engine:
         """The engine that wrote the checkpoint (``checkpoint.json``'s ``"engine"``): a checkpoint is
-        read with its own engine whatever this manager writes with."""
+        read with its own engine whatever this manager writes with, found among the engines this
+        process can name (:func:`~checkpoint_manager.engine.registry.engine_for_record`)."""
         name = meta.get("engine", "dcp")
-        if not isinstance(name, str) or not name:
-            raise CheckpointCorruptError(f"{path}: checkpoint.json names no engine ({name!r})")
         if name == self._engine.name:
             return self._engine
-        engine = self._other_engines.get(name)
+        engine = self._other_engines.get(name) if isinstance(name, str) else None
         if engine is None:
             try:
-                engine = cast(Any, load_engine_class(name))(self.config)
-            except Exception as exc:
-                raise CheckpointError(
-                    f"{path}: written by engine {name!r}, which is not installed here ({exc}); "
-                    f"install it (entry-point group 'checkpoint_manager.engines') to load this checkpoint"
-                ) from exc
+                engine = engine_for_record(name, self.config)
+            except CheckpointCorruptError as exc:
+                raise type(exc)(f"{path}: {exc}") from exc
             self._other_engines[name] = engine
         return engine
 

@@ -1,0 +1,359 @@
+"""Attacks on what a checkpoint may make this library do.
+
+Each group is one promise, and its tests are named after it:
+
+- ``test_code_choice_*``: a checkpoint never chooses the code that runs. A step directory that ships
+  its own module and names it as its engine, on ``sys.path`` the way a namespace package of the
+  working directory is, never gets it imported, by any load, ``initial_load_path``, any ``ckpt``
+  command or a bundle; names read from other files (Hugging Face ``architectures``, dtype names) are
+  looked up among known values only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_trust import build
+from torch import nn
+
+from checkpoint_manager import (
+    CheckpointConfig,
+    CheckpointCorruptError,
+    DefaultCheckpointManager,
+    EngineNotAvailableError,
+    LoadContext,
+    SaveContext,
+    TrainState,
+)
+from checkpoint_manager.cli import main as ckpt
+from checkpoint_manager.core.integrity import describe_files
+from checkpoint_manager.core.layout import seal_checkpoint_json
+from checkpoint_manager.engine.registry import engine_for_record
+
+STEP1, STEP2 = "step_00000001", "step_00000002"
+PLANTED = f"ckpts.run.{STEP2}.evil"
+
+
+def state_of(model: nn.Module, opt: torch.optim.Optimizer, ts: TrainState) -> dict[str, Any]:
+    return {
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optim": [{k: v.clone() for k, v in s.items()} for s in opt.state.values()],
+        "train_state": ts.state_dict(),
+    }
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["train_state"] == b["train_state"]
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert len(a["optim"]) == len(b["optim"])
+    for x, y in zip(a["optim"], b["optim"], strict=True):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def edit_meta(ckpt_dir: Path, **fields: Any) -> None:
+    """Rewrite ``checkpoint.json`` with ``fields`` and every file re-recorded (as a crafted one would be)."""
+    file = ckpt_dir / "checkpoint.json"
+    meta = json.loads(file.read_text())
+    meta.update(fields)
+    meta["files"] = describe_files(ckpt_dir, {})
+    file.write_text(json.dumps(seal_checkpoint_json(meta)))
+
+
+def mgr(root: Path, **kw: Any) -> DefaultCheckpointManager:
+    kw.setdefault("fsync", False)
+    return DefaultCheckpointManager(CheckpointConfig(save_dir=str(root), **kw))
+
+
+# -- a checkpoint never chooses the code that runs -----------------------------------------------------
+
+EVIL = """
+import pathlib
+pathlib.Path({marker!r}).write_text("imported")
+from checkpoint_manager.engine.dcp.engine import DCPEngine
+
+
+class Engine(DCPEngine):
+    name = {name!r}
+"""
+
+
+class Planted:
+    """``tmp/ckpts/run`` with steps 1 and 2; step 2 ships ``evil.py`` (a working engine that leaves a
+    marker when imported), records it among its files and names it as its engine. ``tmp`` is the
+    working directory and on ``sys.path``, so ``ckpts.run.step_00000002.evil`` is importable."""
+
+    def __init__(self, tmp: Path, engine: str) -> None:
+        self.tmp = tmp
+        self.root = tmp / "ckpts" / "run"
+        self.marker = tmp / "IMPORTED"
+        with mgr(self.root) as m:
+            for step in (1, 2):
+                model, opt, ts = build(step)
+                if step == 1:
+                    self.step1 = state_of(model, opt, ts)
+                m.save(SaveContext(model=model, optimizer=opt, train_state=ts, force=True))
+        self.step2 = self.root / STEP2
+        (self.step2 / "evil.py").write_text(EVIL.format(marker=str(self.marker), name=engine))
+        edit_meta(self.step2, engine=engine)
+
+    def assert_never_imported(self) -> None:
+        assert not self.marker.exists(), "the module a checkpoint ships was imported"
+        assert not [m for m in sys.modules if m == "ckpts" or m.startswith("ckpts.") or m == "this"]
+
+
+HOSTILE_ENGINES = [f"{PLANTED}:Engine", f"{PLANTED}.Engine", "this:Engine", "this.Engine"]
+
+
+@pytest.fixture(params=HOSTILE_ENGINES, ids=["planted_colon", "planted_dotted", "stdlib_colon", "stdlib_dotted"])
+def planted(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Planted]:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "this", raising=False)
+    forget_planted()
+    yield Planted(tmp_path, request.param)
+    forget_planted()
+
+
+def forget_planted() -> None:
+    for name in [m for m in sys.modules if m == "ckpts" or m.startswith("ckpts.")]:
+        del sys.modules[name]
+
+
+def test_code_choice_the_planted_module_is_importable_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attack is real: the planted module runs when something imports the recorded name."""
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    planted = Planted(tmp_path, f"{PLANTED}:Engine")
+    try:
+        module = importlib.import_module(PLANTED)
+        assert planted.marker.read_text() == "imported" and module.Engine.name == f"{PLANTED}:Engine"
+    finally:
+        forget_planted()
+
+
+@pytest.mark.parametrize("by", ["path", "step"])
+def test_code_choice_a_pinned_load_refuses_the_recorded_engine(planted: Planted, by: str) -> None:
+    model, opt, ts = build(9)
+    before = state_of(model, opt, ts)
+    where: dict[str, Any] = {"path": str(planted.step2)} if by == "path" else {"step": 2}
+    with mgr(planted.root) as m, pytest.raises(EngineNotAvailableError) as info:
+        m.load(LoadContext(model=model, optimizer=opt, train_state=ts, **where))
+    recorded = json.loads((planted.step2 / "checkpoint.json").read_text())["engine"]
+    assert str(info.value) == (
+        f"{planted.step2}: checkpoint.json records engine {recorded!r}, which this process does not have: "
+        "it is neither a built-in engine ('dcp') nor an engine installed in entry-point group "
+        "'checkpoint_manager.engines' (installed: safetensors, torch_checkpointing); the config names "
+        "engine='dcp'. A name read from a checkpoint is never imported: install the package that provides "
+        f"engine {recorded!r}, or pass engine= naming it yourself"
+    )
+    assert isinstance(info.value, CheckpointCorruptError)
+    assert_same(before, state_of(model, opt, ts))
+    planted.assert_never_imported()
+
+
+def test_code_choice_initial_load_path_refuses_the_recorded_engine(planted: Planted) -> None:
+    model, opt, ts = build(9)
+    before = state_of(model, opt, ts)
+    with mgr(planted.tmp / "fresh", initial_load_path=str(planted.step2)) as m:
+        assert m.should_load(LoadContext(model=model))
+        with pytest.raises(EngineNotAvailableError, match=r"records engine .* which this process does not have"):
+            m.load(LoadContext(model=model, optimizer=opt, train_state=ts))
+    assert_same(before, state_of(model, opt, ts))
+    planted.assert_never_imported()
+
+
+def test_code_choice_the_registry_never_imports_a_recorded_name(planted: Planted) -> None:
+    recorded = json.loads((planted.step2 / "checkpoint.json").read_text())["engine"]
+    for config in (None, CheckpointConfig(save_dir=str(planted.root)), {"engine": "dcp"}):
+        with pytest.raises(EngineNotAvailableError, match="A name read from a checkpoint is never imported"):
+            engine_for_record(recorded, config)
+    planted.assert_never_imported()
+
+
+def test_code_choice_a_bundle_of_the_checkpoint_refuses_its_engine(planted: Planted) -> None:
+    bundle = planted.tmp / "hostile.tar"
+    assert ckpt(["pack", str(planted.step2), str(bundle)]) == 0
+    model, opt, ts = build(9)
+    before = state_of(model, opt, ts)
+    with mgr(planted.tmp / "elsewhere") as m, pytest.raises(EngineNotAvailableError):
+        m.load(LoadContext(model=model, optimizer=opt, train_state=ts, path=str(bundle)))
+    with mgr(planted.tmp / "fresh", initial_load_path=str(bundle)) as m, pytest.raises(EngineNotAvailableError):
+        m.load(LoadContext(model=model, optimizer=opt, train_state=ts))
+    assert_same(before, state_of(model, opt, ts))
+    for args in (["list", str(bundle)], ["inspect", str(bundle)], ["unpack", str(bundle), str(planted.tmp / "out")]):
+        assert ckpt([*args, "--json"]) in (0, 4), args
+    planted.assert_never_imported()
+
+
+CLI_COMMANDS: list[tuple[str, ...]] = [
+    ("list", "{root}"),
+    ("list", "{root}", "--verify", "full"),
+    ("inspect", "{step2}"),
+    ("verify", "{root}"),
+    ("verify", "{step2}", "--full"),
+    ("diff", "{step1}", "{step2}"),
+    ("export", "{step2}", "--to", "safetensors", "--out", "{tmp}/export.safetensors"),
+    ("convert", "{step2}", "{tmp}/converted.safetensors", "--to", "safetensors"),
+    ("pack", "{step2}", "{tmp}/packed.tar"),
+    ("prune", "{root}", "--keep-last", "1", "--dry-run"),
+    ("cache", "list"),
+]
+
+
+def test_code_choice_no_ckpt_command_imports_the_recorded_engine(
+    planted: Planted, capsys: pytest.CaptureFixture[str]
+) -> None:
+    names = {"root": planted.root, "step1": planted.root / STEP1, "step2": planted.step2, "tmp": planted.tmp}
+    for command in CLI_COMMANDS:
+        argv = [part.format(**names) for part in command]
+        code = ckpt([*argv, "--json"])
+        captured = capsys.readouterr()
+        assert "Traceback" not in captured.err, argv
+        assert code in (0, 1, 4), (argv, code, captured.err)  # read as data, or refused as damaged
+        planted.assert_never_imported()
+
+
+def test_code_choice_auto_resume_does_not_import_the_recorded_engine(planted: Planted) -> None:
+    model, opt, ts = build(9)
+    with mgr(planted.root) as m:
+        try:
+            result = m.load(LoadContext(model=model, optimizer=opt, train_state=ts))
+        except EngineNotAvailableError:
+            pass  # refused outright, or (where auto-resume falls back past it) loaded step 1:
+        else:
+            assert result.step == 1
+            assert_same(planted.step1, state_of(model, opt, ts))
+    planted.assert_never_imported()
+
+
+# -- the engines a recorded name may choose ------------------------------------------------------------
+
+
+def test_code_choice_a_name_the_config_chose_is_resolved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's own ``engine=`` may be a dotted path: a checkpoint recording that path (or the
+    class's ``name``) loads with it, and only with it."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "IMPORTED"
+    (tmp_path / "user_engines.py").write_text(EVIL.format(marker=str(marker), name="user-raw"))
+    monkeypatch.delitem(sys.modules, "user_engines", raising=False)
+    model, opt, ts = build(3)
+    saved = state_of(model, opt, ts)
+    with mgr(tmp_path / "run", engine="user_engines:Engine") as m:
+        m.save(SaveContext(model=model, optimizer=opt, train_state=ts, force=True))
+    ckpt_dir = tmp_path / "run" / "step_00000003"
+    assert json.loads((ckpt_dir / "checkpoint.json").read_text())["engine"] == "user-raw"
+    del sys.modules["user_engines"]
+    marker.unlink()
+    with mgr(tmp_path / "run") as m, pytest.raises(EngineNotAvailableError, match="records engine 'user-raw'"):
+        m.load(LoadContext(model=model))
+    assert not marker.exists() and "user_engines" not in sys.modules
+    for spelling in ("user_engines:Engine", "user_engines.Engine"):  # the config names it: resolved by name
+        fresh, fresh_opt, fresh_ts = build(8)
+        engine = engine_for_record("user-raw", CheckpointConfig(save_dir=str(tmp_path), engine=spelling))
+        assert type(engine).__name__ == "Engine" and type(engine).name == "user-raw"
+        with mgr(tmp_path / "other", load_dir=str(tmp_path / "run"), engine=spelling) as m:
+            m.load(LoadContext(model=fresh, optimizer=fresh_opt, train_state=fresh_ts))
+        assert_same(saved, state_of(fresh, fresh_opt, fresh_ts))
+
+
+def test_code_choice_installed_engines_by_entry_point_and_by_recorded_name(tmp_path: Path) -> None:
+    from cm_safetensors import SafetensorsEngine
+
+    assert type(engine_for_record("safetensors")) is SafetensorsEngine
+    assert type(engine_for_record("dcp")).__name__ == "DCPEngine"
+    site = tmp_path / "site"
+    info = site / "renamed_engines-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: renamed-engines\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[checkpoint_manager.engines]\nst-under-another-name = cm_safetensors:SafetensorsEngine\n"
+    )
+    sys.path.insert(0, str(site))
+    try:
+        assert type(engine_for_record("st-under-another-name")) is SafetensorsEngine
+    finally:
+        sys.path.remove(str(site))
+
+
+@pytest.mark.parametrize("name", ["", " dcp", 7, None])
+def test_code_choice_a_recorded_engine_that_is_no_name_is_damage(name: Any) -> None:
+    with pytest.raises(CheckpointCorruptError, match=r"^checkpoint.json records no engine name"):
+        engine_for_record(name)
+
+
+def test_code_choice_the_planted_checkpoint_loads_once_the_user_names_its_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a ban on the module, a rule on who names it: the user may choose to run it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    planted = Planted(tmp_path, f"{PLANTED}:Engine")
+    model, opt, ts = build(9)
+    try:
+        with mgr(tmp_path / "other", load_dir=str(planted.root), engine=f"{PLANTED}:Engine") as m:
+            assert m.load(LoadContext(model=model, optimizer=opt, train_state=ts, path=str(planted.step2))).step == 2
+        assert planted.marker.exists()
+    finally:
+        forget_planted()
+    shutil.rmtree(planted.root)
+
+
+# -- other names read from files: looked up among known values, never imported --------------------------
+
+LOOKUP_CHILD = """
+import json, sys
+from pathlib import Path
+import torch
+{body}
+print(json.dumps(sorted(m for m in sys.modules if m in {watched!r})))
+"""
+
+
+def _imported_by(body: str, watched: list[str]) -> list[str]:
+    import subprocess
+
+    code = LOOKUP_CHILD.format(body=body, watched=watched)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return list(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_code_choice_hf_architectures_are_looked_up_among_registered_model_classes() -> None:
+    """``config.json``'s ``architectures`` names a class of transformers' lazy module: a name that is
+    not a registered model class (``pipeline`` would import ``transformers.pipelines``) is passed over."""
+    body = (
+        "from checkpoint_manager.formats.hf import tied_pairs\n"
+        "pairs = tied_pairs({'tie_word_embeddings': True, 'architectures': ['pipeline', 'Trainer', 'LlamaForCausalLM']})\n"
+        "assert pairs == {'lm_head.weight': 'model.embed_tokens.weight'}, pairs\n"
+    )
+    assert _imported_by(body, ["transformers.pipelines", "transformers.trainer"]) == []
+
+
+def test_code_choice_dtype_names_in_engine_files_are_looked_up_among_torch_dtypes(tmp_path: Path) -> None:
+    """``getattr(torch, name)`` imports ``torch._dynamo`` for ``_dynamo``: a dtype name from a file is
+    looked up among torch's dtypes only, and an unknown one is damage."""
+    file = tmp_path / "dtypes_0.json"
+    file.write_text(json.dumps({"k": ["_dynamo", [2]]}))
+    body = (
+        "from checkpoint_manager import CheckpointCorruptError, TensorInfo\n"
+        "from cm_torch_checkpointing.engine import _raw_index\n"
+        f"file = Path({str(file)!r})\n"
+        "try:\n"
+        "    _raw_index(file, {'k': TensorInfo((8,), torch.uint8)})\n"
+        "except CheckpointCorruptError as exc:\n"
+        "    assert \"'k' names no torch dtype ('_dynamo')\" in str(exc), exc\n"
+        "else:\n"
+        "    raise AssertionError('accepted')\n"
+    )
+    assert _imported_by(body, ["torch._dynamo"]) == []
