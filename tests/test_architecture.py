@@ -208,9 +208,9 @@ def _dcp_mentions(tree: ast.Module) -> list[str]:
             found.append(f"line {node.lineno}: METADATA_FILE")
         if isinstance(node, ast.alias) and node.name == "METADATA_FILE":
             found.append("imports METADATA_FILE")
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
-            if ".metadata" in node.value or DCP_ENGINE in node.value:
-                found.append(f"line {node.lineno}: {node.value!r}")
+        text = node.value if isinstance(node, ast.Constant) and id(node) not in docstrings else None
+        if isinstance(text, str) and (".metadata" in text or DCP_ENGINE in text):
+            found.append(f"line {node.lineno}: {text!r}")
     return sorted(set(found))
 
 

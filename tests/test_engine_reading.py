@@ -38,7 +38,7 @@ from checkpoint_manager import (
 from checkpoint_manager.cli import main
 from checkpoint_manager.core.layout import read_checkpoint_json
 from checkpoint_manager.engine.base import Engine, EngineContext, TensorInfo
-from checkpoint_manager.engine.reading import IndexReader, open_checkpoint
+from checkpoint_manager.engine.reading import IndexReader, open_directory
 from checkpoint_manager.formats.bundle import read_bundle_metadata
 from tests.test_docs import extract_blocks
 
@@ -279,7 +279,7 @@ def test_export_reads_a_bounded_group_at_a_time_through_load(tmp_path: Path) -> 
     """An engine with only ``read_index`` and ``load``: an export asks ``load`` for a buffer's worth of
     tensors at a time (a larger tensor alone), and never for one twice."""
     model, _, (_, newest) = run(tmp_path / "run", "safetensors")
-    plain = open_checkpoint(newest)
+    plain = open_directory(newest)
 
     class Counting:
         name = plain.engine.name
@@ -299,7 +299,7 @@ def test_export_reads_a_bounded_group_at_a_time_through_load(tmp_path: Path) -> 
 
     counting = Counting()
     assert isinstance(counting, Engine)
-    opened = open_checkpoint(newest, engine=counting, meta=plain.meta)
+    opened = open_directory(newest, engine=counting, meta=plain.meta)
     assert isinstance(opened.reader, IndexReader)
     buffer = 32 * 1024
     export_hf(opened, tmp_path / "hf", buffer_size=buffer, max_shard_size="10MB")
@@ -328,7 +328,7 @@ def test_a_reader_is_rank_0_of_the_world_that_saved(tmp_path: Path) -> None:
             seen.append(ctx)
             targets["model.w"].fill_(ctx.rank + 1)
 
-    opened = open_checkpoint(tmp_path, engine=Recording(), meta={"engine": "recording", "world_size": 3, "step": 9})
+    opened = open_directory(tmp_path, engine=Recording(), meta={"engine": "recording", "world_size": 3, "step": 9})
     assert torch.equal(opened.read(["model.w"])["model.w"], torch.ones(2))
     assert [(c.rank, c.world_size, c.process_group, c.step) for c in seen] == [(0, 3, None, 9)] * 2
     assert seen[0] is seen[1]  # read_index and load share one context, as in a load

@@ -102,9 +102,9 @@ def open_source(path: Path, *, section: str | None = None, meta: dict[str, Any] 
 
 
 def _checkpoint_source(path: Path, section: str | None, meta: dict[str, Any] | None) -> TensorSource:
-    from checkpoint_manager.engine.reading import open_checkpoint
+    from checkpoint_manager.engine.reading import open_directory
 
-    checkpoint = open_checkpoint(path, meta=meta)
+    checkpoint = open_directory(path, meta=meta)
     prefix = f"{section}." if section else ""
     tensors: list[TensorInfo] = []
     for key, info in checkpoint.index.items():

@@ -165,10 +165,10 @@ def _weight_bytes(checkpoint: Path | CheckpointTensors, model_key: str | None, d
     try:
         import torch
 
-        from checkpoint_manager.formats.dcp_stream import open_tensors, tensor_entries
+        from checkpoint_manager.formats.dcp_stream import open_checkpoint, tensor_entries
 
         cast = getattr(torch, dtype) if dtype is not None else None
-        return sum(e.nbytes(cast) for e in tensor_entries(open_tensors(checkpoint), model_key))
+        return sum(e.nbytes(cast) for e in tensor_entries(open_checkpoint(checkpoint), model_key))
     except Exception:  # a progress total is never worth failing the command for
         return None
 
@@ -203,12 +203,12 @@ def run_export(args: argparse.Namespace, out: Output) -> int:
         raise CliError(ExitCode.USAGE, "--adapter-config and --adapter-name go with --merge-lora (or --to peft)")
     if args.adapter_name and args.to not in ("hf", "peft"):
         raise CliError(ExitCode.USAGE, "--adapter-name goes with --to hf --merge-lora or --to peft")
-    from checkpoint_manager.formats.dcp_stream import open_tensors
+    from checkpoint_manager.formats.dcp_stream import open_checkpoint
 
     ckpt = resolve_checkpoint(args.path, step=args.step, args=args)
     doc: dict[str, Any] = {"source": ckpt.url or str(ckpt.path), "to": args.to, "step": ckpt.meta.get("step")}
     notes: list[str] = []
-    source = open_tensors(ckpt.path)  # read through the engine that wrote it; its index once
+    source = open_checkpoint(ckpt.path)  # read through the engine that wrote it; its index once
     total = _weight_bytes(source, args.model_key, args.dtype)
     if args.to == "hf":
         total = _plus(total, args.artifacts_dir)
@@ -302,10 +302,16 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
             subkey=args.subkey, overwrite=args.overwrite, engine=args.engine,
         )
     doc: dict[str, Any] = {"source": str(src), "from": kind, "to": args.to, "path": str(path), "bytes": tree_size(path)}
+    written_by = ""
+    if args.to == "dcp":  # a checkpoint: the engine that wrote it
+        from checkpoint_manager.core.layout import read_checkpoint_json
+
+        doc["engine"] = read_checkpoint_json(path).get("engine")
+        written_by = f", engine {doc['engine']}"
     if out.json_mode:
         out.emit(doc)
     else:
-        out.line(f"wrote {path} ({kind} -> {args.to}, {human_bytes(doc['bytes'])})")
+        out.line(f"wrote {path} ({kind} -> {args.to}{written_by}, {human_bytes(doc['bytes'])})")
     return ExitCode.OK
 
 

@@ -28,7 +28,7 @@ __all__ = [
     "CheckpointTensors",
     "IndexReader",
     "index_files",
-    "open_checkpoint",
+    "open_directory",
     "open_reader",
     "plain_engine",
 ]
@@ -129,8 +129,8 @@ class CheckpointTensors:
         return list(named()) if named is not None else []
 
 
-def open_checkpoint(
-    path: Path,
+def open_directory(
+    path: str | Path,
     *,
     config: Any | None = None,
     engine: Engine | None = None,
@@ -143,6 +143,7 @@ def open_checkpoint(
     holding only what the engine's index needs (``ckpt inspect`` of a bundle or a URL), or one not
     yet committed (``save_consolidated``, which also passes the ``engine`` writing it).
     """
+    path = Path(path)
     if meta is None:
         if (path / CHECKPOINT_JSON).exists():
             meta = read_checkpoint_json(path)

@@ -38,7 +38,7 @@ from checkpoint_manager.engine.base import Engine, EngineContext, EngineState
 from checkpoint_manager.engine.reading import CheckpointTensors, plain_engine
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
 from checkpoint_manager.formats.bundle import is_bundle
-from checkpoint_manager.formats.dcp_stream import group_entries, open_tensors, read_entries, tensor_entries
+from checkpoint_manager.formats.dcp_stream import group_entries, open_checkpoint, read_entries, tensor_entries
 from checkpoint_manager.formats.hf import export_hf, hf_weight_files, is_hf_weights
 from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
 from checkpoint_manager.formats.model_config import HF_CONFIG_JSON
@@ -148,7 +148,7 @@ def convert_engine(
     process (``world_size`` 1): a load on more ranks follows ``on_world_size_change``. The tensors are
     held in memory once (an engine writes a rank's share in one call).
     """
-    source = open_tensors(checkpoint)
+    source = open_checkpoint(checkpoint)
     writer = _writing_engine(engine)
     if source.meta.get("engine", "dcp") == writer.name:
         raise ValueError(
@@ -219,7 +219,7 @@ def dcp_to_safetensors(
             checkpoint, out, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
             buffer_size=buffer_size, overwrite=overwrite,
         ).path
-    source = open_tensors(checkpoint)
+    source = open_checkpoint(checkpoint)
     to_dtype = resolve_dtype(dtype)
     entries = tensor_entries(source, model_key)
     _refuse_existing(out, overwrite)
@@ -243,7 +243,7 @@ def dcp_to_torch(
     overwrite: bool = False,
 ) -> Path:
     """One ``torch.save`` file of ``{name: tensor}`` (the whole section is in memory once)."""
-    source = open_tensors(checkpoint)
+    source = open_checkpoint(checkpoint)
     tensors = read_entries(source, tensor_entries(source, model_key), resolve_dtype(dtype))
     return _torch_save(tensors, Path(dst), overwrite)
 

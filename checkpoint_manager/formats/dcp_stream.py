@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from checkpoint_manager.engine.reading import CheckpointTensors, open_checkpoint
+from checkpoint_manager.engine.reading import CheckpointTensors, open_directory
 from checkpoint_manager.errors import CheckpointNotFoundError
 from checkpoint_manager.state.keys import is_model_key
 
-__all__ = ["TensorEntry", "group_entries", "model_keys", "open_tensors", "read_entries", "tensor_entries"]
+__all__ = ["TensorEntry", "group_entries", "model_keys", "open_checkpoint", "read_entries", "tensor_entries"]
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,16 @@ class TensorEntry:
         return numel * torch.empty((), dtype=self.out_dtype(dtype)).element_size()
 
 
-def open_tensors(checkpoint: str | Path | CheckpointTensors, *, config: Any | None = None) -> CheckpointTensors:
-    """The tensors of the checkpoint a path names (by the path rule: a checkpoint, a save directory's
-    newest, a bundle, a plain directory), or an already opened one as is."""
+def open_checkpoint(checkpoint: str | Path | CheckpointTensors, *, config: Any | None = None) -> CheckpointTensors:
+    """The tensors of the checkpoint a path names (by the path rule: a checkpoint of any engine, a save
+    directory's newest, a bundle, a plain DCP directory), read through the engine that wrote it; an
+    already opened one as is. ``config``: a run's config, whose ``engine=`` may name the engine (as in
+    a load); without one, the engine is a built-in or an installed one."""
     if isinstance(checkpoint, CheckpointTensors):
         return checkpoint
     from checkpoint_manager.formats.resolve import resolve_checkpoint_path
 
-    return open_checkpoint(resolve_checkpoint_path(checkpoint), config=config)
+    return open_directory(resolve_checkpoint_path(checkpoint), config=config)
 
 
 def model_keys(keys: Iterable[str]) -> list[str]:

@@ -33,7 +33,7 @@ from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatch
 from checkpoint_manager.formats.dcp_stream import (
     TensorEntry,
     group_entries,
-    open_tensors,
+    open_checkpoint,
     read_entries,
     tensor_entries,
 )
@@ -125,7 +125,7 @@ def export_hf(
 
     ``checkpoint`` is a committed checkpoint of any engine (a directory, a save directory's newest,
     a bundle, a plain DCP directory; or one already opened with
-    :func:`~checkpoint_manager.engine.reading.open_checkpoint`); ``dtype`` casts floating-point
+    :func:`~checkpoint_manager.formats.dcp_stream.open_checkpoint`); ``dtype`` casts floating-point
     tensors (e.g. ``"bfloat16"``); files of ``artifacts_dir`` (config, tokenizer, generation config)
     are copied alongside. ``config.json`` (and ``generation_config.json``) come from ``artifacts_dir``,
     else from the config the checkpoint recorded at save time; with neither, a
@@ -138,7 +138,7 @@ def export_hf(
     in for a checkpoint that recorded none. At most ``buffer_size`` of tensors (or one larger tensor)
     is held at a time.
     """
-    source = open_tensors(checkpoint)
+    source = open_checkpoint(checkpoint)
     src = source.path
     cast = resolve_dtype(dtype)
     shard_limit = parse_size(max_shard_size)

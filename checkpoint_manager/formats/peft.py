@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from checkpoint_manager.errors import CheckpointMismatchError
-from checkpoint_manager.formats.dcp_stream import TensorEntry, open_tensors, read_entries, tensor_entries
+from checkpoint_manager.formats.dcp_stream import TensorEntry, open_checkpoint, read_entries, tensor_entries
 from checkpoint_manager.formats.keys import resolve_dtype
 from checkpoint_manager.formats.lora import choose_adapter
 from checkpoint_manager.formats.model_config import read_recorded_config
@@ -64,7 +64,7 @@ def export_peft_adapter(
     adapters but not ``modules_to_save``. The result loads with
     ``PeftModel.from_pretrained(base_model, out_dir)``.
     """
-    source = open_tensors(checkpoint)
+    source = open_checkpoint(checkpoint)
     src = source.path
     entries = {e.name: e for e in tensor_entries(source, model_key)}
     if hasattr(model, "peft_type") and not hasattr(model, "peft_config"):
@@ -111,7 +111,7 @@ def export_peft(
     names them; the result loads with ``PeftModel.from_pretrained(base_model, out_dir)``. For what
     only the live model knows (prompt-learning methods), use :func:`export_peft_adapter`.
     """
-    source = open_tensors(checkpoint)
+    source = open_checkpoint(checkpoint)
     src = source.path
     recorded = read_recorded_config(src, model_key)
     if recorded is None or not recorded.adapters:

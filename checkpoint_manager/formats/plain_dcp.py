@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from checkpoint_manager.engine.base import EngineContext, TensorInfo
-from checkpoint_manager.engine.reading import open_checkpoint
+from checkpoint_manager.engine.reading import open_directory
 from checkpoint_manager.errors import CheckpointMismatchError, CheckpointNotFoundError
 from checkpoint_manager.protocol import LoadContext, LoadResult
 from checkpoint_manager.state.keys import (
@@ -88,7 +88,7 @@ class PlainIndex:
 
 def read_plain_index(path: Path, config: Any | None = None) -> PlainIndex:
     """The index of the plain directory ``path``, read by the engine whose files it holds."""
-    opened = open_checkpoint(path, config=config)
+    opened = open_directory(path, config=config)
     return PlainIndex(opened.index, tuple(opened.object_keys()))
 
 
@@ -291,7 +291,7 @@ def load_plain_dcp(
     (this rank, the run's process group); ``before_apply``: called after every tensor is read and
     before any object is changed.
     """
-    opened = open_checkpoint(path, config=engine_ctx.config)
+    opened = open_directory(path, config=engine_ctx.config)
     index = PlainIndex(opened.index, tuple(opened.object_keys()))
     plan = plan_plain_import(ctx, path, index, model_only=model_only)
     if plan.targets:
@@ -344,7 +344,7 @@ def plain_model_tensors(path: Path, model_key: str = "model") -> dict[str, torch
     """Every model tensor of a plain DCP checkpoint, ``{fqn: tensor}`` (for ``convert(..., to="dcp")``)."""
     from checkpoint_manager.formats.dcp_stream import TensorEntry, read_entries
 
-    opened = open_checkpoint(path)
+    opened = open_directory(path)
     entries = model_entries(PlainIndex(opened.index), model_key)
     if not entries:
         raise CheckpointNotFoundError(f"{path}: no model tensors in this plain DCP checkpoint")

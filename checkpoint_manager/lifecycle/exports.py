@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from checkpoint_manager.engine.base import Engine
-from checkpoint_manager.engine.reading import open_checkpoint
+from checkpoint_manager.engine.reading import open_directory
 from checkpoint_manager.errors import CheckpointMismatchError, UnsupportedAdapterError
 from checkpoint_manager.formats.dcp_stream import model_keys, tensor_entries
 from checkpoint_manager.formats.hf import export_hf, is_hf_weights, load_hf_weights
@@ -59,7 +59,7 @@ def export_consolidated(
     if not wants_consolidated(config, final=final):
         return []
     t0 = time.perf_counter()
-    source = open_checkpoint(checkpoint_dir, config=config, engine=engine, meta=meta)
+    source = open_directory(checkpoint_dir, config=config, engine=engine, meta=meta)
     keys = model_keys(source.index)
     if not keys:
         log.warning("save_consolidated=%r: %s holds no model to export", config.save_consolidated, checkpoint_dir.name)

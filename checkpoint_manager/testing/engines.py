@@ -22,6 +22,7 @@ if it is in :data:`OPTIONAL_ENGINE_CHECKS` (``run_engine_suite(..., opt_out={"no
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import sys
@@ -538,8 +539,9 @@ def check_reader(make_engine: MakeEngine, work: Path) -> None:
     if dict(index) != dict(expected_index):
         raise ConformanceError(f"the reader's index differs from read_index: {sorted(set(index) ^ set(expected_index))}")
     keys = sorted(state.tensors)
-    for group in (keys[::2], keys[1::2], []):
-        loaded = call(f"reader.read({len(group)} keys)", lambda group=group: reader.read(group))
+    groups: list[list[str]] = [keys[::2], keys[1::2], []]
+    for group in groups:
+        loaded: dict[str, torch.Tensor] = call(f"reader.read({len(group)} keys)", functools.partial(reader.read, group))
         if sorted(loaded) != sorted(group):
             raise ConformanceError(f"a read of {len(group)} keys returned {len(loaded)}: {sorted(set(loaded) ^ set(group))}")
         _assert_loaded(loaded, {k: state.tensors[k] for k in group}, "after a reader's read")
