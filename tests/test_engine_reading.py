@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -273,6 +274,23 @@ def test_a_bundle_is_inspected_from_the_engines_index_files_only(engine: str, tm
     # DCP names its index (.metadata); the others do not, so every file of theirs comes along
     every = ["checkpoint.json", *read_checkpoint_json(newest)["files"]]
     assert extracted == sorted(["checkpoint.json", "state.json", ".metadata"] if engine == "dcp" else every)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_checkpoint_at_a_url_is_read_through_its_engine(engine: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"memory://reading-{uuid.uuid4().hex[:8]}/run"
+    model = tiny_llama()
+    with DefaultCheckpointManager(CheckpointConfig(save_dir=url, engine=engine)) as manager:
+        result = manager.save(SaveContext(model=model, train_state=TrainState(step=3), force=True))
+    assert result is not None and result.path.startswith("memory://")
+    code, doc = cli(capsys, "inspect", url)
+    assert code == 0 and doc["meta"]["engine"] == engine
+    assert {t["name"] for t in doc["tensors"]} == {f"model.{k}" for k in model.state_dict()}
+    code, doc = cli(capsys, "diff", url, result.path)
+    assert code == 0 and doc["equal"] and doc["compared"] == len(model.state_dict())
+    code, _ = cli(capsys, "export", url, "--to", "hf", "--out", str(tmp_path / "hf"))
+    assert code == 0
+    assert torch.equal(logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")), logits(model))
 
 
 def test_export_reads_a_bounded_group_at_a_time_through_load(tmp_path: Path) -> None:

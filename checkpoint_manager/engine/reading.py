@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, read_checkpoint_json
-from checkpoint_manager.core.plugins import ENGINE, find_plugin
+from checkpoint_manager.core.plugins import ENGINE, find_installed
 from checkpoint_manager.engine.base import Engine, EngineContext, TensorInfo, TensorReader
 from checkpoint_manager.engine.registry import engine_for_record
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -42,7 +42,7 @@ def plain_engine(directory: Path) -> str | None:
     ``is_plain(directory)``): a directory never makes this process import anything else.
     """
     for name in ENGINE.builtins:
-        is_plain = getattr(find_plugin(ENGINE, name), "is_plain", None)
+        is_plain = getattr(find_installed(ENGINE, name), "is_plain", None)
         if callable(is_plain) and is_plain(directory):
             return name
     return None
