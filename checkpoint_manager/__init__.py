@@ -16,11 +16,13 @@ if TYPE_CHECKING:
     from checkpoint_manager.core.dist import CollectiveTimeoutError
     from checkpoint_manager.core.layout import CheckpointInfo, Lineage
     from checkpoint_manager.core.naming import format_name, parse_name
+    from checkpoint_manager.core.safe_io import parse_json, read_json
     from checkpoint_manager.engine.base import (
         Engine,
         EngineContext,
         EngineState,
         FileRecord,
+        GroupBase,
         StagingEngine,
         TensorInfo,
         TensorReader,
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from checkpoint_manager.formats.dcp_stream import open_checkpoint
     from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
     from checkpoint_manager.lifecycle.finite import NonFiniteStateError
+    from checkpoint_manager.lifecycle.frozen import FrozenChangedError
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
     from checkpoint_manager.lifecycle.observe import (
         CheckpointCallback,
@@ -136,6 +139,8 @@ _EXPORTS: dict[str, str] = {
     "EngineContext": "checkpoint_manager.engine.base",
     "EngineState": "checkpoint_manager.engine.base",
     "FileRecord": "checkpoint_manager.engine.base",
+    "FrozenChangedError": "checkpoint_manager.lifecycle.frozen",
+    "GroupBase": "checkpoint_manager.engine.base",
     "StagingEngine": "checkpoint_manager.engine.base",
     "TensorInfo": "checkpoint_manager.engine.base",
     "TensorReader": "checkpoint_manager.engine.base",
@@ -194,10 +199,12 @@ _EXPORTS: dict[str, str] = {
     "open_bundle": "checkpoint_manager.formats",
     "open_storage": "checkpoint_manager.storage",
     "pack_bundle": "checkpoint_manager.formats",
+    "parse_json": "checkpoint_manager.core.safe_io",
     "parse_name": "checkpoint_manager.core.naming",
     "plan_retention": "checkpoint_manager.lifecycle.retention",
     "prune": "checkpoint_manager.lifecycle.retention",
     "read_event_log": "checkpoint_manager.lifecycle.observe",
+    "read_json": "checkpoint_manager.core.safe_io",
     "resolve_checkpoint": "checkpoint_manager.formats.resolve",
     "resolve_manager_class": "checkpoint_manager.factory",
     "save_record": "checkpoint_manager.lifecycle.observe",
@@ -236,7 +243,9 @@ __all__ = [
     "FileRecord",
     "FinalStep",
     "FinalizeOnExit",
+    "FrozenChangedError",
     "FsspecStorage",
+    "GroupBase",
     "KeepAll",
     "KeepAny",
     "KeepBest",
@@ -289,10 +298,12 @@ __all__ = [
     "open_checkpoint",
     "open_storage",
     "pack_bundle",
+    "parse_json",
     "parse_name",
     "plan_retention",
     "prune",
     "read_event_log",
+    "read_json",
     "resolve_checkpoint",
     "resolve_manager_class",
     "save_record",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,6 +40,7 @@ from checkpoint_manager.core.plugins import (
     find_plugin,
     qualname,
 )
+from checkpoint_manager.core.safe_io import parse_json
 
 __all__ = [
     "MAX_COLLECTIVE_TIMEOUT_S",
@@ -210,7 +210,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise FileNotFoundError(f"config file {path} does not exist") from None
     if suffix == ".json":
-        data = json.loads(text)
+        data = parse_json(text, path, error=ValueError)
     else:
         try:
             import yaml

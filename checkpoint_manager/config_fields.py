@@ -72,6 +72,14 @@ class RunFields(BaseModel):
         "async total drops by about one memcpy, the stall grows (the copy and the writes share memory "
         "bandwidth and the two cores). Local save_dir only.",
     )
+    save_frozen: Literal["every", "once"] = Field(
+        default="every",
+        description="once: model parameters that do not require grad (a frozen base, frozen towers) are "
+        "written by the first checkpoint that needs them and shared by later ones while their contents "
+        "(CRC-32, checked at every save) are unchanged: hard links on a local disk, server-side copies "
+        "in an object store. Every checkpoint stays complete and loads alone. every: each checkpoint "
+        "writes them.",
+    )
     check_finite: bool = Field(
         default=False,
         description="Refuse to commit a checkpoint whose model weights or buffers hold NaN or inf "

@@ -159,6 +159,10 @@ class SaveResult:
     cadence: Mapping[str, float] = field(default_factory=dict)
     #: With ``on_save_error="continue"``: the error of a save that failed (nothing was committed).
     error: BaseException | None = None
+    #: With ``save_frozen="once"``: the frozen parameters' files, each with how it got into this
+    #: checkpoint (``"write"``, or shared: ``"link"``, ``"reflink"``, ``"copy"``, with its ``origin``),
+    #: and the bytes written and shared (``checkpoint.json``'s ``"frozen"``)
+    frozen: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:

@@ -7,11 +7,19 @@ Each group is one promise, and its tests are named after it:
   working directory is, never gets it imported, by any load, ``initial_load_path``, any ``ckpt``
   command or a bundle; names read from other files (Hugging Face ``architectures``, dtype names) are
   looked up among known values only.
+- ``test_bounded_json_*``: one JSON reader with depth and size limits reads every JSON this library
+  reads (a grep finds no other parser of file contents); each kind of file nested past the limit is
+  a typed error naming it (or, for hints such as pointers and lock files, ignored), never a
+  ``RecursionError``.
+- ``test_bundle_limits_*``: tar members are checked for depth, name length, count and size before
+  anything is written; an unpack that fails leaves no partial tree; ``ckpt list`` and ``ckpt inspect``
+  refuse what ``ckpt unpack`` refuses.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -357,3 +365,273 @@ def test_code_choice_dtype_names_in_engine_files_are_looked_up_among_torch_dtype
         "    raise AssertionError('accepted')\n"
     )
     assert _imported_by(body, ["torch._dynamo"]) == []
+
+
+# -- one bounded JSON reader ---------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE_SOURCES = [REPO / "checkpoint_manager", *sorted((REPO / "plugins").glob("*/src"))]
+
+
+def test_bounded_json_no_other_parser_reads_json() -> None:
+    """Every ``json.load``/``json.loads`` of the package and its plugins is the bounded reader's own."""
+    import re
+
+    found = []
+    for root in PACKAGE_SOURCES:
+        for file in sorted(root.rglob("*.py")):
+            if file.name == "safe_io.py" and file.parent.name == "core":
+                continue
+            for number, line in enumerate(file.read_text().splitlines(), 1):
+                if re.search(r"\bjson\.loads?\(|\bfrom json import\b.*\bloads?\b|\bJSONDecoder\(", line):
+                    found.append(f"{file.relative_to(REPO)}:{number}: {line.strip()}")
+    assert found == [], "JSON parsed outside checkpoint_manager.core.safe_io.parse_json:\n" + "\n".join(found)
+
+
+def deep(levels: int, inner: str = "1") -> str:
+    return "[" * levels + inner + "]" * levels
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        (deep(256), True),
+        (deep(257), False),
+        ('{"a": ' * 257 + "1" + "}" * 257, False),
+        ('["' + "[" * 5000 + '"]', True),  # brackets inside a string are text
+        ('["\\"' + "[" * 5000 + '"]', True),  # an escaped quote does not end the string
+        ('["\\\\", ' + deep(256) + "]", False),  # an escaped backslash does
+        ('["][", ' * 200 + "1" + "]" * 200, True),  # strings cannot hide depth ...
+        ('["][", ' * 257 + "1" + "]" * 257, False),  # ... either way
+        ("[" * 5000, False),  # unclosed
+        ("]" * 5000 + "[", None),  # malformed, shallow: the parser's own message
+    ],
+)
+def test_bounded_json_the_reader_measures_depth_without_parsing(text: str, ok: bool | None) -> None:
+    from checkpoint_manager import parse_json
+
+    if ok:
+        assert parse_json(text.encode(), "x.json") == json.loads(text)
+        return
+    with pytest.raises(CheckpointCorruptError) as info:
+        parse_json(text.encode(), "dir/x.json")
+    expected = "nested deeper than 256 levels" if ok is False else "Expecting value"
+    assert str(info.value).startswith("dir/x.json: not valid JSON (") and expected in str(info.value)
+
+
+def test_bounded_json_the_reader_bounds_size_and_takes_the_callers_error(tmp_path: Path) -> None:
+    from checkpoint_manager import parse_json, read_json
+
+    with pytest.raises(CheckpointCorruptError, match=r"^f\.json: 11 bytes of JSON, more than the 10 such a file may hold$"):
+        parse_json(b'"123456789"', "f.json", limit=10)
+    with pytest.raises(ValueError, match=r"^cfg\.json: not valid JSON \(nested deeper than 3 levels\)$") as info:
+        parse_json(deep(4), "cfg.json", depth=3, error=ValueError)
+    assert not isinstance(info.value, CheckpointCorruptError)
+    file = tmp_path / "x.json"
+    file.write_text(deep(300))
+    with pytest.raises(CheckpointCorruptError, match=rf"^{file}: not valid JSON \(nested deeper than 256 levels\)$"):
+        read_json(file)
+    os_fifo = tmp_path / "fifo.json"
+    import os
+
+    os.mkfifo(os_fifo)
+    with pytest.raises(CheckpointCorruptError, match="is not a regular file"):
+        read_json(os_fifo)
+
+
+DEEP_JSON = deep(5_000)  # past any recursion limit: a RecursionError wherever a plain parser reads it
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    with mgr(tmp_path / "run", event_log=True) as m:
+        for step in (1, 2):
+            model, opt, ts = build(step)
+            m.save(SaveContext(model=model, optimizer=opt, train_state=ts, force=True))
+    return tmp_path / "run"
+
+
+def test_bounded_json_a_deep_pointer_is_no_pointer(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (saved / "latest").write_text(DEEP_JSON)
+    model, opt, ts = build(9)
+    with mgr(saved) as m:
+        assert m.load(LoadContext(model=model, optimizer=opt, train_state=ts)).step == 2
+    assert ckpt(["list", str(saved), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [c["step"] for c in listed["checkpoints"]] == [1, 2]
+
+
+def test_bounded_json_a_deep_event_log_line_is_skipped(saved: Path) -> None:
+    from checkpoint_manager import read_event_log
+
+    log = saved / "checkpoint_events.jsonl"
+    good = log.read_text().splitlines()
+    log.write_text("\n".join([good[0], DEEP_JSON, *good[1:]]) + "\n")
+    assert read_event_log(log) == [json.loads(line) for line in good]
+
+
+def test_bounded_json_a_deep_lock_file_names_no_owner(tmp_path: Path) -> None:
+    from checkpoint_manager.storage.lock import LOCK_FILE, read_lock_owner
+
+    (tmp_path / LOCK_FILE).write_text(DEEP_JSON)
+    assert read_lock_owner(tmp_path) is None
+
+
+def test_bounded_json_a_deep_hf_config_is_damage(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from checkpoint_manager import export_hf
+
+    step = saved / STEP2
+    (step / "hf_config.json").write_text(DEEP_JSON)
+    edit_meta(step)
+    with pytest.raises(CheckpointCorruptError, match=rf"^{step / 'hf_config.json'}: not valid JSON \(nested deeper"):
+        export_hf(step, tmp_path / "hf")
+    assert ckpt(["export", str(step), "--to", "hf", "--out", str(tmp_path / "hf2")]) == 4
+    assert "nested deeper than 256 levels" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("file", ["state.json", "rank_00000.json", "checkpoint.json"])
+def test_bounded_json_deep_checkpoint_files_are_damage(saved: Path, file: str) -> None:
+    step = saved / STEP2
+    (step / file).write_text(deep(300))  # past the reader's limit, short of the interpreter's
+    if file != "checkpoint.json":
+        edit_meta(step)
+    model, opt, ts = build(9)
+    before = state_of(model, opt, ts)
+    with mgr(saved) as m, pytest.raises(CheckpointCorruptError, match=rf"{file}: .*nested deeper than 256 levels"):
+        m.load(LoadContext(model=model, optimizer=opt, train_state=ts, path=str(step)))
+    assert_same(before, state_of(model, opt, ts))
+
+
+def test_bounded_json_deep_files_next_to_weights_are_typed_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import struct
+
+    from checkpoint_manager.formats.hf import hf_weight_files
+    from checkpoint_manager.formats.safetensors_io import SafetensorsFile
+
+    header = DEEP_JSON.encode()
+    weights = tmp_path / "deep.safetensors"
+    weights.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CheckpointCorruptError, match=r"deep\.safetensors: header: not valid JSON \(nested deeper"):
+        SafetensorsFile(weights)
+    assert ckpt(["convert", str(weights), str(tmp_path / "out.pt"), "--to", "torch"]) == 4
+    assert "nested deeper than 256 levels" in capsys.readouterr().err
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors.index.json").write_text(DEEP_JSON)
+    with pytest.raises(CheckpointCorruptError, match=r"model\.safetensors\.index\.json: not valid JSON \(nested deeper"):
+        hf_weight_files(hf)
+
+
+def test_bounded_json_a_deep_config_file_is_a_value_error(tmp_path: Path) -> None:
+    file = tmp_path / "config.json"
+    file.write_text(DEEP_JSON)
+    with pytest.raises(ValueError, match=rf"^{file}: not valid JSON \(nested deeper than 256 levels\)$"):
+        CheckpointConfig.from_file(file)
+
+
+@pytest.mark.parametrize("member", ["bundle.json", "checkpoint_config.json"])
+def test_bounded_json_deep_bundle_metadata_is_damage(saved: Path, tmp_path: Path, member: str) -> None:
+    import tarfile
+
+    bundle = tmp_path / "b.tar"
+    assert ckpt(["pack", str(saved / STEP2), str(bundle)]) == 0
+    rebuilt = tmp_path / "deep.tar"
+    with tarfile.open(bundle) as src, tarfile.open(rebuilt, "w") as dst:
+        for info in src.getmembers():
+            data = src.extractfile(info).read() if info.isfile() else None  # type: ignore[union-attr]
+            if info.name == member or (member == "checkpoint_config.json" and info.name == "bundle.json"):
+                manifest = json.loads(data or b"{}")
+                if member == "checkpoint_config.json":
+                    manifest["config"] = member
+                data = (json.dumps(manifest) if info.name != member else DEEP_JSON).encode()
+                info.size = len(data)
+            dst.addfile(info, None if data is None else __import__("io").BytesIO(data))
+        if member == "checkpoint_config.json":
+            info = tarfile.TarInfo(member)
+            info.size = len(DEEP_JSON)
+            dst.addfile(info, __import__("io").BytesIO(DEEP_JSON.encode()))
+    model, opt, ts = build(9)
+    with mgr(tmp_path / "x") as m, pytest.raises(CheckpointCorruptError, match=rf"{member}: .*nested deeper than 256"):
+        m.load(LoadContext(model=model, optimizer=opt, train_state=ts, path=str(rebuilt)))
+
+
+# -- tar bundles: every member checked before anything is written --------------------------------------
+
+
+def _tar(path: Path, members: list[tuple[str, bytes | None]]) -> Path:
+    """A tar of ``(name, data)`` members (``None``: a directory)."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("members", "problem"),
+    [
+        ([("a/" * n, None) for n in range(1, 2001)], "is nested more than 32 directories deep"),
+        ([("d/" * 33 + "f", b"x")], "is nested more than 32 directories deep"),
+        ([("n" * 1100, b"x")], "is a name of 1100 characters (at most 1024)"),
+    ],
+    ids=["2000_nested_directories", "33_deep", "long_name"],
+)
+def test_bundle_limits_deep_members_are_refused_by_every_reader(
+    tmp_path: Path, members: list[tuple[str, bytes | None]], problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from checkpoint_manager import UnsafeCheckpointError
+
+    bundle = _tar(tmp_path / "deep.tar", [("bundle.json", b"{}"), *members])
+    dest = tmp_path / "out"
+    for argv in (["unpack", str(bundle), str(dest)], ["list", str(bundle)], ["inspect", str(bundle)]):
+        assert ckpt([*argv, "--json"]) == 4, argv
+        err = capsys.readouterr().err
+        assert f"{bundle}: member " in err and problem in err and "Traceback" not in err, err
+    assert not dest.exists()
+    model = nn.Linear(2, 2)
+    with mgr(tmp_path / "x") as m, pytest.raises(UnsafeCheckpointError, match=re.escape(problem)):
+        m.load(LoadContext(model=model, path=str(bundle)))
+
+
+def test_bundle_limits_a_member_count_limit(tmp_path: Path) -> None:
+    from checkpoint_manager import BundleTooLargeError
+    from checkpoint_manager.formats.bundle import BundleLimits, extract_bundle, list_bundle
+
+    assert BundleLimits().max_members == 100_000 and BundleLimits().max_depth == 32
+    bundle = _tar(tmp_path / "many.tar", [(f"e{i}", b"") for i in range(101)])
+    limits = BundleLimits(max_members=100)
+    for read in (lambda: list_bundle(bundle, limits=limits), lambda: extract_bundle(bundle, tmp_path / "o", limits=limits)):
+        with pytest.raises(BundleTooLargeError, match=r"many\.tar: has more than 100 members; refusing to read further"):
+            read()
+    assert not (tmp_path / "o").exists()
+    assert len(list_bundle(bundle, limits=BundleLimits(max_members=101))) == 101
+
+
+def test_bundle_limits_a_failed_unpack_leaves_no_partial_tree(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bundle whose last member's data is cut off passes the header checks and fails mid-extraction."""
+    bundle = tmp_path / "b.tar"
+    assert ckpt(["pack", str(saved / STEP2), str(bundle)]) == 0
+    data = bundle.read_bytes()
+    import tarfile
+
+    with tarfile.open(bundle) as tar:
+        last = tar.getmembers()[-1]
+    assert last.size > 100
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(data[: last.offset_data + last.size // 2])
+    dest = tmp_path / "out"
+    assert ckpt(["unpack", str(cut), str(dest)]) == 4
+    assert "truncated or damaged tar" in capsys.readouterr().err
+    assert not dest.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert ckpt(["unpack", str(cut), str(empty)]) == 4
+    assert list(empty.iterdir()) == []

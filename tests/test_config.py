@@ -214,7 +214,7 @@ def test_from_file_errors_of_the_file_itself(tmp_path: Path) -> None:
         CheckpointConfig.from_file(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.json"
     bad.write_text("{save_dir: x}")
-    with pytest.raises(json.JSONDecodeError, match="Expecting property name enclosed in double quotes"):
+    with pytest.raises(ValueError, match=rf"^{bad}: not valid JSON \(Expecting property name enclosed in double quotes"):
         CheckpointConfig.from_file(bad)
 
 

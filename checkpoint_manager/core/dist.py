@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_manager import errors
+from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.errors import CheckpointError
 
 __all__ = ["CollectiveTimeoutError", "DistContext"]
@@ -211,24 +212,26 @@ class DistContext:
         result: T = answer["ok"]
         return result
 
-    def vote(self, failure: BaseException | None, phase: str) -> None:
+    def vote(self, failure: BaseException | None, phase: str, payload: Any = None) -> list[Any]:
         """The commit vote: returns only if every rank wrote its part; otherwise raises on every rank.
 
         The error names the ranks that failed and why. A rank whose own write already failed in a
         collective does not vote: its group is broken, and waiting again would double the time the
-        survivors take to give up.
+        survivors take to give up. ``payload`` (small JSON) travels with the vote: every rank's comes
+        back, in rank order.
         """
         if isinstance(failure, CollectiveTimeoutError):
             raise failure
         if self.world_size == 1:
             if failure is not None:
                 raise _as_error(failure, phase)
-            return
+            return [payload]
         mine = None if failure is None else describe(failure)
-        reports = self.all_gather_json(mine, phase)
+        gathered = self.all_gather_json([mine, payload], phase)
+        reports = [g[0] for g in gathered]
         bad = {rank: text for rank, text in enumerate(reports) if text is not None}
         if not bad:
-            return
+            return [g[1] for g in gathered]
         detail = "; ".join(f"rank {rank}: {text}" for rank, text in bad.items())
         error = CheckpointError(f"{phase}: not committed, {len(bad)} of {self.world_size} rank(s) failed ({detail})")
         if failure is not None:
@@ -255,7 +258,8 @@ def _slot_size(slot: torch.Tensor) -> int:
 
 
 def _decode(buf: torch.Tensor) -> Any:
-    return json.loads(_bytes(buf).decode("utf-8"))
+    raw = _bytes(buf)
+    return parse_json(raw, "a payload from another rank", limit=len(raw), error=ValueError)
 
 
 def _bytes(t: torch.Tensor) -> bytes:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from checkpoint_manager.core.codec import dtype_name
 from checkpoint_manager.core.layout import CHECKPOINT_JSON
-from checkpoint_manager.core.safe_io import read_small
+from checkpoint_manager.core.safe_io import read_json
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from checkpoint_manager.formats.dcp_stream import (
     TensorEntry,
@@ -227,10 +227,7 @@ def _adapter_configs(
     file = Path(given)
     if file.is_dir():
         file = file / "adapter_config.json"
-    try:
-        data = json.loads(read_small(file, follow=True).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc})") from exc
+    data = read_json(file, follow=True, error=ValueError)
     if not isinstance(data, dict):
         raise ValueError(f"{file}: not an adapter config (a JSON object)")
     return {"default": data}
@@ -321,10 +318,7 @@ def _read_config(artifacts_dir: str | Path | None) -> dict[str, Any] | None:
     file = Path(artifacts_dir) / "config.json"
     if not file.is_file():
         return None
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc})") from exc
+    data = read_json(file, follow=True, error=ValueError)
     return data if isinstance(data, dict) else None
 
 
@@ -420,7 +414,9 @@ def copy_artifacts(
             continue
         target = Path(dest) / name
         if name == "config.json" and dtype is not None:
-            config = json.loads(Path(entry.path).read_text(encoding="utf-8"))
+            config = read_json(entry.path, follow=True, error=ValueError)
+            if not isinstance(config, dict):
+                raise ValueError(f"{entry.path}: not a model config (a JSON object)")
             keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
             for key in keys:
                 config[key] = dtype_name(dtype)
@@ -455,9 +451,11 @@ def hf_weight_files(path: str | Path) -> list[Path]:
     index = p / HF_INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = read_json(index, follow=True)["weight_map"]
             names = sorted({str(v) for v in weight_map.values()})
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        except CheckpointCorruptError:
+            raise
+        except (OSError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointCorruptError(f"{index}: not a safetensors index ({exc})") from exc
         for name in names:
             if Path(name).name != name or name in ("", ".", ".."):

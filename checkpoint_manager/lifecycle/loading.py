@@ -216,6 +216,8 @@ class LoadingMixin(ManagerCore):
             if self._in_save_dir(source):
                 self._resumed_from = basename(source)
                 self._parent, self._parent_known = info_from_meta(Path(basename(source)), meta), True
+                if rank_json is not None and int(meta.get("world_size") or 1) == self._dist.world_size:
+                    self._frozen.resumed(source, basename(source), rank_json.get("frozen"))  # save_frozen="once"
             else:  # the next save continues save_dir's newest line
                 self._parent, self._parent_known = None, False
             if not self._prepared:  # the first save after a resume is warm too

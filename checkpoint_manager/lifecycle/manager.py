@@ -25,6 +25,7 @@ from checkpoint_manager.lifecycle.background import BackgroundMixin, save_contex
 from checkpoint_manager.lifecycle.discovery import DiscoveryMixin
 from checkpoint_manager.lifecycle.engines import create_engine
 from checkpoint_manager.lifecycle.exports import HFConfigRecorder
+from checkpoint_manager.lifecycle.frozen import FrozenSaves
 from checkpoint_manager.lifecycle.loading import LoadingMixin
 from checkpoint_manager.lifecycle.observe import CheckpointCallback, EventLog, Observers
 from checkpoint_manager.lifecycle.policy import build_save_policy
@@ -83,6 +84,7 @@ class DefaultCheckpointManager(DiscoveryMixin, SavingMixin, BackgroundMixin, Loa
         self._prepared = False  # the save path warmed up ahead of the first save (see _prepare_ahead)
         self._reported: set[tuple[str, ...]] = set()  # damaged checkpoints already warned about
         self._hf_configs = HFConfigRecorder()  # config.json / adapter config into each checkpoint
+        self._frozen = FrozenSaves()  # save_frozen="once": the checkpoint whose frozen files the next save shares
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[Any] | None = None
         self._inflight_step: int | None = None

@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,9 +41,10 @@ from checkpoint_manager.errors import ManagerClosedError, PostCommitError
 from checkpoint_manager.lifecycle.core import ManagerCore
 from checkpoint_manager.lifecycle.exports import export_consolidated
 from checkpoint_manager.lifecycle.finite import FiniteCheck, NonFiniteStateError, finite_groups
+from checkpoint_manager.lifecycle.frozen import FrozenPlan, summarize
 from checkpoint_manager.lifecycle.observe import SaveStartEvent
 from checkpoint_manager.protocol import SaveContext, SaveResult
-from checkpoint_manager.state.training import GatheredState, gather_state
+from checkpoint_manager.state.training import GatheredState, frozen_keys, gather_state
 from checkpoint_manager.storage import LocalStorage, basename
 from checkpoint_manager.storage.lock import CheckpointLockError
 
@@ -88,6 +90,9 @@ class SaveJob:
     finite_checked: tuple[str, ...] = ()  # the groups check_finite found free of NaN/inf
     hf_configs: list[Any] = field(default_factory=list)  # the models' HF/PEFT configs, recorded at commit
     nbytes: int = 0  # the checkpoint's tensor bytes, global (a DTensor counts its global size)
+    frozen: frozenset[str] = frozenset()  # save_frozen="once": this rank's frozen keys (the engine's group)
+    frozen_live: bool = False  # the frozen tensors were left out of the async snapshot
+    frozen_summary: dict[str, Any] = field(default_factory=dict)  # checkpoint.json's "frozen"
 
     def __post_init__(self) -> None:
         self.engine_state = EngineState(self.state.tensors, self.state.objects)
@@ -99,13 +104,16 @@ class SaveJob:
         return self.pending_dir
 
 
-def _own_records(pending: Path) -> dict[str, FileRecord]:
-    """The files of ``pending`` an engine wrote without reporting them (rank JSONs aside), checksummed."""
+def _own_records(pending: Path, shared: Collection[str] = ()) -> dict[str, FileRecord]:
+    """The files of ``pending`` an engine wrote without reporting them (rank JSONs and the ``shared``
+    files placed from another checkpoint aside), checksummed."""
     out: dict[str, FileRecord] = {}
     for root, _, names in os.walk(pending):
         for name in names:
             file = Path(root) / name
             rel = file.relative_to(pending).as_posix()
+            if rel in shared:
+                continue
             if file.is_file() and not file.is_symlink() and not (name.startswith("rank_") and name.endswith(".json")):
                 out[rel] = {"size": file.stat().st_size, "crc32": file_crc32(file)}
     return out
@@ -231,6 +239,8 @@ class SavingMixin(ManagerCore):
         # an async save makes its directory on the writer thread: a few syscalls less of stall
         pending = None if async_save else self._new_pending(self._dist, name, step)
         job = SaveJob(step, name, pending, state, dict(ctx.metrics), started)
+        if self.config.save_frozen == "once" and getattr(self._engine, "places_groups", False):
+            job.frozen = frozen_keys(ctx, state.tensors)
         job.final = ctx.final or step == self.config.final_step
         job.hf_configs = self._hf_configs.capture(ctx.models())  # references only: serialized at commit
         job.timings["gather"] = time.perf_counter() - started
@@ -273,12 +283,22 @@ class SavingMixin(ManagerCore):
             job.pending_dir = self._new_pending(io, job.name, job.step)  # every rank, or none, gets it
         groups = finite_groups(self.config.check_finite, self.config.check_finite_optimizer)
         state = job.engine_state
-        finite = (  # beside the write, once the staging copies it reads are complete
-            FiniteCheck(state.tensors, groups, wait=state.ready) if groups else None
-        )
+        finite: FiniteCheck | None = None
         ctx = self._engine_context(io, job.step)
         ctx.open_output = functools.partial(self._storage.open_output, job.pending)
+        plan: FrozenPlan | None = None
         try:
+            if job.frozen:
+                plan = self._frozen.plan(
+                    job.frozen, state.tensors, self._storage, job.pending, ctx, live=job.frozen_live
+                )
+                ctx.timings["frozen_check"] = plan.seconds
+            if groups:  # beside the write, once the staging copies it reads are complete; a shared
+                # frozen group was checked when it was written (and is unchanged since)
+                tensors = state.tensors
+                if plan is not None and plan.shared:
+                    tensors = {k: t for k, t in tensors.items() if k not in plan.keys}
+                finite = FiniteCheck(tensors, groups, wait=state.ready)
             with io.phase(f"step {job.step}: write"):
                 written = self._engine.save(state, job.pending, ctx)
             if finite is not None:
@@ -286,8 +306,13 @@ class SavingMixin(ManagerCore):
                 if bad:
                     raise NonFiniteStateError(job.step, bad, len(bad))
                 job.finite_checked = groups
-            records = dict(written) if written is not None else _own_records(job.pending)
+            shared = plan.base.files if plan is not None and plan.base is not None else {}
+            records = dict(written) if written is not None else _own_records(job.pending, shared)
+            if plan is not None:
+                self._frozen.wrote(plan, ctx, records, state.tensors, job.pending, self._storage)
             rank_json = {**job.state.rank_json, "files": records}
+            if plan is not None and plan.rank_record:
+                rank_json["frozen"] = plan.rank_record
             self._storage.write_json(job.pending / rank_file(io.rank), rank_json)
             self._storage.upload_part(job.pending, io.rank, list(records))  # object stores
         except BaseException as exc:
@@ -303,7 +328,9 @@ class SavingMixin(ManagerCore):
         job.timings.update(ctx.timings)
         try:
             # collective commit: rank 0 commits only once every rank has written its part
-            io.vote(failure, f"step {job.step}: all ranks written")
+            parts = io.vote(failure, f"step {job.step}: all ranks written", plan.record if plan is not None else None)
+            if any(part is not None for part in parts):
+                job.frozen_summary = summarize(parts)
             final = io.on_coordinator(lambda: self._commit(job), f"step {job.step}: commit")
         except PostCommitError:
             with self._lock:  # it is committed: the policy must not save this step again
@@ -323,6 +350,8 @@ class SavingMixin(ManagerCore):
         with self._lock:
             if self._last_saved_step is None or job.step >= self._last_saved_step:
                 self._last_saved_step, self._last_saved_known = job.step, True
+        if plan is not None:
+            self._frozen.committed(plan, str(final), basename(final))
         seconds = time.perf_counter() - job.started
         nbytes = job.nbytes
         log.info(
@@ -341,6 +370,7 @@ class SavingMixin(ManagerCore):
             stall_seconds=job.timings.get("stall", seconds),
             committed=True,
             timings=dict(job.timings),
+            frozen=dict(job.frozen_summary),
         )
 
     def _commit(self, job: SaveJob) -> str:
@@ -385,6 +415,8 @@ class SavingMixin(ManagerCore):
         }
         if job.finite_checked:
             meta["finite"] = {"checked": list(job.finite_checked), "ok": True}
+        if job.frozen_summary:
+            meta["frozen"] = job.frozen_summary
         self._storage.write_json(pending / CHECKPOINT_JSON, seal_checkpoint_json(meta))  # sealed as written
         final = self._storage.commit(pending, job.name)  # object stores: the marker is written last
         final_name = basename(final)

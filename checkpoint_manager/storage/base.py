@@ -18,6 +18,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
+from checkpoint_manager.core.layout import POINTER_LIMIT
+from checkpoint_manager.core.safe_io import parse_json
+
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
     from checkpoint_manager.core.layout import CheckpointInfo
@@ -66,8 +69,8 @@ def parse_pointer(raw: bytes) -> dict[str, Any] | None:
     """A ``latest`` / ``best`` pointer's JSON, or None when it is not one: no JSON object, or no
     checkpoint name in it (a name is one entry of the save directory: no ``/``, not ``.`` or ``..``)."""
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except ValueError:  # UnicodeDecodeError is one
+        data = parse_json(raw, "pointer", limit=POINTER_LIMIT, error=ValueError)
+    except ValueError:
         return None
     name = data.get("name") if isinstance(data, dict) else None
     if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
@@ -240,6 +243,14 @@ class Storage(Protocol):
 
     def upload_part(self, pending: Path, rank: int, files: list[str]) -> None:
         """Make this rank's files (relative to ``pending``) durable in the store, before the vote."""
+        ...
+
+    def share_files(self, source: str, pending: Path, files: Mapping[str, Mapping[str, int]]) -> str | None:
+        """Place ``files`` (relative paths, with their ``{size, crc32}`` records) of the committed
+        checkpoint at ``source`` into the save ``pending`` under the same names, as cheaply as the
+        store can while each checkpoint stays whole: deleting either checkpoint later must leave the
+        other's files intact. Returns how (``"link"``, ``"reflink"``, ``"copy"``: a server-side copy),
+        or None with nothing placed (the save then writes them itself)."""
         ...
 
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:

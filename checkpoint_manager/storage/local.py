@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import re
@@ -29,7 +28,7 @@ from checkpoint_manager.core.layout import (
     read_checkpoint_json,
     scan_checkpoints,
 )
-from checkpoint_manager.core.safe_io import read_small
+from checkpoint_manager.core.safe_io import inside, read_json, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, PostCommitError, UnsafeCheckpointError
 from checkpoint_manager.storage.base import deleting_name, is_deleting, json_bytes, parse_pointer
 from checkpoint_manager.storage.lock import WriterLock
@@ -37,7 +36,7 @@ from checkpoint_manager.storage.lock import WriterLock
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
 
-__all__ = ["LocalStorage", "fsync_dir", "update_symlink"]
+__all__ = ["LocalStorage", "fsync_dir", "share_file", "update_symlink"]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -148,6 +147,45 @@ def replace_via_aside(path: Path, write: Callable[[Path], object]) -> None:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         unmark_in_flight(tmp)
+
+
+# what link() raises where the file system cannot link this file (another device, no hard links, too many)
+_NO_LINK = frozenset(
+    {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES, errno.ENOSYS}
+)
+_FICLONE = 0x40049409  # ioctl(dst, FICLONE, src): Linux's whole-file reflink (btrfs, XFS, bcachefs)
+
+
+def share_file(src: Path, dst: Path) -> str | None:
+    """Make ``dst`` hold ``src``'s bytes without copying them: a hard link (``"link"``), else a
+    reflink (``"reflink"``), else None (nothing left at ``dst``). Deleting either name later never
+    touches the other's bytes: a link only drops one name of the file, a clone is a file of its own."""
+    try:
+        os.link(src, dst)
+        return "link"
+    except OSError as exc:
+        if exc.errno not in _NO_LINK:
+            raise
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    src_fd = os.open(src, os.O_RDONLY)
+    try:
+        dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fcntl.ioctl(dst_fd, _FICLONE, src_fd)
+        except OSError:
+            os.close(dst_fd)
+            dst_fd = -1
+            dst.unlink()
+            return None
+        finally:
+            if dst_fd >= 0:
+                os.close(dst_fd)
+    finally:
+        os.close(src_fd)
+    return "reflink"
 
 
 def tree_size(path: Path) -> int:
@@ -267,6 +305,34 @@ class LocalStorage:
     def upload_part(self, pending: Path, rank: int, files: list[str]) -> None:
         return None
 
+    def share_files(self, source: str, pending: Path, files: Mapping[str, Mapping[str, int]]) -> str | None:
+        """Place ``files`` of the committed checkpoint at ``source`` in ``pending`` under the same
+        names, sharing their bytes: hard links, else reflinks (copy-on-write clones). Returns how
+        (``"link"`` or ``"reflink"``), or None, with nothing placed, where neither works or a file is
+        not the regular file of its recorded size (then the save writes them)."""
+        placed: list[Path] = []
+        kinds: set[str] = set()
+        try:
+            for rel, record in files.items():
+                src = inside(source, rel)
+                st = os.lstat(src)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != record.get("size"):
+                    raise FileNotFoundError(errno.ENOENT, "not the file it was", str(src))
+                dst = pending / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                kind = share_file(src, dst)
+                if kind is None:
+                    raise FileNotFoundError(errno.ENOTSUP, "cannot share", str(src))
+                placed.append(dst)
+                kinds.add(kind)
+        except OSError as exc:
+            log.info("not sharing %s of %s (%s): they are written again", sorted(files), source, exc)
+            for dst in placed:
+                with contextlib.suppress(OSError):
+                    dst.unlink()
+            return None
+        return "reflink" if "reflink" in kinds else "link"
+
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
         from checkpoint_manager.core.integrity import describe_files
 
@@ -381,8 +447,8 @@ class LocalStorage:
 
     @staticmethod
     def read_json(path: Path) -> Any:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
+        """A JSON file this storage wrote (bounded, regular: it may have been replaced since)."""
+        return read_json(path)
 
     # -- commit -----------------------------------------------------------------------------------
     def commit(self, pending: Path, name: str) -> Path:

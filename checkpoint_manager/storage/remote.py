@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import logging
 import re
 import shutil
@@ -42,6 +41,7 @@ from checkpoint_manager.core.layout import (
     parse_checkpoint_json,
     rank_file,
 )
+from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
 from checkpoint_manager.storage.base import json_bytes, parse_pointer
 from checkpoint_manager.storage.local import (
@@ -69,7 +69,7 @@ CACHE_DIR = ".cache"
 #: multipart part size of a streamed file: large parts mean few requests; memory holds about one part
 PART_BYTES = 64 << 20
 # what a save of ours puts under a checkpoint prefix: only prefixes made of these are ever swept
-_OURS = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank_\d+\.json|state\.json|hf/.+)$")
+_OURS = re.compile(r"^(\.metadata|__\d+_(\d+|frozen)\.distcp|rank_\d+\.json|state\.json|hf/.+)$")
 _RANK_JSON = re.compile(r"^rank_\d+\.json$")
 _CACHE_STALE_S = 3600.0  # a download this old belongs to no running load
 _TRANSFERS = 8  # files moved at once (each big one is itself a concurrent multipart transfer)
@@ -450,6 +450,28 @@ class FsspecStorage(_ObjectRoot):
             p.relative_to(pending).as_posix() for p in pending.rglob("*") if p.is_file()
         )
 
+    def share_files(self, source: str, pending: Path, files: Mapping[str, Mapping[str, int]]) -> str | None:
+        """A server-side copy of each file (``fs.copy``: S3's CopyObject, no byte through this
+        process), checked for its recorded size; None, with nothing left, where the store cannot."""
+        src, dst = self._key_of_location(source), self.remote_dir(pending)
+        done: list[str] = []
+        try:
+            for rel in files:
+                self._call(f"copy {source}/{rel}", self.fs.copy, f"{src}/{rel}", f"{dst}/{rel}")
+                done.append(rel)
+                self.fs.invalidate_cache(dst)
+                size = self._call(f"look at {dst}/{rel}", self.fs.size, f"{dst}/{rel}")
+                if size != files[rel].get("size"):
+                    raise FileNotFoundError(f"{source}/{rel}: {size} bytes, {files[rel].get('size')} recorded")
+        except Exception as exc:  # a store without copies, a refused one, the source gone: write them
+            log.info("not sharing %s of %s (%s): they are written again", sorted(files), source, exc)
+            for rel in done:
+                with contextlib.suppress(Exception):
+                    self._call(f"delete {dst}/{rel}", self.fs.rm_file, f"{dst}/{rel}")
+            return None
+        self._uploaded.setdefault(str(pending), set()).update(done)
+        return "copy"
+
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
         """Every rank's files as the store lists them (sizes), CRC32s from the rank JSONs; the small
         files this process still holds (state, export) are described from the local copy."""
@@ -464,7 +486,7 @@ class FsspecStorage(_ObjectRoot):
         for rel in sizes:
             if _RANK_JSON.match(rel) and not (pending / rel).is_file():  # a rank on another host
                 raw = self._call(f"read {rel}", self.fs.cat_file, f"{remote}/{rel}")
-                known.update(json.loads(bytes(raw).decode("utf-8")).get("files", {}))
+                known.update(parse_json(bytes(raw), f"{remote}/{rel}").get("files", {}))
         out = describe_files(pending, known)
         for rel, size in sizes.items():
             if rel in out or rel == CHECKPOINT_JSON or not rel:

@@ -37,6 +37,7 @@ from checkpoint_manager import (
     EngineState,
     FileRecord,
     TensorInfo,
+    parse_json,
 )
 from cm_safetensors.config import SafetensorsConfig
 
@@ -100,7 +101,7 @@ class SafetensorsEngine:
                 for key in f.keys():  # noqa: SIM118 - a safe_open handle is not a mapping
                     part = f.get_slice(key)
                     index[key] = TensorInfo(tuple(part.get_shape()), _DTYPES[part.get_dtype()])
-                raw = json.loads((f.metadata() or {}).get("dtypes", "{}"))
+                raw = parse_json((f.metadata() or {}).get("dtypes", "{}"), f"{file}: dtypes metadata", error=ValueError)
                 for key, (name, shape) in raw.items():
                     dtype = _TORCH_DTYPES.get(name) if isinstance(name, str) else None
                     if dtype is None or index[key] != TensorInfo((torch.Size(shape).numel() * dtype.itemsize,), torch.uint8):

@@ -30,6 +30,7 @@ SHARED_FIELDS = frozenset(
     {
         "async_save",
         "async_when_busy",
+        "save_frozen",
         "name_template",
         "fsync",
         "direct_io",

@@ -54,6 +54,7 @@ from checkpoint_manager import CheckpointError, DefaultCheckpointManager
 from checkpoint_manager.core.checksum import crc32
 from checkpoint_manager.core.dist import DistContext
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, seal_checkpoint_json
+from checkpoint_manager.core.safe_io import read_json
 
 __all__ = [
     "NodeLocalManager",
@@ -196,9 +197,8 @@ class ReplicaStore:
 
     def marker(self, name: str) -> dict[str, Any] | None:
         try:
-            with open(self.root / name / MARKER, "rb") as f:
-                data = json.loads(f.read().decode("utf-8"))
-        except (OSError, ValueError):
+            data = read_json(self.root / name / MARKER)
+        except (OSError, CheckpointError):
             return None
         return data if isinstance(data, dict) else None
 
@@ -578,8 +578,7 @@ class Replicator:
             if written is None or not written.is_dir():
                 raise ReplicationError(f"rank {rank}: the local files of step {step} are gone ({written})")
             rank_json = written / f"rank_{rank:05d}.json"
-            with open(rank_json, "rb") as f:
-                known = json.loads(f.read().decode("utf-8")).get("files", {})
+            known = read_json(rank_json).get("files", {})
             mine = sorted({*known, rank_json.name})
         except BaseException as exc:
             failure, mine, known = exc, [], {}
@@ -694,8 +693,7 @@ class Replicator:
         committed: Path, share0: Path, manifests: list[dict[str, dict[str, int]]], *, fsync: bool
     ) -> None:
         """Rank 0's ``checkpoint.json`` lists what rank 0's node holds; the replica's lists every rank's files."""
-        with open(committed / CHECKPOINT_JSON, "rb") as f:
-            meta = json.loads(f.read().decode("utf-8"))
+        meta = read_json(committed / CHECKPOINT_JSON)
         files: dict[str, dict[str, int]] = {}
         for m in manifests:
             files.update({k: v for k, v in m.items() if k != CHECKPOINT_JSON})

@@ -13,7 +13,6 @@ this engine does not reshard: a checkpoint loads at the world size that saved it
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -38,6 +37,7 @@ from checkpoint_manager import (
     EngineState,
     FileRecord,
     TensorInfo,
+    read_json,
 )
 from cm_torch_checkpointing.config import TorchCheckpointingConfig
 
@@ -190,7 +190,7 @@ def _raw_index(file: Path, index: Mapping[str, TensorInfo]) -> dict[str, TensorI
     if not file.is_file():
         return {}
     try:
-        raw = {key: (tuple(shape), name) for key, (name, shape) in json.loads(file.read_bytes()).items()}
+        raw = {key: (tuple(shape), name) for key, (name, shape) in read_json(file, error=ValueError).items()}
         for key, (shape, name) in raw.items():
             if not isinstance(name, str) or name not in _TORCH_DTYPES:
                 raise ValueError(f"{key!r} names no torch dtype ({name!r})")
