@@ -14,6 +14,10 @@ Each group is one promise, and its tests are named after it:
 - ``test_bundle_limits_*``: tar members are checked for depth, name length, count and size before
   anything is written; an unpack that fails leaves no partial tree; ``ckpt list`` and ``ckpt inspect``
   refuse what ``ckpt unpack`` refuses.
+- ``test_cli_exit_*``: every ``ckpt`` command exits with the documented code for every typed error
+  (4 for damaged or unsafe, never a traceback without ``--debug``, never 1 for an error: 1 means
+  "tensors differ" or "verification failed"); ``ckpt verify`` fails what a load would refuse; a name
+  template that cannot format a step is refused when the config is built.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn
 from checkpoint_manager import (
     CheckpointConfig,
     CheckpointCorruptError,
+    CheckpointNotFoundError,
     DefaultCheckpointManager,
     EngineNotAvailableError,
     LoadContext,
@@ -635,3 +640,196 @@ def test_bundle_limits_a_failed_unpack_leaves_no_partial_tree(saved: Path, tmp_p
     empty.mkdir()
     assert ckpt(["unpack", str(cut), str(empty)]) == 4
     assert list(empty.iterdir()) == []
+
+
+# -- ckpt: documented exit codes, and verify fails what a load refuses ----------------------------------
+
+
+def _symlinked_data_file(step: Path, tmp: Path) -> None:
+    data = step / "__0_0.distcp"
+    outside = tmp / "outside.distcp"
+    shutil.copy(data, outside)
+    data.unlink()
+    data.symlink_to(outside)
+
+
+def _refused_record(step: Path, tmp: Path) -> None:
+    """The first tensor record claims a storage one byte longer than its tensor (its zip directory
+    says so, and its envelope is not the writer's), every recorded size and CRC-32 rewritten to match."""
+    data = step / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    assert raw[:4] == b"PK\x03\x04"
+    raw[:4] = b"PK\x07\x07"  # not our writer's envelope: the reader goes by the zip's directory
+    pos = raw.find(b"PK\x01\x02")
+    while not raw[pos + 46 : pos + 46 + int.from_bytes(raw[pos + 28 : pos + 30], "little")].endswith(b"/data/0"):
+        pos = raw.find(b"PK\x01\x02", pos + 4)
+    for field in (pos + 20, pos + 24):  # compressed and uncompressed size of the storage
+        raw[field : field + 4] = (int.from_bytes(raw[field : field + 4], "little") + 1).to_bytes(4, "little")
+    data.write_bytes(bytes(raw))
+    edit_meta(step)
+
+
+DAMAGES = {"symlinked_data_file": _symlinked_data_file, "refused_record": _refused_record}
+READING_COMMANDS = [
+    ("diff", "{step1}", "{step2}"),
+    ("diff", "{step2}", "{step1}"),
+    ("export", "{step2}", "--to", "safetensors", "--out", "{tmp}/e.safetensors"),
+    ("export", "{step2}", "--to", "torch", "--out", "{tmp}/e.pt"),
+    ("convert", "{step2}", "{tmp}/c.safetensors", "--to", "safetensors"),
+    ("convert", "{step2}", "{tmp}/c.pt", "--to", "torch"),
+]
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_cli_exit_reading_a_refused_file_is_4_in_one_line(
+    saved: Path, tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    step2 = saved / STEP2
+    DAMAGES[damage](step2, tmp_path)
+    names = {"step1": saved / STEP1, "step2": step2, "tmp": tmp_path}
+    expected = {"symlinked_data_file": "is a symlink, where a regular file was expected",
+                "refused_record": "step_00000002"}[damage]
+    for command in READING_COMMANDS:
+        argv = [part.format(**names) for part in command]
+        code = ckpt(argv)
+        err = capsys.readouterr().err
+        assert code == 4, (argv, code, err)  # never 1 ("tensors differ"), never a traceback
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"ckpt {argv[0]}: error: ") and expected in err, err
+        assert ckpt([*argv, "--debug"]) == 4
+        assert "Traceback" in capsys.readouterr().err  # --debug shows it
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_cli_exit_verify_fails_a_file_a_load_refuses(saved: Path, tmp_path: Path, damage: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    step2 = saved / STEP2
+    DAMAGES[damage](step2, tmp_path)
+    model, opt, ts = build(9)
+    with mgr(saved, verify_on_load="full") as m, pytest.raises(CheckpointCorruptError):
+        m.load(LoadContext(model=model, optimizer=opt, train_state=ts, path=str(step2)))
+    assert ckpt(["verify", str(step2), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["checkpoints"][0]["problems"]
+    assert ckpt(["verify", str(saved)]) == 1
+    assert f"FAILED {STEP2}" in capsys.readouterr().out
+
+
+def test_cli_exit_verify_fails_state_a_load_cannot_decode(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    step2 = saved / STEP2
+    state = json.loads((step2 / "state.json").read_text())
+    state["planted"] = {"__cm__": "no_such_tag"}
+    (step2 / "state.json").write_text(json.dumps(state))
+    edit_meta(step2)
+    model, opt, ts = build(9)
+    with mgr(saved) as m, pytest.raises(CheckpointCorruptError, match=r"state\.json: damaged state"):
+        m.load(LoadContext(model=model, optimizer=opt, train_state=ts, path=str(step2)))
+    for level in ("--sizes", "--full"):
+        assert ckpt(["verify", str(step2), level]) == 1, level
+        out = capsys.readouterr().out
+        assert "state.json: damaged state" in out, out
+
+
+def test_cli_exit_verify_fails_an_engine_this_process_lacks(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    step2 = saved / STEP2
+    edit_meta(step2, engine="no_such_pkg.engines:Engine")
+    assert ckpt(["verify", str(saved)]) == 1
+    out = capsys.readouterr().out
+    assert "records engine 'no_such_pkg.engines:Engine', which this process does not have" in out
+
+
+def test_cli_exit_verify_fails_a_symlinked_checkpoint_entry(saved: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A symlink in the save directory is no checkpoint to a load (discovery never follows one)."""
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(str(saved / STEP2), elsewhere)
+    (saved / STEP2).symlink_to(elsewhere)
+    model, opt, ts = build(9)
+    with mgr(saved) as m:
+        assert m.load(LoadContext(model=model, optimizer=opt, train_state=ts)).step == 1
+        with pytest.raises(CheckpointNotFoundError):
+            m.load(LoadContext(model=model, optimizer=opt, train_state=ts, step=2))
+    assert ckpt(["verify", str(saved)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED {STEP2}" in out and f"{saved / STEP2}: a symlink (to '{elsewhere}'), not a checkpoint directory" in out
+
+
+def test_cli_exit_verify_passes_intact_checkpoints_of_every_engine(saved: Path, tmp_path: Path) -> None:
+    """The load's checks pass what a load passes: DCP and an installed plugin's engine, 1 rank."""
+    assert ckpt(["verify", str(saved)]) == 0
+    assert ckpt(["verify", str(saved), "--sizes"]) == 0
+    with mgr(tmp_path / "st", engine="safetensors") as m:
+        model, opt, ts = build(3)
+        m.save(SaveContext(model=model, optimizer=opt, train_state=ts, force=True))
+    assert ckpt(["verify", str(tmp_path / "st")]) == 0
+
+
+def _every_error() -> dict[str, BaseException]:
+    """An instance of every error class the package exports (and those of its parts a command meets)."""
+    import checkpoint_manager as cm
+    from checkpoint_manager.core.safe_io import UnsafeFileError
+    from checkpoint_manager.lifecycle.finite import NonFiniteStateError
+
+    made: dict[str, BaseException] = {}
+    for name in cm.__all__:
+        cls = getattr(cm, name)
+        if not (isinstance(cls, type) and issubclass(cls, BaseException)) or issubclass(cls, Warning):
+            continue
+        if cls is cm.PostCommitError:
+            made[name] = cls("ckpt", "the pointer", OSError("disk"))
+        elif cls is NonFiniteStateError:
+            made[name] = cls(1, ["model.w"], 1)
+        else:
+            made[name] = cls("x")
+    made["UnsafeFileError"] = UnsafeFileError("x")
+    return made
+
+
+EXIT_CODES = {
+    "CheckpointNotFoundError": 3,
+    "CheckpointCorruptError": 4, "CheckpointVersionError": 4, "UnsafeCheckpointError": 4,
+    "BundleTooLargeError": 4, "EngineNotAvailableError": 4, "UnsafeFileError": 4, "NonFiniteStateError": 4,
+    "CheckpointError": 4, "FrozenChangedError": 4,
+    "CheckpointMismatchError": 2, "UnsupportedAdapterError": 2, "MissingConfigWarning": 2,
+    "CheckpointLockError": 5,
+    "BundleCacheError": 6, "CollectiveTimeoutError": 6, "AsyncSaveError": 6, "PostCommitError": 6,
+    "ManagerClosedError": 6,
+}
+
+
+def test_cli_exit_every_typed_error_has_its_documented_code() -> None:
+    from checkpoint_manager.cli.errors import classify
+
+    errors = _every_error()
+    assert set(errors) <= set(EXIT_CODES), f"no documented exit code for {sorted(set(errors) - set(EXIT_CODES))}"
+    for name, exc in errors.items():
+        assert int(classify(exc)) == EXIT_CODES[name], name
+        assert int(classify(exc)) != 1, name  # 1 is a finding (differences, a failed verification), not an error
+
+
+def test_cli_exit_a_dcp_checkpoint_exception_is_its_ranks_error() -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from checkpoint_manager.cli.errors import classify, describe
+    from checkpoint_manager.core.safe_io import UnsafeFileError
+
+    wrapped = CheckpointException("read", {0: (UnsafeFileError("d/x.distcp: is a symlink"), None)})
+    assert not isinstance(wrapped, Exception)
+    assert int(classify(wrapped)) == 4 and describe(wrapped) == "d/x.distcp: is a symlink"
+
+
+@pytest.mark.parametrize(
+    ("template", "shown"),
+    [("{step:q}", "{step:q} cannot format an int: Unknown format code 'q'"),
+     ("step_{step!z}", "{step!z} cannot format an int: Unknown conversion specifier z"),
+     ("{step}_{loss:%Y}", "{loss:%Y} cannot format an int or a float")],
+)
+def test_cli_exit_a_name_template_that_cannot_format_is_refused_when_the_config_is_built(
+    tmp_path: Path, template: str, shown: str
+) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=re.escape(f"name_template {template!r}: {shown}")):
+        CheckpointConfig(save_dir=str(tmp_path), name_template=template)
+    for fine in ("step_{step:08d}", "{step}-{val_loss:.3f}", "{epoch:03d}_{step}", "{step:>6}", "{step!r}"):
+        assert CheckpointConfig(save_dir=str(tmp_path), name_template=fine).name_template == fine

@@ -254,3 +254,12 @@ def test_subclass_from_dict_and_from_file(tmp_path: Path) -> None:
     # The base class refuses the subclass's field: a custom manager's YAML needs its config class.
     with pytest.raises(ValidationError, match=r"bucket\n  Extra inputs are not permitted"):
         CheckpointConfig.from_file(file)
+
+
+@pytest.mark.parametrize("mode", ["every", "final"])
+@pytest.mark.parametrize("engine", ["safetensors", "torch_checkpointing", "my_pkg.engines:Engine"])
+def test_save_consolidated_goes_with_every_engine(tmp_path: Path, mode: str, engine: str) -> None:
+    """The save-time export reads through the engine that wrote the checkpoint, so any engine takes
+    it (tests/test_engine_reading.py saves and loads the export with each)."""
+    cfg = CheckpointConfig(save_dir=str(tmp_path), engine=engine, save_consolidated=mode)
+    assert (cfg.engine, cfg.save_consolidated) == (engine, mode)

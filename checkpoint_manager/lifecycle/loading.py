@@ -17,9 +17,11 @@ from checkpoint_manager.core.integrity import Presence, VerifyLevel, check, read
 from checkpoint_manager.core.layout import (
     STATE_JSON,
     STATE_JSON_LIMIT,
+    CheckpointInfo,
     info_from_meta,
     rank_file,
     read_checkpoint_json,
+    superseded_by,
 )
 from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.engine.base import Engine, EngineContext
@@ -216,6 +218,7 @@ class LoadingMixin(ManagerCore):
             if self._in_save_dir(source):
                 self._resumed_from = basename(source)
                 self._parent, self._parent_known = info_from_meta(Path(basename(source)), meta), True
+                self._warn_going_back(self._parent)
                 if rank_json is not None and int(meta.get("world_size") or 1) == self._dist.world_size:
                     self._frozen.resumed(source, basename(source), rank_json.get("frozen"))  # save_frozen="once"
             else:  # the next save continues save_dir's newest line
@@ -251,6 +254,30 @@ class LoadingMixin(ManagerCore):
                 "read": t_read - t_plan,
                 "apply": t_end - t_read,
             },
+        )
+
+    def _warn_going_back(self, loaded: CheckpointInfo) -> None:
+        """Rank 0: a load of a checkpoint older than the newest of its line names what the next save
+        supersedes (a run that goes on from here starts a new line), and what becomes of them."""
+        if self._dist.rank != 0:
+            return
+        newer = superseded_by(loaded, self.list_checkpoints())
+        if not newer:
+            return
+        fate = (
+            "retention deletes them (delete_superseded=True)"
+            if self.config.delete_superseded
+            else "they are kept, listed as superseded and loadable by path (delete them with "
+            "delete_superseded=True or `ckpt prune --superseded`)"
+        )
+        log.warning(
+            "loaded %s (step %d), older than the newest checkpoint of %s: the next save starts a new line "
+            "from it and supersedes %s; %s",
+            loaded.name,
+            loaded.step,
+            self.config.save_dir,
+            ", ".join(f"{i.name} (step {i.step})" for i in newer),
+            fate,
         )
 
     def _load_plain(

@@ -108,6 +108,7 @@ def save_record(result: SaveResult, *, rank: int = 0, world_size: int = 1) -> di
         "committed": result.committed,
         "timings": _seconds(result.timings),
         **({"cadence": _seconds(result.cadence)} if result.cadence else {}),
+        **({"damaged": dict(result.damaged)} if result.damaged else {}),
         **({"frozen": dict(result.frozen)} if result.frozen else {}),
         "rank": rank,
         "world_size": world_size,

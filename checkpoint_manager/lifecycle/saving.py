@@ -37,7 +37,12 @@ from checkpoint_manager.core.layout import (
 )
 from checkpoint_manager.core.layout import now as now_stamp
 from checkpoint_manager.engine.base import EngineContext, EngineState, FileRecord
-from checkpoint_manager.errors import ManagerClosedError, PostCommitError
+from checkpoint_manager.errors import (
+    CheckpointCorruptError,
+    ManagerClosedError,
+    PostCommitError,
+    UnsafeCheckpointError,
+)
 from checkpoint_manager.lifecycle.core import ManagerCore
 from checkpoint_manager.lifecycle.exports import export_consolidated
 from checkpoint_manager.lifecycle.finite import FiniteCheck, NonFiniteStateError, finite_groups
@@ -88,6 +93,7 @@ class SaveJob:
     timings: dict[str, float] = field(default_factory=dict)
     final: bool = False  # the end of training (save_consolidated="final" exports only then)
     finite_checked: tuple[str, ...] = ()  # the groups check_finite found free of NaN/inf
+    damaged: dict[str, str] = field(default_factory=dict)  # what the retention pass found damaged (kept)
     hf_configs: list[Any] = field(default_factory=list)  # the models' HF/PEFT configs, recorded at commit
     nbytes: int = 0  # the checkpoint's tensor bytes, global (a DTensor counts its global size)
     frozen: frozenset[str] = frozenset()  # save_frozen="once": this rank's frozen keys (the engine's group)
@@ -247,8 +253,38 @@ class SavingMixin(ManagerCore):
         return job
 
     def _new_pending(self, dist: DistContext, name: str, step: int) -> Path:
-        return Path(
-            dist.on_coordinator(lambda: str(self._storage.new_pending(name)), f"step {step}: create pending directory")
+        def create() -> str:
+            self._set_aside_superseded(name)
+            return str(self._storage.new_pending(name))
+
+        return Path(dist.on_coordinator(create, f"step {step}: create pending directory"))
+
+    def _set_aside_superseded(self, name: str) -> None:
+        """Rank 0: a checkpoint named ``name`` that this save supersedes (a run went back before it)
+        is moved aside (``<name>.superseded``), so the new line's save takes its name and neither
+        replaces the other; it stays listed (as superseded) and loadable. A checkpoint on the line
+        this save continues, or one that cannot be judged (damaged), keeps its name: the save is
+        committed as ``<name>-v2``."""
+        try:
+            there = self._storage.info_at(self._storage.location_of(name))
+        except (CheckpointCorruptError, OSError):
+            return  # the usual case: no checkpoint has this name
+        parent = self._save_parent()
+        own, line = there.lineage, parent.lineage if parent is not None else None
+        if own is None or line is None or own.seq in line:
+            return
+        try:
+            aside = self._storage.set_aside(name)
+        except (OSError, UnsafeCheckpointError) as exc:  # the save goes on under name-v2
+            log.warning("could not set superseded checkpoint %s aside (%s); saving under another name", name, exc)
+            return
+        log.warning(
+            "moved superseded checkpoint %s (step %d) to %s: this save, on the line that went back to %s, "
+            "takes its name; it stays loadable by path",
+            there.location,
+            there.step,
+            self._storage.location_of(aside),
+            parent.name if parent is not None else "an older checkpoint",
         )
 
     def _engine_context(self, dist: DistContext, step: int) -> EngineContext:
@@ -370,6 +406,7 @@ class SavingMixin(ManagerCore):
             stall_seconds=job.timings.get("stall", seconds),
             committed=True,
             timings=dict(job.timings),
+            damaged=dict(job.damaged),
             frozen=dict(job.frozen_summary),
         )
 
@@ -421,29 +458,44 @@ class SavingMixin(ManagerCore):
         final = self._storage.commit(pending, job.name)  # object stores: the marker is written last
         final_name = basename(final)
         try:
-            self._storage.write_pointer(LATEST_POINTER, {"name": final_name, "step": job.step})
+            # the pointer records the lineage too: the line survives a damaged checkpoint.json of the head
+            self._storage.write_pointer(
+                LATEST_POINTER, {"name": final_name, "step": job.step, "lineage": lineage.to_json()}
+            )
         except Exception as exc:  # committed already: say so, rather than "the save failed"
             raise PostCommitError(str(final), f"moving the {LATEST_POINTER!r} pointer", exc) from exc
         self._parent, self._parent_known = info_from_meta(Path(final_name), meta), True
         t_prune = time.perf_counter()
-        if self._retain(final_name):
+        if self._retain(final_name, job):
             job.timings["prune"] = time.perf_counter() - t_prune
         return str(final)
 
     def _lineage(self) -> tuple[CheckpointInfo | None, Lineage]:
         """Rank 0, at commit: the save's parent and lineage (numbered after every save on disk)."""
         infos = self.list_checkpoints()
-        parent = self._parent if self._parent_known else (infos[-1] if infos else None)
-        return parent, next_lineage(parent, infos)
+        parent = self._save_parent(infos)
+        return parent, next_lineage(parent, infos, pointer=self._storage.read_pointer(LATEST_POINTER))
 
-    def _retain(self, committed: str) -> bool:
-        """``best`` pointer, then retention: only now that the new checkpoint is durable, never fatal."""
+    def _save_parent(self, infos: list[CheckpointInfo] | None = None) -> CheckpointInfo | None:
+        """What the next save descends from: the checkpoint this run loaded or last saved, else the
+        newest of the directory's current line (the newest listed may be off it, see order_checkpoints)."""
+        if self._parent_known:
+            return self._parent
+        line = [i for i in (self.list_checkpoints() if infos is None else infos) if not i.superseded]
+        return line[-1] if line else None
+
+    def _retain(self, committed: str, job: SaveJob) -> bool:
+        """``best`` pointer, then retention: only now that the new checkpoint is durable, never fatal.
+        What the pass found damaged (and kept) goes into the save's result and its event."""
         if not self._pruner.active:
             return False
         if not self._holds_writer_lock():  # writer_lock=False: another process may be the writer
             return False
         try:
-            self._pruner.after_commit(protected={committed, *filter(None, [self._resumed_from])})
+            plan = self._pruner.after_commit(
+                protected={committed, *filter(None, [self._resumed_from])}, written=committed
+            )
+            job.damaged = dict(plan.damaged)
         except Exception as exc:  # the save itself succeeded: report, and try again after the next one
             log.warning(
                 "retention after committing %s failed (retried after the next save): %r", committed, exc

@@ -11,9 +11,10 @@ the command line do to a root goes through this protocol: no caller asks which k
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar, runtime_checkable
@@ -37,6 +38,7 @@ __all__ = [
     "json_bytes",
     "parent_url",
     "parse_pointer",
+    "set_aside_names",
 ]
 
 _T = TypeVar("_T")
@@ -63,6 +65,13 @@ def deleted_name(entry: str) -> str | None:
 def is_deleting(entry: str) -> bool:
     """Whether ``entry`` (a name in the pending directory) is a checkpoint being deleted, in either spelling."""
     return deleted_name(entry) is not None
+
+
+def set_aside_names(name: str) -> Iterator[str]:
+    """The names :meth:`Storage.set_aside` tries for checkpoint ``name``, in order."""
+    yield f"{name}.superseded"
+    for n in itertools.count(2):
+        yield f"{name}.superseded-{n}"
 
 
 def parse_pointer(raw: bytes) -> dict[str, Any] | None:
@@ -276,6 +285,11 @@ class Storage(Protocol):
     def link_pointers(self, targets: Mapping[str, str | None]) -> None:
         """Point each symlink (``latest_checkpoint``, ...) at its checkpoint's name, or remove it for None;
         for people browsing. A store without symlinks does nothing."""
+        ...
+
+    def set_aside(self, name: str) -> str:
+        """Give committed checkpoint ``name`` the first free name ``<name>.superseded``,
+        ``<name>.superseded-2``, ... (it stays committed and listed at every moment); returns it."""
         ...
 
     def hide(self, name: str) -> str:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from checkpoint_manager.core.integrity import check, verify
 from checkpoint_manager.core.layout import (
+    LATEST_POINTER,
     PENDING_DIR,
     POINTER_LIMIT,
     CheckpointInfo,
@@ -30,7 +31,13 @@ from checkpoint_manager.core.layout import (
 )
 from checkpoint_manager.core.safe_io import inside, read_json, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, PostCommitError, UnsafeCheckpointError
-from checkpoint_manager.storage.base import deleting_name, is_deleting, json_bytes, parse_pointer
+from checkpoint_manager.storage.base import (
+    deleting_name,
+    is_deleting,
+    json_bytes,
+    parse_pointer,
+    set_aside_names,
+)
 from checkpoint_manager.storage.lock import WriterLock
 
 if TYPE_CHECKING:
@@ -255,7 +262,7 @@ class LocalStorage:
 
     # -- discovery --------------------------------------------------------------------------------
     def scan(self) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
-        return scan_checkpoints(self.root, self.list_names())
+        return scan_checkpoints(self.root, self.list_names(), pointer=self.read_pointer(LATEST_POINTER))
 
     def info_at(self, location: str) -> CheckpointInfo:
         path = Path(location)
@@ -353,6 +360,17 @@ class LocalStorage:
 
     def delete_checkpoint(self, name: str) -> None:
         self.purge(self.hide(name))
+
+    def set_aside(self, name: str) -> str:
+        """One rename, to a name nothing holds (a rename onto an empty directory would replace it)."""
+        for candidate in set_aside_names(name):
+            if os.path.lexists(self.root / candidate):
+                continue
+            os.rename(self.root / name, self.root / candidate)
+            if self.fsync:
+                fsync_dir(self.root)
+            return candidate
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def hide(self, name: str) -> str:
         """Rename checkpoint ``name`` into ``.pending`` (one step): it leaves the listing at once."""

@@ -33,6 +33,7 @@ from checkpoint_manager.core.checksum import crc32
 from checkpoint_manager.core.integrity import describe_files, verify
 from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
+    LATEST_POINTER,
     METADATA_FILE,
     PENDING_DIR,
     CheckpointInfo,
@@ -43,7 +44,7 @@ from checkpoint_manager.core.layout import (
 )
 from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
-from checkpoint_manager.storage.base import json_bytes, parse_pointer
+from checkpoint_manager.storage.base import json_bytes, parse_pointer, set_aside_names
 from checkpoint_manager.storage.local import (
     LocalStorage,
     in_flight_names,
@@ -252,7 +253,7 @@ class _ObjectRoot:
                 good.append(info)
                 current[name] = (stamp, info)
         self._scan_cache = current
-        return order_checkpoints(good), bad
+        return order_checkpoints(good, pointer=self.read_pointer(LATEST_POINTER)), bad
 
     def read_pointer(self, kind: str) -> dict[str, Any] | None:
         try:
@@ -545,6 +546,23 @@ class FsspecStorage(_ObjectRoot):
     def delete_checkpoint(self, name: str) -> None:
         """Marker first (the checkpoint leaves the listing at once), then the rest."""
         self.purge(self.hide(name))
+
+    def set_aside(self, name: str) -> str:
+        """Copy every object to the first free prefix, the marker last (the copy is committed whole or
+        not at all), then unlist and delete the original: one of the two is listed at every moment."""
+        self.fs.invalidate_cache(self.root)
+        entries = self._call(f"list {self.url}", self.fs.ls, self.root, detail=False)
+        taken = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
+        candidate = next(n for n in set_aside_names(name) if n not in taken)
+        src, dst = self.key(name), self.key(candidate)
+        self.fs.invalidate_cache(src)
+        rels = [str(p)[len(src) + 1 :] for p in self._call(f"list {self.location_of(name)}", self.fs.find, src)]
+        data = [r for r in rels if r and r != CHECKPOINT_JSON]
+        self._transfer("copy", self.fs.copy, [(f"{src}/{r}", f"{dst}/{r}") for r in data])
+        self._call(f"copy {self.location_of(name)}/{CHECKPOINT_JSON}", self.fs.copy,
+                   f"{src}/{CHECKPOINT_JSON}", f"{dst}/{CHECKPOINT_JSON}")
+        self.delete_checkpoint(name)
+        return candidate
 
     def hide(self, name: str) -> str:
         """Delete the marker: the prefix is then pending (unlisted); returns ``name`` for :meth:`purge`."""
