@@ -8,8 +8,8 @@ The state is a LoRA-style fine-tuning shape: ``--layers`` frozen ``Linear(d, d)`
 ``--base-gib`` in all), a rank-16 adapter pair beside each (trainable) and AdamW on the adapters
 only. Each round, in one process and each in a fresh directory:
 
-- **first save**: the first save of a fresh manager, ``"once"`` and ``"every"`` (the order alternates
-  per round): what ``"once"`` costs the save that writes the base;
+- **first save**: the first save of a fresh manager, ``"once"`` and ``"every"``, ``--firsts`` times
+  each (the order alternates): what ``"once"`` costs the save that writes the base;
 - **later saves**: after a training step (the adapters and AdamW state change, the base does not),
   ``--saves`` sync saves of each manager, ``dcp.save`` of the same state dict, and the ``O_DIRECT``
   write + fsync of the trainable state's and its optimizer state's bytes from aligned memory (the
@@ -122,7 +122,9 @@ def direct_write(nbytes_: int, path: Path) -> float:
     return seconds
 
 
-def one_round(model: Adapted, optimizer: torch.optim.Optimizer, root: Path, saves: int, flip: bool) -> dict[str, Any]:
+def one_round(
+    model: Adapted, optimizer: torch.optim.Optimizer, root: Path, saves: int, firsts: int, flip: bool
+) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -130,17 +132,22 @@ def one_round(model: Adapted, optimizer: torch.optim.Optimizer, root: Path, save
 
     out: dict[str, Any] = {"first": {}, "later": {}, "bytes": {}, "check_seconds": [], "stall": {}, "async_total": {}}
     modes = ["once", "every"] if not flip else ["every", "once"]
-    managers = {}
     step = 0
+    for i in range(firsts):  # first saves: fresh managers, alternating which goes first
+        for mode in modes if i % 2 else modes[::-1]:
+            with DefaultCheckpointManager(CheckpointConfig(save_dir=str(root / f"first-{mode}"), save_frozen=mode)) as manager:
+                os.sync()
+                result = manager.save(SaveContext(model=model, optimizer=optimizer, train_state=TrainState(step=1), force=True))
+            assert result is not None
+            out["first"].setdefault(mode, []).append(result.seconds)
+            shutil.rmtree(root / f"first-{mode}")
+    managers = {}
     stack = contextlib.ExitStack()
-    for mode in modes:  # first saves: fresh managers
+    for mode in modes:  # the base of the later saves
         cfg = CheckpointConfig(save_dir=str(root / mode), keep_last=2, save_frozen=mode)
         managers[mode] = stack.enter_context(DefaultCheckpointManager(cfg))
         step += 1
-        os.sync()
-        result = managers[mode].save(SaveContext(model=model, optimizer=optimizer, train_state=TrainState(step=step), force=True))
-        assert result is not None
-        out["first"][mode] = result.seconds
+        managers[mode].save(SaveContext(model=model, optimizer=optimizer, train_state=TrainState(step=step), force=True))
     for _ in range(saves):
         train_step(model, optimizer)
         step += 1
@@ -187,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--saves", type=int, default=3, help="later saves per round and manager")
+    ap.add_argument("--firsts", type=int, default=3, help="first saves per round and mode (fresh managers)")
     ap.add_argument("--dir", default=None, help="where the saves go (default: a temporary directory)")
     ap.add_argument("--json", default=None, help="also write the raw results here")
-    ap.add_argument("--quick", action="store_true", help="a 32 MiB base, 1 round, 1 later save: a smoke run")
+    ap.add_argument("--quick", action="store_true", help="a 32 MiB base, 1 round, 1 save of each kind: a smoke run")
     args = ap.parse_args(argv)
     if args.quick:
-        args.base_gib, args.layers, args.rounds, args.saves = 1 / 32, 4, 1, 1
+        args.base_gib, args.layers, args.rounds, args.saves, args.firsts = 1 / 32, 4, 1, 1, 1
     model, optimizer = build(args.base_gib, args.layers)
     base = nbytes(p for p in model.parameters() if not p.requires_grad)
     trainable = trainable_bytes(model, optimizer)
@@ -202,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds + 1):  # round 0 warms the process up (buffers, plans): not counted
             work = root / f"round{i}"
             work.mkdir(parents=True)
-            result = one_round(model, optimizer, work, args.saves if i else 1, flip=bool(i % 2))
+            result = one_round(model, optimizer, work, args.saves if i else 1, args.firsts if i else 1, flip=bool(i % 2))
             if i:
                 rounds.append(result)
             shutil.rmtree(work)

@@ -87,4 +87,5 @@ class PostCommitError(CheckpointError):
 
 
 class UnsupportedConfigWarning(UserWarning):
-    """A config field was set that the chosen manager declares it does not implement."""
+    """A config field was set that the chosen manager declares it does not implement, or that the
+    chosen engine cannot honour (``save_frozen="once"`` with an engine without ``places_groups``)."""

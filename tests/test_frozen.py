@@ -176,11 +176,16 @@ def test_where_files_cannot_be_linked_the_base_is_written_and_the_record_says_so
         raise OSError(18, "Invalid cross-device link")  # what link() says across file systems
 
     run = Run(0)
-    with DefaultCheckpointManager(frozen_config(tmp_path, keep_last=None)) as manager:
+    with DefaultCheckpointManager(frozen_config(tmp_path, keep_last=None, event_log=True)) as manager:
         run.train_to(1, manager)
         monkeypatch.setattr(os, "link", cross_device)
         (result,) = run.train_to(2, manager)
     how = result.frozen["files"][FROZEN_FILE]["how"]
+    from checkpoint_manager import read_event_log
+
+    logged = [r["frozen"]["files"][FROZEN_FILE]["how"] for r in read_event_log(tmp_path / "checkpoint_events.jsonl")
+              if r["event"] == "save"]
+    assert logged == ["write", how]
     assert how in ("reflink", "write")  # a clone where the file system has them (XFS, btrfs), else a write
     assert result.frozen["written_bytes" if how == "write" else "shared_bytes"] > 0
     a, b = (os.stat(tmp_path / n / FROZEN_FILE) for n in steps_in(tmp_path))
@@ -285,3 +290,47 @@ def test_the_tiered_manager_shares_the_base_within_each_tier_and_resumes_bit_exa
         with create_checkpoint_manager({**fields, "local_dir": str(tier if tier == local else tmp_path / "gone")}) as manager:
             assert manager.load(resumed.load_context()).step == 6
         assert_same(snapshot(resumed), reference)
+
+
+def test_ckpt_prune_frees_a_shared_base_only_with_its_last_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = Run(0)
+    with DefaultCheckpointManager(frozen_config(tmp_path, keep_last=None)) as manager:
+        run.train_to(3, manager)
+    own = sum(p.stat().st_size for n in ("step_00000001", "step_00000002")
+              for p in (tmp_path / n).iterdir() if p.name != FROZEN_FILE)
+    capsys.readouterr()
+    assert ckpt(["prune", str(tmp_path), "--keep-last", "1", "--yes", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [d["name"] for d in doc["deleted"]] == ["step_00000001", "step_00000002"]
+    assert doc["freed_bytes"] == own  # the base lives on in step 3
+    assert steps_in(tmp_path) == ["step_00000003"] and verify(str(tmp_path / "step_00000003")) == []
+    assert os.stat(tmp_path / "step_00000003" / FROZEN_FILE).st_nlink == 1
+    loaded = Run(9)
+    with DefaultCheckpointManager(frozen_config(tmp_path)) as manager:
+        assert manager.load(loaded.load_context()).step == 3
+    assert_same(snapshot(loaded), snapshot(run))
+
+
+def test_an_engine_that_cannot_place_a_group_is_told(tmp_path: Path) -> None:
+    from checkpoint_manager import UnsupportedConfigWarning
+
+    with pytest.warns(UnsupportedConfigWarning, match="engine='safetensors' keeps no tensor group"), \
+            DefaultCheckpointManager(frozen_config(tmp_path / "a", engine="safetensors")):
+        pass
+    with pytest.raises(ValueError, match=r"save_frozen='once' has no effect.*on_unsupported_field='error'"):
+        DefaultCheckpointManager(frozen_config(tmp_path / "b", engine="safetensors", on_unsupported_field="error"))
+
+
+def test_a_shared_file_replaced_on_disk_is_not_shared_but_written_again(tmp_path: Path) -> None:
+    run = Run(0)
+    with DefaultCheckpointManager(frozen_config(tmp_path, keep_last=None)) as manager:
+        run.train_to(1, manager)
+        frozen = tmp_path / "step_00000001" / FROZEN_FILE
+        data = frozen.read_bytes()
+        frozen.unlink()
+        frozen.write_bytes(data)  # the same bytes in another file: not the one this manager wrote
+        (result,) = run.train_to(2, manager)
+    assert result.frozen["files"][FROZEN_FILE] == {"how": "write"}
+    assert os.stat(tmp_path / "step_00000002" / FROZEN_FILE).st_nlink == 1

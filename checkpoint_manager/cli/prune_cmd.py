@@ -140,7 +140,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     pruner = build_pruner(storage, **rules, force=args.force, verify=args.verify)
     plan = pruner.prune(dry_run=True)
     sizes = {c.name: storage.size_of(c.location) for c in plan.delete}
-    shown = _document(where, rules, plan, storage, sizes, [c.name for c in plan.delete], [], dry_run=True)
+    files = _file_tables(storage, plan.delete)  # before anything is deleted: what each holds, by inode
+    shown = _document(where, rules, plan, storage, sizes, files, [c.name for c in plan.delete], [], dry_run=True)
     delete = not args.dry_run and bool(plan.delete)
     asked = False
     if delete and not args.yes:
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
             )
             return ExitCode.USAGE
         _show(out, shown, verb="would delete", summary=False, document=False)
-        if not _confirm(out, len(plan.delete), sum(sizes.values())):
+        if not _confirm(out, len(plan.delete), shown["freed_bytes"]):
             out.note("ckpt prune: nothing deleted")
             if out.json_mode:
                 out.emit(shown)
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     deleted_names = [c.name for c in done]
     remaining = {c.name for c in storage.scan()[0]}
     failed = [c.name for c in plan.delete if c.name not in deleted_names and c.name in remaining]
-    doc = _document(where, rules, plan, storage, sizes, deleted_names, failed, dry_run=False)
+    doc = _document(where, rules, plan, storage, sizes, files, deleted_names, failed, dry_run=False)
     _show(out, doc, verb="deleted", lines=not asked, notes=not asked)  # asked: the plan is on screen
     return _status(plan, failed)
 
@@ -199,6 +200,7 @@ def _document(
     plan: RetentionPlan,
     storage: Storage,
     sizes: dict[str, int],
+    files: dict[str, Any] | None,
     deleted_names: list[str],
     failed: list[str],
     *,
@@ -216,7 +218,7 @@ def _document(
         "deleted": [{"name": n, "step": steps.get(n), "superseded": n in superseded, "bytes": sizes.get(n, 0)}
                     for n in deleted_names],
         "failed": failed,
-        "freed_bytes": sum(sizes.get(n, 0) for n in deleted_names),
+        "freed_bytes": _freed(deleted_names, sizes, files),
         "damaged": [{"name": n, "step": steps.get(n), "problem": problem} for n, problem in plan.damaged.items()],
     }
 
@@ -283,3 +285,24 @@ def _reasons(raw: list[str], pointers: list[str]) -> list[str]:
                 "KeepUnranked": "keep-unranked", "KeepAll": "the line"}.get(head, head)
         out.append(" ".join([name, *values[:1]]) if head not in ("KeepUnranked", "KeepAll") else name)
     return out
+
+
+def _file_tables(storage: Any, doomed: list[Any]) -> dict[str, Any] | None:
+    """Each checkpoint's files by inode, on a local disk (None in an object store: no links there)."""
+    if not storage.is_local:
+        return None
+    from pathlib import Path
+
+    from checkpoint_manager.storage.local import file_table
+
+    return {c.name: file_table(Path(c.location)) for c in doomed}
+
+
+def _freed(deleted: list[str], sizes: dict[str, int], files: dict[str, Any] | None) -> int:
+    """What the deletion frees: on a local disk a file hard-linked into a kept checkpoint (a shared
+    frozen file, ``save_frozen="once"``) frees nothing; in an object store every object is its own."""
+    if files is None:
+        return sum(sizes.get(n, 0) for n in deleted)
+    from checkpoint_manager.storage.local import freed_size
+
+    return freed_size([files[n] for n in deleted if n in files])

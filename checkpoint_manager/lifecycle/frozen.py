@@ -14,6 +14,8 @@ of its own, so deleting any one of them leaves the others loadable.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from checkpoint_manager.core.checksum import tensor_crc32
+from checkpoint_manager.core.checksum import crc32_many, tensor_crc32
 from checkpoint_manager.engine.base import EngineContext, FileRecord, GroupBase
 from checkpoint_manager.engine.staging import local_tensor
 from checkpoint_manager.errors import CheckpointError
@@ -58,6 +60,23 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
     return _described(tensor, tensor_crc32(local_tensor(tensor)))
 
 
+def fingerprints(tensors: Mapping[str, torch.Tensor], keys: frozenset[str]) -> dict[str, Fingerprint]:
+    """The fingerprints of ``keys``, in key order: the host tensors' bytes read in place by several
+    threads at once (``crc32_many``), a device tensor's through a host buffer."""
+    out: dict[str, Fingerprint] = {}
+    host: list[tuple[str, torch.Tensor]] = []
+    for key in sorted(keys):
+        local = local_tensor(tensors[key]).detach()
+        if local.is_cpu and local.is_contiguous() and local.numel():
+            host.append((key, local))
+        else:
+            out[key] = fingerprint(tensors[key])
+    views = [memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B") for _, t in host]
+    for (key, _), crc in zip(host, crc32_many(views), strict=True):
+        out[key] = _described(tensors[key], crc)
+    return dict(sorted(out.items()))
+
+
 @dataclass
 class _Holder:
     """The newest committed checkpoint holding this rank's group files, and what they hold."""
@@ -66,6 +85,26 @@ class _Holder:
     origin: str  # the checkpoint that wrote the bytes
     files: dict[str, FileRecord]
     fingerprints: dict[str, Fingerprint]
+    #: local storage: each file's (device, inode, mtime) when this manager saved or loaded it; only
+    #: that very file is shared (None: an object store, where the recorded sizes are checked instead)
+    identity: dict[str, tuple[int, int, int]] | None = None
+
+    def intact(self) -> bool:
+        """Whether the files are still the ones recorded (a local path may have been replaced)."""
+        return self.identity is None or _identity(self.location, self.files) == self.identity
+
+
+def _identity(location: str, files: Mapping[str, FileRecord]) -> dict[str, tuple[int, int, int]] | None:
+    """The (device, inode, mtime) of each file of the local checkpoint at ``location`` (a file put in
+    its place gets another inode, or at least another mtime); None if one is missing."""
+    out: dict[str, tuple[int, int, int]] = {}
+    for rel in files:
+        try:
+            st = os.stat(Path(location) / rel)
+        except OSError:
+            return None
+        out[rel] = (st.st_dev, st.st_ino, st.st_mtime_ns)
+    return out
 
 
 @dataclass
@@ -121,9 +160,9 @@ class FrozenSaves:
         if holder is None or not keys:
             return plan
         t0 = time.perf_counter()
-        checked = {key: fingerprint(tensors[key]) for key in sorted(keys)}
+        checked = fingerprints(tensors, keys)
         plan.checked = checked
-        if checked == holder.fingerprints:
+        if checked == holder.fingerprints and holder.intact():
             how = storage.share_files(holder.location, pending, holder.files)
             if how is not None:
                 plan.base = GroupBase(holder.location, dict(holder.files))
@@ -186,7 +225,18 @@ class FrozenSaves:
                 )
         return out
 
-    def resumed(self, location: str, name: str, record: Any) -> None:
+    def _hold(self, holder: _Holder, storage: Storage) -> None:
+        """Share from ``holder`` from now on: on local storage, the very files that are there now
+        (none, when one is missing: a node that does not hold the committed directory)."""
+        if storage.is_local:
+            identity = _identity(holder.location, holder.files)
+            if identity is None:
+                self._holder = None
+                return
+            holder.identity = identity
+        self._holder = holder
+
+    def resumed(self, location: str, name: str, record: Any, storage: Storage) -> None:
         """A load of this rank's part of the checkpoint at ``location`` (of this manager's save
         directory, saved by as many ranks): the next save shares its group files if the frozen
         tensors still match the fingerprints its rank JSON recorded (``record``, untrusted: anything
@@ -202,14 +252,14 @@ class FrozenSaves:
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             return
         if files and prints:
-            self._holder = _Holder(location, origin, files, prints)
+            self._hold(_Holder(location, origin, files, prints), storage)
 
-    def committed(self, plan: FrozenPlan, location: str, name: str) -> None:
+    def committed(self, plan: FrozenPlan, location: str, name: str, storage: Storage) -> None:
         """The save is committed at ``location``: the next save shares from it."""
         if not plan.files:
             self._holder = None
             return
-        self._holder = _Holder(location, plan.origin or name, dict(plan.files), dict(plan.fingerprints))
+        self._hold(_Holder(location, plan.origin or name, dict(plan.files), dict(plan.fingerprints)), storage)
 
 
 def summarize(parts: list[Any]) -> dict[str, Any]:

@@ -220,7 +220,8 @@ class LoadingMixin(ManagerCore):
                 self._parent, self._parent_known = info_from_meta(Path(basename(source)), meta), True
                 self._warn_going_back(self._parent)
                 if rank_json is not None and int(meta.get("world_size") or 1) == self._dist.world_size:
-                    self._frozen.resumed(source, basename(source), rank_json.get("frozen"))  # save_frozen="once"
+                    # save_frozen="once": the next save may share this checkpoint's frozen files
+                    self._frozen.resumed(source, basename(source), rank_json.get("frozen"), self._storage)
             else:  # the next save continues save_dir's newest line
                 self._parent, self._parent_known = None, False
             if not self._prepared:  # the first save after a resume is warm too

@@ -387,7 +387,7 @@ class SavingMixin(ManagerCore):
             if self._last_saved_step is None or job.step >= self._last_saved_step:
                 self._last_saved_step, self._last_saved_known = job.step, True
         if plan is not None:
-            self._frozen.committed(plan, str(final), basename(final))
+            self._frozen.committed(plan, str(final), basename(final), self._storage)
         seconds = time.perf_counter() - job.started
         nbytes = job.nbytes
         log.info(

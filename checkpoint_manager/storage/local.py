@@ -43,7 +43,7 @@ from checkpoint_manager.storage.lock import WriterLock
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
 
-__all__ = ["LocalStorage", "fsync_dir", "share_file", "update_symlink"]
+__all__ = ["FileId", "LocalStorage", "file_table", "freed_size", "fsync_dir", "share_file", "update_symlink"]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -208,6 +208,34 @@ def tree_size(path: Path) -> int:
                 if stat.S_ISREG(st.st_mode):
                     total += st.st_size
     return total
+
+
+#: a regular file of a checkpoint: ((device, inode), its number of names, its size)
+FileId = tuple[tuple[int, int], int, int]
+
+
+def file_table(path: Path) -> list[FileId]:
+    """The regular files below ``path``, for :func:`freed_size` (taken before a deletion)."""
+    out: list[FileId] = []
+    for dirpath, _dirs, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                if stat.S_ISREG(st.st_mode):
+                    out.append(((st.st_dev, st.st_ino), st.st_nlink, st.st_size))
+    return out
+
+
+def freed_size(tables: list[list[FileId]]) -> int:
+    """Bytes that deleting the checkpoints of ``tables`` frees: each file once, and only a file none
+    of whose names lies outside them (a frozen file hard-linked into a kept checkpoint frees nothing)."""
+    here: dict[tuple[int, int], int] = {}
+    files: dict[tuple[int, int], tuple[int, int]] = {}
+    for table in tables:
+        for ident, links, size in table:
+            here[ident] = here.get(ident, 0) + 1
+            files[ident] = (links, size)
+    return sum(size for ident, (links, size) in files.items() if here[ident] >= links)
 
 
 class LocalStorage:

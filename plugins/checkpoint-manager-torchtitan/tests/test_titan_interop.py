@@ -9,10 +9,14 @@ docs/integrations.md).
 from __future__ import annotations
 
 import pickle
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+if sys.version_info < (3, 11):  # scripts/venv.sh leaves this plugin out on older Pythons
+    pytest.skip("torchtitan needs Python 3.11", allow_module_level=True)
 import torch
 from cm_torchtitan import TorchTitanCheckpointManager, find_titan_steps
 from titan_fixtures import STEPS, deterministic, reference
@@ -20,6 +24,13 @@ from titan_rig import TokenStream, assert_same, build_rig, checkpointer, snapsho
 from torchtitan.config import ConfigManager
 
 __all__ = ["deterministic", "reference"]  # fixtures, used by name
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"),  # torchdata's, on every loader
+    pytest.mark.filterwarnings("ignore:To get the last learning rate"),  # torchtitan's scheduler load
+    pytest.mark.filterwarnings("ignore::checkpoint_manager.MissingConfigWarning"),  # no HF config.json here
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),  # torchtitan's backend, one process
+]
 
 Ref = dict[int, dict[str, torch.Tensor]]
 
@@ -137,15 +148,18 @@ def test_our_hf_export_into_torchtitans_dcp_backend(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        # our fields are --checkpoint.* flags: the config function already holds our Config
+        # our fields are --checkpoint.* flags: the config function already holds our Config; the
+        # dict fields (tyro parses no dict[str, Any]) come through the override's JSON
         [
             "--module", "cm_torchtitan", "--config", "llama3_debugmodel",
             "--checkpoint.keep_best", "3", "--checkpoint.monitor", "loss_metrics/global_avg_loss",
+            "--override.imports", 'cm_torchtitan.override.use_checkpoint_manager={"options": {"save_at_steps": [7]}}',
         ],
         # torchtitan parses its own Config, so ours come as the override's JSON
         [
             "--module", "llama3", "--config", "llama3_debugmodel", "--override.imports",
-            'cm_torchtitan.override.use_checkpoint_manager={"keep_best": 3, "monitor": "loss_metrics/global_avg_loss"}',
+            'cm_torchtitan.override.use_checkpoint_manager={"keep_best": 3, "monitor": "loss_metrics/global_avg_loss",'
+            ' "options": {"save_at_steps": [7]}}',
         ],
     ],
     ids=["module", "override"],
@@ -161,5 +175,5 @@ def test_selected_by_torchtitans_command_line(argv: list[str]) -> None:
     checkpoint = config.checkpoint
     assert type(checkpoint) is TorchTitanCheckpointManager.Config
     assert (checkpoint.enable, checkpoint.interval, checkpoint.keep_best) == (True, 5, 3)
-    assert checkpoint.monitor == "loss_metrics/global_avg_loss"
+    assert checkpoint.monitor == "loss_metrics/global_avg_loss" and checkpoint.options == {"save_at_steps": [7]}
     assert checkpoint.last_save_model_only is False  # llama3_debugmodel's own value, kept

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 import types
 from pathlib import Path
 
 import pytest
+
+if sys.version_info < (3, 11):  # scripts/venv.sh leaves this plugin out on older Pythons
+    pytest.skip("torchtitan needs Python 3.11", allow_module_level=True)
 import torch
 from cm_torchtitan import TorchTitanCheckpointManager, loads_plain_data
 from cm_torchtitan.manager import MARK_DTYPE, MARK_MODEL_ONLY
@@ -25,6 +29,13 @@ from checkpoint_manager import CheckpointNotFoundError, NonFiniteStateError, Uns
 from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 
 __all__ = ["deterministic", "reference"]  # fixtures, used by name
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"),  # torchdata's, on every loader
+    pytest.mark.filterwarnings("ignore:To get the last learning rate"),  # torchtitan's scheduler load
+    pytest.mark.filterwarnings("ignore::checkpoint_manager.MissingConfigWarning"),  # no HF config.json here
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),  # torchtitan's backend, one process
+]
 
 Ref = dict[int, dict[str, torch.Tensor]]
 
@@ -55,6 +66,11 @@ def test_interval_saves_its_multiples_and_the_last_step(tmp_path: Path) -> None:
 def test_enable_first_step_checkpoint_saves_step_one(tmp_path: Path) -> None:
     run(tmp_path, 3, interval=4, enable_first_step_checkpoint=True, keep_latest_k=0)
     assert committed_steps(tmp_path) == [1]
+
+
+def test_a_save_policy_of_ours_decides_beside_interval(tmp_path: Path) -> None:
+    run(tmp_path, 5, interval=4, keep_latest_k=0, options={"save_at_steps": [3]})
+    assert committed_steps(tmp_path) == [3, 4]
 
 
 def test_keep_latest_k_keeps_only_the_newest(tmp_path: Path) -> None:
@@ -286,6 +302,18 @@ def test_save_frozen_once_shares_a_frozen_embedding(tmp_path: Path) -> None:
     train(rig, ckpt, STEPS)
     ckpt.close()
     assert_same(snapshot(rig), snapshot(ref))
+
+
+def test_a_folder_in_object_storage(reference: Ref) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))  # the repository's S3 server
+    from s3_server import MotoS3, storage_options
+
+    with MotoS3() as s3:
+        url = f"s3://{s3.make_bucket()}/run"
+        options = storage_options(s3.endpoint)
+        run(url, 4, interval=2, storage_options=options)  # type: ignore[arg-type]
+        rig, _ = resumed(url, interval=2, storage_options=options)  # type: ignore[arg-type]
+        assert_same(snapshot(rig), reference[4])
 
 
 def test_the_tiered_manager_does_the_work(tmp_path: Path, reference: Ref) -> None:

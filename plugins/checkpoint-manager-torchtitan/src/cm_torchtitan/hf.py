@@ -63,6 +63,7 @@ def load_hf_initial(parts: list[nn.Module], sd_adapter: Any, path: str, *, quant
     if not Path(path).is_dir():
         raise CheckpointNotFoundError(f"initial_load_path {path}: no such Hugging Face directory")
     hf_state = sd_adapter.to_hf(canonical_state_dict(parts))
-    dcp_load(hf_state, storage_reader=sd_adapter.get_hf_storage_reader(path, quantized))
+    reader = sd_adapter.get_hf_storage_reader(path, quantized)
+    dcp_load(hf_state, storage_reader=reader, no_dist=not torch.distributed.is_initialized())
     load_canonical(parts, sd_adapter.from_hf(hf_state), path)
     return len(hf_state)

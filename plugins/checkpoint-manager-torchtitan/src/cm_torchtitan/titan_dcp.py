@@ -196,7 +196,12 @@ def load_titan_dcp(
             else:
                 report.not_restored[DATALOADER] = f"no {rank_key!r} in the checkpoint"
                 rank_key = ""
-    dcp_load(flat, storage_reader=_Reader(path, metadata), planner=_WeightsOnlyPlanner())
+    dcp_load(
+        flat,
+        storage_reader=_Reader(path, metadata),
+        planner=_WeightsOnlyPlanner(),
+        no_dist=not torch.distributed.is_initialized(),
+    )
     loader_state: dict[str, Any] | None = None
     if rank_key and loader is not None:
         try:  # decoded (and checked) before anything is set
