@@ -285,22 +285,22 @@ class LoadingMixin(ManagerCore):
         self, ctx: LoadContext, path: Path, model_only: bool, watch: Watch, t0: float
     ) -> LoadResult:
         """Import a directory plain ``dcp.save`` wrote (:mod:`checkpoint_manager.formats.plain_dcp`)."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from checkpoint_manager.engine.dcp.engine import own_failure, quiet_single_process
-
-        try:
-            with quiet_single_process(), self._dist.phase(f"load {path.name}: read"):
-                result = load_plain_dcp(
-                    ctx,
-                    path,
-                    model_only=model_only,
-                    process_group=self._dist.group,
-                    no_dist=self._dist.world_size == 1,
-                    before_apply=lambda: self._check_still_there(watch),
-                )
-        except CheckpointException as exc:  # a BaseException: surface the reader's typed error
-            raise own_failure(exc, self._dist.rank) from exc
+        engine_ctx = EngineContext(
+            step=0,
+            rank=self._dist.rank,
+            world_size=self._dist.world_size,
+            process_group=self._dist.group,
+            config=self.config,
+            extra={},
+        )
+        with self._dist.phase(f"load {path.name}: read"):
+            result = load_plain_dcp(
+                ctx,
+                path,
+                model_only=model_only,
+                engine_ctx=engine_ctx,
+                before_apply=lambda: self._check_still_there(watch),
+            )
         self._release_copies()
         return result.replace(seconds=time.perf_counter() - t0)
 
