@@ -25,7 +25,9 @@ if TYPE_CHECKING:
         GroupBase,
         StagingEngine,
         TensorInfo,
+        TensorReader,
     )
+    from checkpoint_manager.engine.reading import CheckpointTensors
     from checkpoint_manager.errors import (
         AsyncSaveError,
         BundleCacheError,
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
         open_bundle,
         pack_bundle,
     )
+    from checkpoint_manager.formats.dcp_stream import open_checkpoint
     from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
     from checkpoint_manager.lifecycle.finite import NonFiniteCheckpointError, NonFiniteStateError
     from checkpoint_manager.lifecycle.frozen import FrozenChangedError
@@ -142,6 +145,9 @@ _EXPORTS: dict[str, str] = {
     "GroupBase": "checkpoint_manager.engine.base",
     "StagingEngine": "checkpoint_manager.engine.base",
     "TensorInfo": "checkpoint_manager.engine.base",
+    "TensorReader": "checkpoint_manager.engine.base",
+    "CheckpointTensors": "checkpoint_manager.engine.reading",
+    "open_checkpoint": "checkpoint_manager.formats.dcp_stream",
     "Continuous": "checkpoint_manager.lifecycle.policy",
     "EveryNSeconds": "checkpoint_manager.lifecycle.policy",
     "EveryNSteps": "checkpoint_manager.lifecycle.policy",
@@ -228,6 +234,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointTensors",
     "CheckpointVersionError",
     "CollectiveTimeoutError",
     "Continuous",
@@ -274,6 +281,7 @@ __all__ = [
     "Stateful",
     "Storage",
     "TensorInfo",
+    "TensorReader",
     "TrainState",
     "UnsafeCheckpointError",
     "UnsupportedAdapterError",
@@ -295,6 +303,7 @@ __all__ = [
     "load_record",
     "local_checkpoint",
     "open_bundle",
+    "open_checkpoint",
     "open_storage",
     "pack_bundle",
     "parse_json",

@@ -1,7 +1,7 @@
 """The Hugging Face layout, both ways: consolidated safetensors plus config/tokenizer files.
 
-Export reads a checkpoint one group of tensors at a time (DCP assembles each tensor from however many
-ranks wrote it) and fills safetensors shards in place, so memory stays near one read buffer whatever
+Export reads a checkpoint one group of tensors at a time, through the engine that wrote it (which
+assembles each tensor from however many ranks wrote it), and fills safetensors shards in place, so memory stays near one read buffer whatever
 the model size. Names are the model's own state-dict names (``model.`` section prefix removed), which
 is what ``from_pretrained`` expects for a model trained as the transformers class itself.
 """
@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -30,14 +30,22 @@ from checkpoint_manager.core.codec import dtype_name
 from checkpoint_manager.core.layout import CHECKPOINT_JSON
 from checkpoint_manager.core.safe_io import read_json
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
-from checkpoint_manager.formats.dcp_stream import TensorEntry, group_entries, read_entries, tensor_entries
+from checkpoint_manager.formats.dcp_stream import (
+    TensorEntry,
+    group_entries,
+    open_checkpoint,
+    read_entries,
+    tensor_entries,
+)
 from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
 from checkpoint_manager.formats.lora import LoraMerge, adapter_tensor_names, choose_adapter, plan_merge
 from checkpoint_manager.formats.model_config import RecordedConfig, config_with_dtype, read_recorded_config
 from checkpoint_manager.formats.publish import publish_dir, staging_dir
-from checkpoint_manager.formats.resolve import resolve_checkpoint_path
 from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
 from checkpoint_manager.formats.sizes import parse_size
+
+if TYPE_CHECKING:
+    from checkpoint_manager.engine.reading import CheckpointTensors
 
 __all__ = [
     "HF_INDEX",
@@ -99,7 +107,7 @@ class MissingConfigWarning(UserWarning):
 
 
 def export_hf(
-    checkpoint: str | Path,
+    checkpoint: str | Path | CheckpointTensors,
     out_dir: str | Path,
     *,
     model_key: str = "model",
@@ -117,7 +125,9 @@ def export_hf(
 ) -> HFExport:
     """Write ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` + index) from a checkpoint.
 
-    ``checkpoint`` is a committed checkpoint directory (or a bundle); ``dtype`` casts floating-point
+    ``checkpoint`` is a committed checkpoint of any engine (a directory, a save directory's newest,
+    a bundle, a plain DCP directory; or one already opened with
+    :func:`~checkpoint_manager.formats.dcp_stream.open_checkpoint`); ``dtype`` casts floating-point
     tensors (e.g. ``"bfloat16"``); files of ``artifacts_dir`` (config, tokenizer, generation config)
     are copied alongside. ``config.json`` (and ``generation_config.json``) come from ``artifacts_dir``,
     else from the config the checkpoint recorded at save time; with neither, a
@@ -130,12 +140,13 @@ def export_hf(
     in for a checkpoint that recorded none. At most ``buffer_size`` of tensors (or one larger tensor)
     is held at a time.
     """
-    src = resolve_checkpoint_path(checkpoint)
+    source = open_checkpoint(checkpoint)
+    src = source.path
     cast = resolve_dtype(dtype)
     shard_limit = parse_size(max_shard_size)
     buffer = parse_size(buffer_size)
     recorded = read_recorded_config(src, model_key)
-    entries = tensor_entries(src, model_key)
+    entries = tensor_entries(source, model_key)
     merges: dict[str, LoraMerge] = {}
     merged_adapter = None
     if merge_lora:
@@ -170,7 +181,7 @@ def export_hf(
         weight_map: dict[str, str] = {}
         total = 0
         for name, shard in zip(names, shards, strict=True):
-            total += _write_shard(src, staging / name, shard, cast, buffer, fsync, merges)
+            total += _write_shard(source, staging / name, shard, cast, buffer, fsync, merges)
             weight_map.update({e.name: name for e in shard})
         if len(shards) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -269,7 +280,7 @@ def _renamed(entries: list[TensorEntry], key_map: KeyMap | None, src: Path) -> l
 
 
 def _write_shard(
-    src: Path,
+    source: CheckpointTensors,
     path: Path,
     shard: list[TensorEntry],
     cast: torch.dtype | None,
@@ -280,7 +291,7 @@ def _write_shard(
     specs = {e.name: (e.out_dtype(cast), e.shape) for e in shard}
     with SafetensorsWriter(path, specs, {"format": "pt"}, fsync=fsync) as writer:
         for group in group_entries(shard, buffer, cast):
-            loaded = _read_group(src, group, cast, merges)
+            loaded = _read_group(source, group, cast, merges)
             for name in list(loaded):
                 writer.write(name, loaded.pop(name))  # freed as soon as it is written
         writer.commit()
@@ -288,15 +299,15 @@ def _write_shard(
 
 
 def _read_group(
-    src: Path, group: list[TensorEntry], cast: torch.dtype | None, merges: Mapping[str, LoraMerge]
+    source: CheckpointTensors, group: list[TensorEntry], cast: torch.dtype | None, merges: Mapping[str, LoraMerge]
 ) -> dict[str, torch.Tensor]:
     """The group's tensors by output name; merged ones computed from their sources in the saved dtype."""
     todo = [e for e in group if e.key in merges]
     if not todo:
-        return read_entries(src, group, cast)
-    loaded = read_entries(src, [e for e in group if e.key not in merges], cast)
+        return read_entries(source, group, cast)
+    loaded = read_entries(source, [e for e in group if e.key not in merges], cast)
     sources = {s.key: dataclasses.replace(s, name=s.key) for e in todo for s in merges[e.key].sources()}
-    raw = read_entries(src, sources.values())
+    raw = read_entries(source, sources.values())
     for entry in todo:
         loaded[entry.name] = merges[entry.key].compute(raw).to(entry.out_dtype(cast))
     del raw

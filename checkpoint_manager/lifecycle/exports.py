@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from checkpoint_manager.engine.dcp.io import read_dcp_metadata
+from checkpoint_manager.engine.base import Engine
+from checkpoint_manager.engine.reading import open_directory
 from checkpoint_manager.errors import CheckpointMismatchError, UnsupportedAdapterError
 from checkpoint_manager.formats.dcp_stream import model_keys, tensor_entries
 from checkpoint_manager.formats.hf import HFWeights, check_hf_weights, export_hf, is_hf_weights
@@ -44,28 +46,32 @@ def wants_consolidated(config: CheckpointConfig, *, final: bool) -> bool:
     return mode == "every" or (mode == "final" and final)
 
 
-def export_consolidated(config: CheckpointConfig, checkpoint_dir: Path, *, final: bool) -> list[Path]:
+def export_consolidated(
+    config: CheckpointConfig, checkpoint_dir: Path, *, final: bool, engine: Engine, meta: Mapping[str, Any]
+) -> list[Path]:
     """Per ``save_consolidated``: write ``<checkpoint>/hf`` (``hf/model_0``, ... for lists of models).
 
     Called by the coordinator on the fully written, not yet committed directory, so the export is
-    committed (or discarded) with the checkpoint in the same rename. A PEFT model's LoRA adapter is
-    merged into the base weights (a loadable model); an adapter that cannot be merged is not exported
-    (a warning says so) rather than failing the save.
+    committed (or discarded) with the checkpoint in the same rename; ``engine`` (the one that wrote it)
+    reads it, with ``meta`` standing for the ``checkpoint.json`` to come (``engine``, its record,
+    ``world_size``). A PEFT model's LoRA adapter is merged into the base weights (a loadable model);
+    an adapter that cannot be merged is not exported (a warning says so) rather than failing the save.
     """
     if not wants_consolidated(config, final=final):
         return []
     t0 = time.perf_counter()
-    keys = model_keys(read_dcp_metadata(checkpoint_dir))
+    source = open_directory(checkpoint_dir, config=config, engine=engine, meta=meta)
+    keys = model_keys(source.index)
     if not keys:
         log.warning("save_consolidated=%r: %s holds no model to export", config.save_consolidated, checkpoint_dir.name)
         return []
     written: list[Path] = []
     for key in keys:
         out = checkpoint_dir / CONSOLIDATED_DIR if len(keys) == 1 else checkpoint_dir / CONSOLIDATED_DIR / key
-        merge = bool(adapter_tensor_names(e.name for e in tensor_entries(checkpoint_dir, key)))
+        merge = bool(adapter_tensor_names(e.name for e in tensor_entries(source, key)))
         try:
             result = export_hf(
-                checkpoint_dir,
+                source,
                 out,
                 model_key=key,
                 max_shard_size=config.max_shard_size,

@@ -39,9 +39,8 @@ from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError, C
 from checkpoint_manager.formats.hf import HFWeights, is_hf_weights
 from checkpoint_manager.formats.plain_dcp import (
     OPTIMIZER_SECTIONS,
-    PlainImport,
     apply_plain_import,
-    plan_plain_import,
+    open_plain_import,
     read_plain_import,
 )
 from checkpoint_manager.formats.resolve import is_plain_dcp
@@ -446,37 +445,33 @@ class _OurSteps(_Steps):
 
 
 class _PlainSteps(_Steps):
-    """A directory plain ``dcp.save`` wrote (:mod:`checkpoint_manager.formats.plain_dcp`): its tensors
-    are read into fresh tensors (DCP reads such records one by one), then copied over."""
+    """A directory plain ``dcp.save`` wrote (:mod:`checkpoint_manager.formats.plain_dcp`), read by the
+    engine whose files it holds; nothing live changes before every record was read."""
 
     def __init__(self, manager: LoadingMixin, ctx: LoadContext, path: Path, model_only: bool, t0: float) -> None:
-        from checkpoint_manager.engine.dcp.io import read_dcp_metadata
-
         self.manager, self.ctx, self.path, self.model_only, self.t0 = manager, ctx, path, model_only, t0
-        self.plan: PlainImport = plan_plain_import(ctx, path, read_dcp_metadata(path), model_only=model_only)
+        config, dist = manager.config, manager._dist
+        self.opened, self.plan = open_plain_import(ctx, path, model_only=model_only, config=config)
+        self.engine_ctx = EngineContext(
+            step=0,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            process_group=dist.group,
+            config=config,
+            extra={},
+        )
+        if config.check_finite:  # the optimizer's sections only with check_finite_optimizer
+            optim = config.check_finite_optimizer
+            self.engine_ctx.check = lambda values: _checked_nonfinite(
+                path, ((k, t) for k, t in values if optim or k.split(".", 1)[0] not in OPTIMIZER_SECTIONS), None
+            )
         self.read_tensors: dict[str, torch.Tensor] = {}
 
     def read(self) -> None:
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from checkpoint_manager.engine.dcp.engine import own_failure, quiet_single_process
-
-        dist = self.manager._dist
-        try:
-            with quiet_single_process(), dist.phase(f"load {self.path.name}: read"):
-                self.read_tensors = read_plain_import(
-                    self.plan, process_group=dist.group, no_dist=dist.world_size == 1
-                )
-        except CheckpointException as exc:  # a BaseException: surface the reader's typed error
-            raise own_failure(exc, dist.rank) from exc
-        config = self.manager.config
-        if config.check_finite:  # the optimizer's sections only with check_finite_optimizer
-            checked = {
-                k: t
-                for k, t in self.read_tensors.items()
-                if config.check_finite_optimizer or k.split(".", 1)[0] not in OPTIMIZER_SECTIONS
-            }
-            _checked_nonfinite(self.path, checked, None)
+        with self.manager._dist.phase(f"load {self.path.name}: read"):
+            self.read_tensors = read_plain_import(self.opened, self.plan, self.engine_ctx)
+        if self.read_tensors is not self.plan.targets and self.engine_ctx.check is not None:
+            self.engine_ctx.check(self.read_tensors.items())  # an engine that does not check read them
 
     def apply(self) -> LoadResult:
         result = apply_plain_import(self.plan, self.ctx, self.read_tensors, model_only=self.model_only)

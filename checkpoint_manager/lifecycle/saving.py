@@ -415,13 +415,20 @@ class SavingMixin(ManagerCore):
         pending = job.pending
         self._storage.write_json(pending / STATE_JSON, job.state.global_json)
         self._hf_configs.write(pending, job.hf_configs, self._storage.write_json)
+        record = getattr(self._engine, "record", None)
+        written = {
+            "engine": self._engine.name,
+            **(record() if record is not None else {}),
+            "step": job.step,
+            "world_size": self._io_dist.world_size,
+        }
         t_export = time.perf_counter()
-        if export_consolidated(self.config, pending, final=job.final):  # inside: committed with the rest
+        # inside: committed with the rest; read by the engine that wrote it, as checkpoint.json will say
+        if export_consolidated(self.config, pending, final=job.final, engine=self._engine, meta=written):
             job.timings["export"] = time.perf_counter() - t_export
         files = self._storage.describe_files(pending, self._checksums_from_ranks(pending))
         parent, lineage = self._lineage()
         created_unix, created = now_stamp()
-        record = getattr(self._engine, "record", None)
         meta = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,

@@ -6,8 +6,11 @@ Save: the non-tensor values become DCP byte entries (so plain ``dcp.load`` reads
 file with the CRC-32s computed on the way. Stage: one ``_foreach_copy_`` into reused host buffers
 (:class:`StagingBuffers`), optionally overlapped with the write. Load: the ``.metadata`` is read
 without running code and every data file checked before a byte is read; one process reading whole
-plain tensors skips DCP's pipeline (``load_direct``). Every record a load copies straight into a live tensor is found and checked
-before the first copy (``load_checks_first``); other writers' files are read into fresh tensors first.
+plain tensors skips DCP's pipeline (``load_direct``). Every record a load copies straight into a
+live tensor is found and checked before the first copy (``load_checks_first``); other writers' files
+are read into fresh tensors first. Read outside a run (``reader``): whole tensors by one process,
+from any number of ranks' files, a few at a time; a directory plain ``dcp.save`` wrote reads the
+same way (``is_plain``).
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from checkpoint_manager.engine.base import EngineContext, EngineState, FileRecord, GroupBase, TensorInfo
 from checkpoint_manager.engine.dcp.direct_io import reserve_write_buffers, staging_gate
-from checkpoint_manager.engine.dcp.io import check_data_files, read_dcp_metadata
+from checkpoint_manager.engine.dcp.io import METADATA_FILE, check_data_files, read_dcp_metadata
 from checkpoint_manager.engine.dcp.objects import object_records
 from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache
 from checkpoint_manager.engine.dcp.planner import load_tensors as dcp_load
 from checkpoint_manager.engine.dcp.planner import save_tensors as dcp_save
 from checkpoint_manager.engine.dcp.reader import Agree, CheckpointReader
+from checkpoint_manager.engine.dcp.tensor_reader import METADATA_KEY as _METADATA
+from checkpoint_manager.engine.dcp.tensor_reader import DCPTensorReader
 from checkpoint_manager.engine.dcp.writer import (
     GROUP_FILE,
     WRITER_ID,
@@ -56,7 +61,6 @@ __all__ = ["DCPEngine", "own_failure", "quiet_single_process"]
 log = logging.getLogger("checkpoint_manager")
 
 _COLLECT_AFTER_PLANNING = 10_000
-_METADATA = "dcp.metadata"  # ctx.extra: (directory, Metadata) that read_index read, for load
 
 
 @contextlib.contextmanager
@@ -316,9 +320,32 @@ class DCPEngine:
         except CheckpointException as exc:  # a BaseException: surface the reader's typed error
             raise own_failure(exc, ctx.rank) from exc
         if into is not wanted:
-            if ctx.check is not None:
-                ctx.check(into.items())
+            failure: BaseException | None = None
+            try:
+                if ctx.check is not None:
+                    ctx.check(into.items())
+            except Exception as exc:
+                failure = exc
+            if ctx.world_size > 1:  # every rank read all of its records: one vote before the copy
+                _agree_on(ctx.process_group, directory)(failure)
+            elif failure is not None:
+                raise failure
             copy_over(wanted, into)
+
+    # -- reading outside a run --------------------------------------------------------------------
+    def reader(self, directory: Path, ctx: EngineContext) -> DCPTensorReader:
+        """Whole tensors, read by this process alone, a few at a time (``ckpt``, exports)."""
+        level = self.config.verify_on_load if self.config is not None else "sizes"
+        return DCPTensorReader(self, directory, ctx, level)
+
+    def index_files(self, files: list[str]) -> list[str]:
+        """The index is ``.metadata`` alone."""
+        return [METADATA_FILE]
+
+    @staticmethod
+    def is_plain(directory: Path) -> bool:
+        """A directory of DCP files, by DCP's ``.metadata`` (written by ``dcp.save`` or by us)."""
+        return (directory / METADATA_FILE).is_file()
 
 
 def _agree_on(group: Any, directory: Path) -> Agree:
