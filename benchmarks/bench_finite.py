@@ -6,7 +6,7 @@ the optimizer; then loads of the committed checkpoint into the live objects with
 settings, from the page cache (a load that checks reads into fresh tensors, checks them, and copies
 them over). Reports medians and the ratio to the unchecked save or load.
 
-    .venv/bin/python -m benchmarks.bench_finite --size 1 --repeats 3
+    .venv/bin/python -m benchmarks.bench_finite --size 1 --repeats 3 [--threads 1]
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ def main() -> None:
     parser.add_argument("--size", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     from benchmarks.state import build
     from checkpoint_manager import (
