@@ -23,6 +23,7 @@ Each group is one promise, and its tests are named after it:
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import sys
@@ -237,16 +238,18 @@ def test_code_choice_no_ckpt_command_imports_the_recorded_engine(
         planted.assert_never_imported()
 
 
-def test_code_choice_auto_resume_does_not_import_the_recorded_engine(planted: Planted) -> None:
+def test_code_choice_auto_resume_falls_back_past_the_recorded_engine(
+    planted: Planted, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint whose engine this process lacks cannot be loaded: auto-resume skips it with a
+    warning naming it and the cause, and loads the one before, bit-exact."""
     model, opt, ts = build(9)
-    with mgr(planted.root) as m:
-        try:
-            result = m.load(LoadContext(model=model, optimizer=opt, train_state=ts))
-        except EngineNotAvailableError:
-            pass  # refused outright, or (where auto-resume falls back past it) loaded step 1:
-        else:
-            assert result.step == 1
-            assert_same(planted.step1, state_of(model, opt, ts))
+    with caplog.at_level(logging.WARNING, logger="checkpoint_manager"), mgr(planted.root) as m:
+        assert m.should_load(LoadContext(model=model))
+        result = m.load(LoadContext(model=model, optimizer=opt, train_state=ts))
+    assert result.step == 1
+    assert_same(planted.step1, state_of(model, opt, ts))
+    assert STEP2 in caplog.text and "which this process does not have" in caplog.text
     planted.assert_never_imported()
 
 
