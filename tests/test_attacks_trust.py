@@ -210,18 +210,20 @@ def test_code_choice_a_bundle_of_the_checkpoint_refuses_its_engine(planted: Plan
     planted.assert_never_imported()
 
 
-CLI_COMMANDS: list[tuple[str, ...]] = [
-    ("list", "{root}"),
-    ("list", "{root}", "--verify", "full"),
-    ("inspect", "{step2}"),
-    ("verify", "{root}"),
-    ("verify", "{step2}", "--full"),
-    ("diff", "{step1}", "{step2}"),
-    ("export", "{step2}", "--to", "safetensors", "--out", "{tmp}/export.safetensors"),
-    ("convert", "{step2}", "{tmp}/converted.safetensors", "--to", "safetensors"),
-    ("pack", "{step2}", "{tmp}/packed.tar"),
-    ("prune", "{root}", "--keep-last", "1", "--dry-run"),
-    ("cache", "list"),
+#: every command on the planted checkpoint, and its exit code: listing, packing and pruning read no
+#: tensor (0), verification fails it (1), every reader refuses its engine (4)
+CLI_COMMANDS: list[tuple[int, tuple[str, ...]]] = [
+    (0, ("list", "{root}")),
+    (1, ("list", "{root}", "--verify", "full")),
+    (4, ("inspect", "{step2}")),
+    (1, ("verify", "{root}")),
+    (1, ("verify", "{step2}", "--sizes")),
+    (4, ("diff", "{step1}", "{step2}")),
+    (4, ("export", "{step2}", "--to", "safetensors", "--out", "{tmp}/export.safetensors")),
+    (4, ("convert", "{step2}", "{tmp}/converted.safetensors", "--to", "safetensors")),
+    (0, ("pack", "{step2}", "{tmp}/packed.tar")),
+    (0, ("prune", "{root}", "--keep-last", "1", "--dry-run")),
+    (0, ("cache", "list")),
 ]
 
 
@@ -229,12 +231,15 @@ def test_code_choice_no_ckpt_command_imports_the_recorded_engine(
     planted: Planted, capsys: pytest.CaptureFixture[str]
 ) -> None:
     names = {"root": planted.root, "step1": planted.root / STEP1, "step2": planted.step2, "tmp": planted.tmp}
-    for command in CLI_COMMANDS:
+    recorded = json.loads((planted.step2 / "checkpoint.json").read_text())["engine"]
+    for expected, command in CLI_COMMANDS:
         argv = [part.format(**names) for part in command]
         code = ckpt([*argv, "--json"])
         captured = capsys.readouterr()
         assert "Traceback" not in captured.err, argv
-        assert code in (0, 1, 4), (argv, code, captured.err)  # read as data, or refused as damaged
+        assert code == expected, (argv, code, captured.err)
+        if code:
+            assert f"records engine {recorded!r}" in captured.err + captured.out, argv
         planted.assert_never_imported()
 
 

@@ -133,9 +133,9 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
 
 
 def _verify_local(path: Path, level: str) -> list[str]:
-    from checkpoint_manager.core.integrity import verify
+    from checkpoint_manager.cli.verify_cmd import local_problems
 
-    return verify(path, level)  # type: ignore[arg-type]
+    return local_problems(path, level)
 
 
 def collect_remote(url: str, options: dict[str, Any] | None, verify_level: str | None, out: Output) -> dict[str, Any]:
