@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from checkpoint_manager.core.integrity import VerifyLevel
-from checkpoint_manager.core.layout import rank_file, read_checkpoint_json
+from checkpoint_manager.core.layout import CHECKPOINT_JSON, rank_file, read_checkpoint_json
 from checkpoint_manager.engine.base import Engine, TensorInfo
 from checkpoint_manager.engine.reading import open_directory
 from checkpoint_manager.engine.registry import engine_for_record
-from checkpoint_manager.errors import CheckpointError
+from checkpoint_manager.errors import CheckpointError, CheckpointNotFoundError
 from checkpoint_manager.lifecycle.loading import _check_decodes, _read_state_json
 from checkpoint_manager.state.training import read_rank_json
 
@@ -44,10 +44,12 @@ def load_problems(path: str | Path, level: VerifyLevel = "full", *, config: Any 
             if data is not None:
                 _check_decodes(root / rank_file(rank), data)
         _read_tensors(engine, root, meta, config, level)
-    except (CheckpointError, KeyError, ValueError) as exc:  # KeyError: an index its reader contradicts
+    except (CheckpointError, KeyError, ValueError, OSError) as exc:  # KeyError: an index its reader contradicts
+        if not (root / CHECKPOINT_JSON).is_file():  # deleted while it was read (pruned by a running job)
+            raise CheckpointNotFoundError(f"{root}: deleted while being verified") from exc
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            return [f"{root}: unreadable ({exc.strerror or exc})"]
         return [str(exc)]
-    except OSError as exc:
-        return [f"{root}: unreadable ({exc.strerror or exc})"]
     return []
 
 
