@@ -288,14 +288,13 @@ class TieredCheckpointManager(FinalizeOnExit):
 
     def _branch(self, loaded: str, step: int) -> None:
         """The tier ``loaded`` was read at ``step``: the other tier descends from its own checkpoint at
-        or before it, and a run that went back saves its next checkpoint into both tiers."""
-        went_back = any(
-            not info.superseded and info.step > step for tier in self._tiers.values() for info in tier.list_checkpoints()
-        )
-        for name, tier in self._tiers.items():
-            if name != loaded:
-                tier.branch_at(step)
-        self._branch_pending = went_back
+        or before it; where that supersedes checkpoints (the run went back), the next save goes to
+        both tiers."""
+        superseded = [name for tier_name, tier in self._tiers.items() if tier_name != loaded for name in tier.branch_at(step)]
+        if loaded in self._listed:  # listed alike on every rank (with replicas the local tier is not)
+            line = [i for i in self._listed[loaded].list_checkpoints() if not i.superseded]
+            superseded += [i.name for i in line if i.step > step]
+        self._branch_pending = bool(superseded)
 
     def _load(self, ctx: LoadContext) -> tuple[LoadResult, str | None]:
         """The newest checkpoint of either tier that loads; a damaged one falls back to the next.
