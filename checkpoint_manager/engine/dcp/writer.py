@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import (
     _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -41,7 +41,7 @@ from checkpoint_manager.engine.dcp.envelope import Envelope, envelope_for
 from checkpoint_manager.engine.dcp.io import METADATA_FILE, paused_gc
 from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache, _PlanEntry, frozen
 
-__all__ = ["WRITER_ID", "CheckpointWriter", "chunk_for_bytes", "prime_layout"]
+__all__ = ["WRITER_ID", "CheckpointWriter", "chunk_for_bytes", "prime_layout", "record_layout"]
 
 
 WRITER_ID = "checkpoint-manager-direct/1"
@@ -435,32 +435,56 @@ def _write_small_records(
         out.write_bytes(b"".join(parts))
 
 
+def record_layout(
+    items: Iterable[WriteItem], file_name: str, *, pad_large: bool = True
+) -> tuple[dict[MetadataIndex, _StorageInfo], int] | None:
+    """Where :func:`_write_items` puts each item's record in ``file_name``, from shapes and dtypes
+    alone, and where the file's records end; None when an item is not a tensor.
+
+    Records lie back to back from the file's start, each its envelope plus its bytes; a record of
+    ``DIRECT_MIN`` bytes or more is first padded so that its bytes start on a page, as the writer
+    does for a page-aligned tensor written with O_DIRECT (``pad_large``; without it, or for memory
+    that is not page-aligned, the writer adds no padding).
+    """
+    lengths: dict[tuple[torch.Size, torch.dtype], tuple[int, int, int]] = {}  # (prefix, bytes, length) per kind
+    storage_md: dict[MetadataIndex, _StorageInfo] = {}
+    offset = 0
+    for item in items:
+        td = item.tensor_data
+        if td is None or td.chunk is None:
+            return None
+        dtype = td.properties.dtype
+        size = td.chunk.sizes
+        key = (size, dtype)
+        known = lengths.get(key)
+        if known is None:
+            nbytes = math.prod(size) * dtype.itemsize
+            prefix, _, overhead = _split_envelope(envelope_for(tuple(size), dtype))
+            known = lengths[key] = (len(prefix), nbytes, overhead + nbytes)
+        prefix_len, nbytes, length = known
+        if pad_large and nbytes >= DIRECT_MIN:
+            offset += -(offset + prefix_len) % BLOCK
+        storage_md[item.index] = _StorageInfo(file_name, offset, length)
+        offset += length
+    return storage_md, offset
+
+
 def prime_layout(cache: SavePlanCache, tensors: dict[str, torch.Tensor]) -> None:
     """Plan a single-rank save of ``tensors`` and, when every record is small, the layout of its
-    file, ahead of the save (so even the first save reuses both). The offsets follow
-    :class:`_SmallRecords`: records back to back from the file's start, each its envelope plus its bytes.
+    file, ahead of the save (so even the first save reuses both): see :func:`record_layout`.
     """
     entry = cache.prime(tensors)
     if entry is None or entry.layout is not None:
         return
-    file_name = f"__0_0{DEFAULT_SUFFIX}"
-    lengths: dict[tuple[torch.Size, torch.dtype], int] = {}  # one int object per (shape, dtype)
-    storage_md: dict[MetadataIndex, _StorageInfo] = {}
-    offset = 0
     for item in entry.items:
         td = item.tensor_data
-        if td is None:
-            return
-        dtype = td.properties.dtype
-        nbytes = math.prod(td.size) * dtype.itemsize
-        if nbytes > _SMALL_RECORD:
+        if td is None or math.prod(td.size) * td.properties.dtype.itemsize > _SMALL_RECORD:
             return  # where a large record lands depends on its memory's alignment
-        key = (td.size, dtype)
-        length = lengths.get(key)
-        if length is None:
-            length = lengths[key] = _split_envelope(envelope_for(tuple(td.size), dtype))[2] + nbytes
-        storage_md[item.index] = _StorageInfo(file_name, offset, length)
-        offset += length
+    file_name = f"__0_0{DEFAULT_SUFFIX}"
+    laid = record_layout(entry.items, file_name)
+    if laid is None:
+        return
+    storage_md, offset = laid
     metadata = Metadata(entry.tensors_md, planner_data=dict(entry.mappings))
     metadata.version = CURRENT_DCP_VERSION
     metadata.storage_data = storage_md
