@@ -25,7 +25,7 @@ import torch.distributed as dist
 from checkpoint_manager import errors
 from checkpoint_manager.errors import CheckpointError
 
-__all__ = ["CollectiveTimeoutError", "DistContext"]
+__all__ = ["CollectiveTimeoutError", "DistContext", "vote_outcome"]
 
 T = TypeVar("T")
 
@@ -225,15 +225,22 @@ class DistContext:
                 raise _as_error(failure, phase)
             return
         mine = None if failure is None else describe(failure)
-        reports = self.all_gather_json(mine, phase)
-        bad = {rank: text for rank, text in enumerate(reports) if text is not None}
-        if not bad:
+        error = vote_outcome(self.all_gather_json(mine, phase), phase)
+        if error is None:
             return
-        detail = "; ".join(f"rank {rank}: {text}" for rank, text in bad.items())
-        error = CheckpointError(f"{phase}: not committed, {len(bad)} of {self.world_size} rank(s) failed ({detail})")
         if failure is not None:
             raise error from failure
         raise error
+
+
+def vote_outcome(reports: list[str | None], phase: str) -> CheckpointError | None:
+    """The commit vote's verdict from every rank's report (None: written; else why it failed), in
+    rank order: None when every rank wrote its part, else the error naming the ranks that failed."""
+    bad = {rank: text for rank, text in enumerate(reports) if text is not None}
+    if not bad:
+        return None
+    detail = "; ".join(f"rank {rank}: {text}" for rank, text in bad.items())
+    return CheckpointError(f"{phase}: not committed, {len(bad)} of {len(reports)} rank(s) failed ({detail})")
 
 
 # Small JSON travels inline in one fixed-size slot: an 8-byte length, then up to _INLINE bytes.

@@ -49,7 +49,7 @@ from checkpoint_manager.storage.lock import CheckpointLockError
 if TYPE_CHECKING:
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager  # noqa: F401
 
-__all__ = ["SaveJob", "SavingMixin"]
+__all__ = ["SaveJob", "SavingMixin", "checkpoint_record", "rank_checksums"]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -109,6 +109,56 @@ def _own_records(pending: Path) -> dict[str, FileRecord]:
             if file.is_file() and not file.is_symlink() and not (name.startswith("rank_") and name.endswith(".json")):
                 out[rel] = {"size": file.stat().st_size, "crc32": file_crc32(file)}
     return out
+
+
+def rank_checksums(pending: Path, world_size: int) -> dict[str, dict[str, int]]:
+    """The CRC32s every rank computed while writing its files (recorded in its rank JSON)."""
+    known: dict[str, dict[str, int]] = {}
+    for rank in range(world_size):
+        file = pending / rank_file(rank)
+        if file.exists():
+            known.update(LocalStorage.read_json(file).get("files", {}))
+    return known
+
+
+def checkpoint_record(
+    job: SaveJob,
+    *,
+    engine: str,
+    engine_record: dict[str, Any],
+    world_size: int,
+    lineage: Lineage,
+    parent: CheckpointInfo | None,
+    ranking: dict[str, Any] | None,
+    files: dict[str, dict[str, int]],
+) -> dict[str, Any]:
+    """``checkpoint.json`` of the save ``job`` (unsealed: see :func:`seal_checkpoint_json`), with the
+    ``files`` records of every rank."""
+    created_unix, created = now_stamp()
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "library_version": __version__,
+        "torch_version": torch.__version__,
+        "engine": engine,
+        **engine_record,
+        "step": job.step,
+        "name": job.name,
+        "created": created,
+        "created_unix": created_unix,
+        "world_size": world_size,
+        "train_state": job.state.train_state,
+        "metrics": encode(job.metrics),
+        "bytes": job.nbytes,
+        "lineage": lineage.to_json(),
+        "parent": parent.name if parent is not None else None,
+        # how this run ranks its checkpoints: what `ckpt prune` checks a --monitor/--mode against
+        "ranking": ranking,
+        "files": files,
+    }
+    if job.finite_checked:
+        meta["finite"] = {"checked": list(job.finite_checked), "ok": True}
+    return meta
 
 
 class SavingMixin(ManagerCore):
@@ -351,33 +401,19 @@ class SavingMixin(ManagerCore):
         t_export = time.perf_counter()
         if export_consolidated(self.config, pending, final=job.final):  # inside: committed with the rest
             job.timings["export"] = time.perf_counter() - t_export
-        files = self._storage.describe_files(pending, self._checksums_from_ranks(pending))
+        files = self._storage.describe_files(pending, rank_checksums(pending, self._io_dist.world_size))
         parent, lineage = self._lineage()
-        created_unix, created = now_stamp()
         record = getattr(self._engine, "record", None)
-        meta = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "library_version": __version__,
-            "torch_version": torch.__version__,
-            "engine": self._engine.name,
-            **(record() if record is not None else {}),
-            "step": job.step,
-            "name": job.name,
-            "created": created,
-            "created_unix": created_unix,
-            "world_size": self._io_dist.world_size,
-            "train_state": job.state.train_state,
-            "metrics": encode(job.metrics),
-            "bytes": job.nbytes,
-            "lineage": lineage.to_json(),
-            "parent": parent.name if parent is not None else None,
-            # how this run ranks its checkpoints: what `ckpt prune` checks a --monitor/--mode against
-            "ranking": {"monitor": self.config.monitor, "mode": self.config.mode} if self.config.monitor else None,
-            "files": files,
-        }
-        if job.finite_checked:
-            meta["finite"] = {"checked": list(job.finite_checked), "ok": True}
+        meta = checkpoint_record(
+            job,
+            engine=self._engine.name,
+            engine_record=record() if record is not None else {},
+            world_size=self._io_dist.world_size,
+            lineage=lineage,
+            parent=parent,
+            ranking={"monitor": self.config.monitor, "mode": self.config.mode} if self.config.monitor else None,
+            files=files,
+        )
         self._storage.write_json(pending / CHECKPOINT_JSON, seal_checkpoint_json(meta))  # sealed as written
         final = self._storage.commit(pending, job.name)  # object stores: the marker is written last
         final_name = basename(final)
@@ -410,14 +446,3 @@ class SavingMixin(ManagerCore):
                 "retention after committing %s failed (retried after the next save): %r", committed, exc
             )
         return True
-
-    def _checksums_from_ranks(self, pending: Path) -> dict[str, dict[str, int]]:
-        """The CRC32s every rank computed while writing its files (recorded in its rank JSON)."""
-        known: dict[str, dict[str, int]] = {}
-        for rank in range(self._io_dist.world_size):
-            file = pending / rank_file(rank)
-            if file.exists():
-                known.update(LocalStorage.read_json(file).get("files", {}))
-        return known
-
-
