@@ -38,7 +38,6 @@ import gc
 import json
 import math
 import os
-import pickle
 import shutil
 import statistics
 import subprocess
@@ -49,6 +48,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ from checkpoint_manager.core.codec import encode
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, Lineage, rank_file, seal_checkpoint_json
 from checkpoint_manager.engine.dcp.planner import FastSavePlanner, nest
 from checkpoint_manager.engine.dcp.shards import shard_chunk, shard_write_item
-from checkpoint_manager.engine.dcp.writer import CheckpointWriter, record_layout
+from checkpoint_manager.engine.dcp.writer import record_layout
 from checkpoint_manager.state.rng import capture_rng
 from checkpoint_manager.storage.base import json_bytes
 from checkpoint_manager.storage.local import LocalStorage
@@ -127,13 +127,13 @@ class Sharding:
     world: int
     shard_group: int  # ranks one DTensor is sharded over (the world for FSDP2)
 
-    @property
+    @cached_property
     def mesh_shape(self) -> tuple[int, ...]:
         if self.shard_group >= self.world:
             return (self.world,)
         return (self.world // self.shard_group, self.shard_group)
 
-    @property
+    @cached_property
     def placements(self) -> tuple[Any, ...]:
         return (Shard(0),) if len(self.mesh_shape) == 1 else (Replicate(), Shard(0))
 
@@ -166,45 +166,6 @@ def plain_items(keys: list[Key]) -> list[WriteItem]:
     planner = FastSavePlanner()
     planner.set_up_planner(nest({k.fqn: torch.tensor(1.0) for k in keys if not k.sharded}), None, False)
     return list(planner.create_local_plan().items)
-
-
-def real_rank_plan(keys: list[Key], sharding: Sharding, rank: int, *, timed: Measured | None = None,
-                   dcp_helper: Measured | None = None) -> SavePlan:
-    """Rank ``rank``'s plan from the planner run on real DTensors (meta storage) of a fake group;
-    ``timed`` gets the planner's time, ``dcp_helper`` the time of DCP's own per-DTensor item helper
-    on the same tensors (what the planner called for DTensors before ``shard_chunk``)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=sharding.world)
-    try:
-        mesh = init_device_mesh("cpu", sharding.mesh_shape)
-        flat: dict[str, torch.Tensor] = {}
-        for key in keys:
-            if not key.sharded:
-                flat[key.fqn] = torch.tensor(1.0)
-                continue
-            chunk = shard_chunk(key.shape, sharding.mesh_shape, sharding.coordinate(rank), sharding.placements)
-            assert chunk is not None
-            local = torch.empty(chunk[0], device="meta")
-            flat[key.fqn] = DTensor.from_local(
-                local, mesh, sharding.placements, run_check=False, shape=torch.Size(key.shape),
-                stride=_contiguous_stride(key.shape),
-            )
-        if dcp_helper is not None:
-            from torch.distributed.checkpoint.planner_helpers import _create_write_items
-
-            with measure(dcp_helper):
-                for fqn, t in flat.items():
-                    _create_write_items(fqn, t)
-        with measure(timed if timed is not None else Measured()):
-            planner = FastSavePlanner()
-            planner.set_up_planner(nest(flat), None, rank == 0)
-            return planner.create_local_plan()
-    finally:
-        dist.destroy_process_group()
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -287,13 +248,16 @@ def fit_exponent(points: list[tuple[float, float]]) -> float | None:
 
 @dataclass
 class Scenario:
-    """Everything the ranks of one job (``sharding.world`` ranks) hand over, and where it lands."""
+    """Everything the ranks of one job (``sharding.world`` ranks) hand the coordinator."""
 
     keys: list[Key]
     sharding: Sharding
     root: Path
-    plans: list[SavePlan] = field(default_factory=list)
-    rank_jsons: list[bytes] = field(default_factory=list)
+    table: Any = None  # the KeyTable every rank holds
+    mappings: dict[str, Any] = field(default_factory=dict)
+    reports: list[bytes] = field(default_factory=list)  # each rank's chunk report (a first save's gather)
+    ends: list[int] = field(default_factory=list)  # each rank's file size
+    merged: Any = None  # the coordinator's merge (what a save with the plan reused writes from)
 
     @property
     def world(self) -> int:
@@ -308,77 +272,175 @@ def _job(step: int = 1000) -> Any:
     return SaveJob(step, f"step={step:08d}", None, state, {"loss": 1.0}, time.perf_counter())
 
 
-def _write_results(plan: SavePlan, file_name: str) -> list[Any]:
-    from torch.distributed.checkpoint.storage import WriteResult
+def build(keys: list[Key], sharding: Sharding, root: Path, steps: dict[str, Measured]) -> Scenario:
+    """Every rank's chunk report, from the planner's, the multi-rank rules' and the writer's own
+    functions for that rank (timed as ``inputs``); rank 1's items are checked against the planner
+    run on real DTensors."""
+    from checkpoint_manager.engine.dcp.chunks import data_file
+    from checkpoint_manager.engine.dcp.multirank import RankPlans, assign_plain, keep_item, rank_report
 
-    laid = record_layout(plan.items, file_name)
-    assert laid is not None
-    storage_md, _ = laid
-    return [WriteResult(index=i, size_in_bytes=info.length, storage_data=info) for i, info in storage_md.items()]
+    sc = Scenario(keys, sharding, root)
+    real, tensors = real_rank(keys, sharding, 1)
+    sc.table, sc.mappings = real.keys, real.mappings
+    table = sc.table
+    with measure(steps["inputs"]):
+        plain = plain_items(keys)
+        assigned = assign_plain(table, sharding.world)
+        for rank in range(sharding.world):
+            items = rank_plan(keys, sharding, rank, plain).items
+            coordinate = sharding.coordinate(rank)
+            kept = [
+                k for k in range(len(items))
+                if keep_item(table, k, coordinate if keys[k].sharded else None, rank, assigned)
+            ]
+            plans = RankPlans(keys=table, items=[items[k] for k in kept], ordinals=kept)
+            laid = record_layout(plans.items, data_file(rank))
+            assert laid is not None
+            if rank == 1:
+                assert plans.items == real.items, "the benchmark's items differ from the planner's"
+            sc.reports.append(rank_report(plans, [(laid[0][i.index].offset, laid[0][i.index].length) for i in plans.items]))
+            sc.ends.append(laid[1])
+    del tensors
+    return sc
 
 
-def run_save(sc: Scenario, steps: dict[str, Measured], wire: dict[str, int]) -> Path:
-    """The coordinator's steps of one save, as DCP's collectives and the lifecycle run them on rank 0."""
-    from torch.distributed.distributed_c10d import _object_to_tensor, _tensor_to_object
+def real_rank(keys: list[Key], sharding: Sharding, rank: int, *, timed: Measured | None = None,
+              reused: Measured | None = None, dcp_helper: Measured | None = None) -> tuple[Any, dict[str, Any]]:
+    """Rank ``rank``'s plans (:func:`plan_rank` on real DTensors, meta storage, of a fake group of
+    ``sharding.world`` ranks) and its state. ``timed``: the first planning's time; ``reused``: a
+    second one's (the structure unchanged); ``dcp_helper``: DCP's own per-DTensor item helper on the
+    same tensors (what the planner called for DTensors before ``shard_chunk``)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from checkpoint_manager.core.dist import _HEADER, _INLINE, _decode, _slot, _slot_size, vote_outcome
-    from checkpoint_manager.lifecycle.saving import checkpoint_record, rank_checksums
+    from checkpoint_manager.engine.dcp.multirank import RankPlans, plan_rank
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=sharding.world)
+    try:
+        mesh = init_device_mesh("cpu", sharding.mesh_shape)
+        flat: dict[str, torch.Tensor] = {}
+        for key in keys:
+            if not key.sharded:
+                flat[key.fqn] = torch.tensor(1.0)
+                continue
+            chunk = shard_chunk(key.shape, sharding.mesh_shape, sharding.coordinate(rank), sharding.placements)
+            assert chunk is not None
+            flat[key.fqn] = DTensor.from_local(
+                torch.empty(chunk[0], device="meta"), mesh, sharding.placements, run_check=False,
+                shape=torch.Size(key.shape), stride=_contiguous_stride(key.shape),
+            )
+        if dcp_helper is not None:
+            from torch.distributed.checkpoint.planner_helpers import _create_write_items
+
+            with measure(dcp_helper):
+                for fqn, t in flat.items():
+                    _create_write_items(fqn, t)
+        plans = RankPlans()
+        with measure(timed if timed is not None else Measured()):
+            planner = FastSavePlanner()
+            planner.set_up_planner(nest(flat), None, rank == 0)
+            plan_rank(plans, flat, planner, rank, sharding.world)
+        assert plans.keys is not None
+        with measure(reused if reused is not None else Measured()):
+            planner = FastSavePlanner()
+            planner.set_up_planner(nest(flat), None, rank == 0)
+            assert plan_rank(plans, flat, planner, rank, sharding.world)
+        return plans, flat
+    finally:
+        dist.destroy_process_group()
+
+
+def run_save(sc: Scenario, steps: dict[str, Measured], wire: dict[str, int], *, first: bool) -> Path:
+    """The coordinator's steps of one save, as rank 0 runs them: a first save merges the ranks'
+    chunk reports (the gather), a save with the plan reused writes from the last merge."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from checkpoint_manager.core.dist import VOTE_SLOT, decode_slots, encode_slot, vote_outcome
+    from checkpoint_manager.core.integrity import file_crc32
+    from checkpoint_manager.engine.dcp.chunks import ChunkTable, data_file, write_metadata
+    from checkpoint_manager.lifecycle.saving import checkpoint_record, vote_report, voted_records
 
     n = sc.world
+    tag = "first" if first else "reused"
     storage = LocalStorage(sc.root, fsync=True)
     pending = storage.new_pending("step=00001000")
-    # what the ranks send: their plans, pickled by gather_object
-    sent = [_object_to_tensor(p, torch.device("cpu"), None) for p in sc.plans]
-    wire["plan_up"] = max(int(s[1].item()) for s in sent)
-    with measure(steps["plan"]):
-        plans = [_tensor_to_object(t, int(size.item()), None) for t, size in sent]
-        planner = FastSavePlanner()
-        planner.set_up_planner({}, None, True)
-        global_plans, metadata = planner.create_global_plan(plans)
-        writer = CheckpointWriter(pending, fsync=True)
-        writer.set_up_storage_writer(True, rank=0, use_collectives=True)
-        final = writer.prepare_global_plan(global_plans)
-        scattered = [_object_to_tensor(p, torch.device("cpu"), None) for p in final]
-    wire["plan_down"] = max(int(s[1].item()) for s in scattered)
-    del sent, plans, global_plans
-    results = [_write_results(p, f"__{i}_0.distcp") for i, p in enumerate(final)]
-    ends = [max((r.storage_data.offset + r.storage_data.length for r in rs), default=0) for rs in results]
-    sent = [_object_to_tensor(r, torch.device("cpu"), None) for r in results]
-    wire["results_up"] = max(int(s[1].item()) for s in sent)
-    del results, scattered
-    with measure(steps["metadata"]):
-        received = [_tensor_to_object(t, int(size.item()), None) for t, size in sent]
-        writer.finish(metadata, received)
-        broadcast = _object_to_tensor(metadata, torch.device("cpu"), None)  # every rank gets the metadata
-    wire["metadata_down"] = int(broadcast[1].item())
-    del sent, received, broadcast, metadata, final, writer, planner
-    # the data files (sparse: their sizes are what matters) and every rank's JSON, as the ranks write them
-    sc.rank_jsons = []
-    for rank, end in enumerate(ends):
-        name = f"__{rank}_0.distcp"
+    wire["exchange"] = 8 * 8  # the all-reduce: eight int64 each way
+    if first:
+        wire["reports_up"] = max(len(r) for r in sc.reports)
+        with measure(steps["merge"]):
+            sc.merged = ChunkTable.merge(sc.table, sc.reports).without_duplicate_empties()
+    with measure(steps[f"metadata_{tag}"]):
+        write_metadata(
+            pending / ".metadata", sc.merged, planner_data=sc.mappings,
+            storage_meta=StorageMeta(checkpoint_id=pending, save_id="bench"),
+        )
+    # the data files (sparse: their sizes are what matters) and every rank's JSON, as the ranks write
+    # them, and the votes they send (their file records)
+    slots = []
+    for rank, end in enumerate(sc.ends):
+        name = data_file(rank)
         with open(pending / name, "wb") as f:
             f.truncate(end)
-        sc.rank_jsons.append(rank_json_bytes({name: {"size": end, "crc32": rank}}))
-        (pending / rank_file(rank)).write_bytes(sc.rank_jsons[rank])
-    slot = _slot(json.dumps(None).encode())
-    slots = [slot.clone() for _ in range(n)]  # the vote: each rank's report, all-gathered
-    wire["vote_down"] = n * (_HEADER + _INLINE)
-    with measure(steps["vote"]):
-        outcome = vote_outcome([_decode(s[_HEADER : _HEADER + _slot_size(s)]) for s in slots], "vote")
-        assert outcome is None
+        own = pending / rank_file(rank)
+        own.write_bytes(rank_json_bytes({name: {"size": end, "crc32": rank}}))
+        report = vote_report(
+            {name: {"size": end, "crc32": rank}}, rank_file(rank), {"size": own.stat().st_size, "crc32": file_crc32(own)}
+        )
+        slots.append(encode_slot({"report": report}, VOTE_SLOT))
+    wire["vote_up"] = VOTE_SLOT
+    with measure(steps[f"vote_{tag}"]):
+        votes = decode_slots(slots)
+        assert vote_outcome(votes, "vote") is None
     del slots
     job = _job()
-    with measure(steps["checkpoint_json"]):
+    with measure(steps[f"checkpoint_json_{tag}"]):
         storage.write_json(pending / "state.json", {"train_state": job.state.train_state})
-        files = storage.describe_files(pending, rank_checksums(pending, n))
+        files = storage.describe_files(pending, voted_records(pending, votes))
         meta = checkpoint_record(
             job, engine="dcp", engine_record={"writer": "checkpoint-manager-direct/1"}, world_size=n,
             lineage=Lineage(1, ((1, 1),)), parent=None, ranking=None, files=files,
         )
         storage.write_json(pending / CHECKPOINT_JSON, seal_checkpoint_json(meta))
-    with measure(steps["commit"]):
+    with measure(steps[f"commit_{tag}"]):
         final_path = storage.commit(pending, job.name)
     return final_path
+
+
+def per_rank_share(sc: Scenario, steps: dict[str, Measured], wire: dict[str, int]) -> None:
+    """One non-coordinator rank's own share of a save: its plan (:func:`plan_rank` on real DTensors),
+    its report and vote, and its JSON state (written, then read back for its CRC)."""
+    from checkpoint_manager.core.dist import VOTE_SLOT, encode_slot
+    from checkpoint_manager.core.integrity import file_crc32
+    from checkpoint_manager.engine.dcp.chunks import data_file
+    from checkpoint_manager.engine.dcp.multirank import rank_report
+    from checkpoint_manager.lifecycle.saving import vote_report
+
+    rank = 1
+    plans, _ = real_rank(
+        sc.keys, sc.sharding, rank, timed=steps["rank_plan_first"], reused=steps["rank_plan_reused"],
+        dcp_helper=steps["rank_plan_dcp_helper"],
+    )
+    laid = record_layout(plans.items, data_file(rank))
+    assert laid is not None
+    layout = [(laid[0][i.index].offset, laid[0][i.index].length) for i in plans.items]
+    raw = rank_json_bytes({data_file(rank): {"size": laid[1], "crc32": 1}})
+    with tempfile.TemporaryDirectory() as tmp:
+        own = Path(tmp) / rank_file(rank)
+        for tag in ("first", "reused"):
+            with measure(steps[f"rank_share_{tag}"]):
+                if tag == "first":
+                    report = rank_report(plans, layout)
+                    torch.frombuffer(bytearray(report), dtype=torch.uint8).clone()  # its gather slot
+                with open(own, "wb") as f:
+                    f.write(raw)
+                    f.flush()
+                    os.fsync(f.fileno())
+                vote = vote_report({data_file(rank): {"size": laid[1], "crc32": 1}}, rank_file(rank),
+                                   {"size": own.stat().st_size, "crc32": file_crc32(own)})
+                encode_slot({"report": vote}, VOTE_SLOT)
+    wire["rank_json"] = len(raw)
 
 
 def run_load(sc: Scenario, path: Path, steps: dict[str, Measured], world: int, tag: str) -> None:
@@ -424,52 +486,11 @@ def run_load(sc: Scenario, path: Path, steps: dict[str, Measured], world: int, t
         dist.destroy_process_group()
 
 
-def build(keys: list[Key], sharding: Sharding, root: Path, steps: dict[str, Measured]) -> Scenario:
-    """Every rank's inputs, from the library's planner and writer functions (timed as ``inputs``)."""
-    sc = Scenario(keys, sharding, root)
-    with measure(steps["inputs"]):
-        plain = plain_items(keys)
-        for rank in range(sharding.world):
-            sc.plans.append(rank_plan(keys, sharding, rank, plain))
-    return sc
-
-
-def per_rank_share(sc: Scenario, steps: dict[str, Measured], wire: dict[str, int]) -> None:
-    """One non-coordinator rank's own share of a save: its local plan (the planner on real DTensors),
-    what it serializes and deserializes of the collectives, and its JSON state."""
-    from torch.distributed.distributed_c10d import _object_to_tensor, _tensor_to_object
-
-    from checkpoint_manager.core.dist import _HEADER, _decode, _slot, _slot_size
-
-    rank = 1
-    real = real_rank_plan(sc.keys, sc.sharding, rank, timed=steps["rank_plan"], dcp_helper=steps["rank_plan_dcp_helper"])
-    assert real.items == sc.plans[rank].items, "the benchmark's plan differs from the planner's"
-    mine = sc.plans[rank]
-    results = _write_results(mine, f"__{rank}_0.distcp")
-    metadata_blob = None
-    if wire.get("metadata_down"):
-        # what the coordinator broadcast: rebuilt here to be unpickled as a rank does
-        planner = FastSavePlanner()
-        planner.set_up_planner({}, None, True)
-        _, metadata = planner.create_global_plan(sc.plans)
-        metadata_blob = _object_to_tensor(metadata, torch.device("cpu"), None)
-        del metadata, planner
-    slots = [_slot(json.dumps(None).encode()) for _ in range(sc.world)]
-    with measure(steps["rank_share"]):
-        _object_to_tensor(mine, torch.device("cpu"), None)
-        _object_to_tensor(results, torch.device("cpu"), None)
-        if metadata_blob is not None:
-            _tensor_to_object(metadata_blob[0], int(metadata_blob[1].item()), None)
-        [_decode(s[_HEADER : _HEADER + _slot_size(s)]) for s in slots]
-        with tempfile.NamedTemporaryFile() as f:
-            f.write(sc.rank_jsons[rank])
-            f.flush()
-            os.fsync(f.fileno())
-
-
 # -- the driver ---------------------------------------------------------------------------------------
 
-SAVE_STEPS = ("plan", "metadata", "vote", "checkpoint_json", "commit")
+REUSED_STEPS = ("metadata_reused", "vote_reused", "checkpoint_json_reused", "commit_reused")
+FIRST_STEPS = ("merge", "metadata_first", "vote_first", "checkpoint_json_first", "commit_first")
+SAVE_STEPS = FIRST_STEPS + REUSED_STEPS
 
 
 def _median(m: Measured) -> float | None:
@@ -488,8 +509,8 @@ def measure_ranks(
     steps: dict[str, Measured] = {
         name: Measured()
         for name in (
-            "inputs", *SAVE_STEPS, "discovery", "verify", "load_plan_same", "load_plan_half", "rank_plan",
-            "rank_plan_dcp_helper", "rank_share",
+            "inputs", *SAVE_STEPS, "discovery", "verify", "load_plan_same", "load_plan_half", "rank_plan_first",
+            "rank_plan_reused", "rank_plan_dcp_helper", "rank_share_first", "rank_share_reused",
         )
     }
     wire: dict[str, int] = {}
@@ -497,12 +518,13 @@ def measure_ranks(
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     sc = build(keys, sharding, root, steps)
-    inputs_bytes = sum(len(pickle.dumps(p)) for p in sc.plans[:4]) * sc.world // min(4, sc.world)
+    inputs_bytes = sum(len(r) for r in sc.reports)
     path: Path | None = None
     for _ in range(repeats):
-        if path is not None:
-            shutil.rmtree(path)
-        path = run_save(sc, steps, wire)
+        for first in (True, False):
+            if path is not None:
+                shutil.rmtree(path)
+            path = run_save(sc, steps, wire, first=first)
     assert path is not None
     from checkpoint_manager.core import layout
     from checkpoint_manager.core.integrity import verify
@@ -536,17 +558,31 @@ def measure_ranks(
         "metadata_bytes": (path / ".metadata").stat().st_size,
         "checkpoint_json_bytes": (path / CHECKPOINT_JSON).stat().st_size,
     }
-    save_s = sum(_median(steps[s]) or 0.0 for s in SAVE_STEPS)
-    out["coordinator_s"] = {"reused": save_s, "first": save_s}
-    peak = max(steps[s].peak_bytes for s in SAVE_STEPS) + inputs_bytes
-    out["coordinator_peak_mib"] = {"reused": peak / 2**20, "first": peak / 2**20}
-    out["per_rank_s"] = (_median(steps["rank_plan"]) or 0.0) + (_median(steps["rank_share"]) or 0.0)
+    out["coordinator_s"] = {
+        "reused": sum(_median(steps[s]) or 0.0 for s in REUSED_STEPS),
+        "first": sum(_median(steps[s]) or 0.0 for s in FIRST_STEPS),
+    }
+    # what the coordinator holds: the steps' own rise, and (first save) the ranks' reports it received
+    out["coordinator_peak_mib"] = {
+        "reused": (max(steps[s].peak_bytes for s in REUSED_STEPS) + _table_bytes(sc.merged)) / 2**20,
+        "first": (max(steps[s].peak_bytes for s in FIRST_STEPS) + inputs_bytes) / 2**20,
+    }
+    out["per_rank_s"] = (_median(steps["rank_plan_reused"]) or 0.0) + (_median(steps["rank_share_reused"]) or 0.0)
+    out["per_rank_first_s"] = (_median(steps["rank_plan_first"]) or 0.0) + (_median(steps["rank_share_first"]) or 0.0)
     out["discovery_s"] = _median(steps["discovery"])
     out["verify_s"] = _median(steps["verify"])
     out["load_plan_s"] = {"same": _median(steps["load_plan_same"]), "half": _median(steps["load_plan_half"])}
     out["load_plan_peak_mib"] = steps["load_plan_same"].peak_bytes / 2**20
     shutil.rmtree(root, ignore_errors=True)
     return out
+
+
+def _table_bytes(table: Any) -> int:
+    """The bytes of the merge a coordinator keeps for saves that reuse the plan."""
+    if table is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in (table.key, table.rank, table.position, table.length,
+                                                      table.offsets, table.sizes))
 
 
 def exponents(rows: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -564,6 +600,7 @@ def exponents(rows: list[dict[str, Any]]) -> dict[str, float | None]:
             "load_plan_s.same": lambda r: r["load_plan_s"]["same"],
             "load_plan_s.half": lambda r: r["load_plan_s"]["half"],
             "per_rank_s": lambda r: r["per_rank_s"],
+            "per_rank_first_s": lambda r: r["per_rank_first_s"],
         }
         for step in SAVE_STEPS:
             figures[f"step.{step}"] = lambda r, s=step: (r["steps"].get(s) or {}).get("s")

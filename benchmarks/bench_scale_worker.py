@@ -48,7 +48,7 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         a = self.self_attn
         x = h * self.input_layernorm
-        h = h + a.o_proj(a.q_proj(x) + a.v_proj(x).repeat(1, a.q_proj.out_features // a.v_proj.out_features))
+        h = h + a.o_proj(a.q_proj(x) + a.v_proj(x).repeat(1, 1, a.q_proj.out_features // a.v_proj.out_features))
         x = h * self.post_attention_layernorm
         m = self.mlp
         return h + m.down_proj(torch.nn.functional.silu(m.gate_proj(x)) * m.up_proj(x))  # type: ignore[no-any-return]

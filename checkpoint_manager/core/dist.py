@@ -25,7 +25,7 @@ import torch.distributed as dist
 from checkpoint_manager import errors
 from checkpoint_manager.errors import CheckpointError
 
-__all__ = ["CollectiveTimeoutError", "DistContext", "vote_outcome"]
+__all__ = ["VOTE_SLOT", "CollectiveTimeoutError", "DistContext", "decode_slots", "encode_slot", "vote_outcome"]
 
 T = TypeVar("T")
 
@@ -35,6 +35,9 @@ except ImportError:  # pragma: no cover - torch without DCP
     CheckpointException = None  # type: ignore[assignment,misc]
 
 # Errors a rank may re-raise as the same type when rank 0 reports them (everything else: CheckpointError).
+#: the bytes of one rank's vote: its file records while they fit (a few hundred bytes), else where they are
+VOTE_SLOT = 1024
+
 _BUILTIN_ERRORS = (
     ValueError,
     TypeError,
@@ -211,36 +214,76 @@ class DistContext:
         result: T = answer["ok"]
         return result
 
-    def vote(self, failure: BaseException | None, phase: str) -> None:
-        """The commit vote: returns only if every rank wrote its part; otherwise raises on every rank.
+    def gather_json(self, value: Any, phase: str, *, slot: int = VOTE_SLOT) -> list[Any] | None:
+        """Every rank's ``value`` on the coordinator, in rank order (None on the other ranks): one
+        gather of ``slot`` bytes per rank, so the coordinator alone receives the ranks' values.
 
-        The error names the ranks that failed and why. A rank whose own write already failed in a
-        collective does not vote: its group is broken, and waiting again would double the time the
-        survivors take to give up.
+        A value whose JSON does not fit in the slot arrives as ``{"error": ...}`` saying so: callers
+        send small values (and say where the rest is).
+        """
+        if self.world_size == 1:
+            return [value]
+        mine = encode_slot(value, slot)
+        try:
+            if self.is_coordinator:
+                slots = [torch.empty(slot, dtype=torch.uint8) for _ in range(self.world_size)]
+                self._wait(dist.gather(mine, gather_list=slots, dst=0, group=self._group, async_op=True))
+            else:
+                self._wait(dist.gather(mine, dst=0, group=self._group, async_op=True))
+        except Exception as exc:
+            raise self._failed(phase, exc) from exc
+        if not self.is_coordinator:
+            return None
+        return decode_slots(slots)
+
+    def vote(self, failure: BaseException | None, phase: str, report: Any = None) -> list[Any] | None:
+        """The commit vote: every rank's ``report`` (or why its write failed) on the coordinator.
+
+        Returns the reports on the coordinator, None elsewhere; the coordinator judges them
+        (:func:`vote_outcome`) before it commits, and :meth:`on_coordinator` brings its verdict to every
+        rank. A rank whose own write already failed in a collective does not vote: its group is
+        broken, and waiting again would double the time the survivors take to give up.
         """
         if isinstance(failure, CollectiveTimeoutError):
             raise failure
         if self.world_size == 1:
             if failure is not None:
                 raise _as_error(failure, phase)
-            return
-        mine = None if failure is None else describe(failure)
-        error = vote_outcome(self.all_gather_json(mine, phase), phase)
-        if error is None:
-            return
-        if failure is not None:
-            raise error from failure
-        raise error
+            return [{"report": report}]
+        mine = {"error": describe(failure)} if failure is not None else {"report": report}
+        return self.gather_json(mine, phase)
 
 
-def vote_outcome(reports: list[str | None], phase: str) -> CheckpointError | None:
-    """The commit vote's verdict from every rank's report (None: written; else why it failed), in
-    rank order: None when every rank wrote its part, else the error naming the ranks that failed."""
-    bad = {rank: text for rank, text in enumerate(reports) if text is not None}
+def vote_outcome(votes: list[Any], phase: str) -> CheckpointError | None:
+    """The commit vote's verdict from every rank's vote (:meth:`DistContext.vote`), in rank order:
+    None when every rank wrote its part, else the error naming the ranks that failed and why."""
+    bad = {
+        rank: (v["error"] if isinstance(v, dict) else f"unreadable vote {v!r}")
+        for rank, v in enumerate(votes)
+        if not isinstance(v, dict) or "error" in v
+    }
     if not bad:
         return None
     detail = "; ".join(f"rank {rank}: {text}" for rank, text in bad.items())
-    return CheckpointError(f"{phase}: not committed, {len(bad)} of {len(reports)} rank(s) failed ({detail})")
+    return CheckpointError(f"{phase}: not committed, {len(bad)} of {len(votes)} rank(s) failed ({detail})")
+
+
+def decode_slots(slots: list[torch.Tensor]) -> list[Any]:
+    """The JSON values of gathered slots (each an 8-byte length, then that many bytes of JSON)."""
+    return [_decode(s[_HEADER : _HEADER + _slot_size(s)]) for s in slots]
+
+
+def encode_slot(value: Any, slot: int) -> torch.Tensor:
+    """``value`` as JSON in a ``slot``-byte buffer (see :func:`decode_slots`); one that does not fit
+    is replaced by ``{"error": ...}`` saying so."""
+    payload = json.dumps(value).encode("utf-8")
+    if len(payload) > slot - _HEADER:
+        payload = json.dumps({"error": f"a report of {len(payload)} bytes, over the {slot - _HEADER} allowed"}).encode()
+    out = torch.zeros(slot, dtype=torch.uint8)
+    out[:_HEADER] = torch.frombuffer(bytearray(struct.pack("<q", len(payload))), dtype=torch.uint8)
+    if payload:
+        out[_HEADER : _HEADER + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return out
 
 
 # Small JSON travels inline in one fixed-size slot: an 8-byte length, then up to _INLINE bytes.

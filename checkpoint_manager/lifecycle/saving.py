@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
 import time
@@ -17,7 +18,7 @@ import torch
 
 from checkpoint_manager._version import __version__
 from checkpoint_manager.core.codec import encode
-from checkpoint_manager.core.dist import DistContext
+from checkpoint_manager.core.dist import DistContext, vote_outcome
 from checkpoint_manager.core.gcpause import paused_gc
 from checkpoint_manager.core.integrity import file_crc32
 from checkpoint_manager.core.layout import (
@@ -36,7 +37,7 @@ from checkpoint_manager.core.layout import (
 )
 from checkpoint_manager.core.layout import now as now_stamp
 from checkpoint_manager.engine.base import EngineContext, EngineState, FileRecord
-from checkpoint_manager.errors import ManagerClosedError, PostCommitError
+from checkpoint_manager.errors import CheckpointCorruptError, ManagerClosedError, PostCommitError
 from checkpoint_manager.lifecycle.core import ManagerCore
 from checkpoint_manager.lifecycle.exports import export_consolidated
 from checkpoint_manager.lifecycle.finite import FiniteCheck, NonFiniteStateError, finite_groups
@@ -49,7 +50,7 @@ from checkpoint_manager.storage.lock import CheckpointLockError
 if TYPE_CHECKING:
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager  # noqa: F401
 
-__all__ = ["SaveJob", "SavingMixin", "checkpoint_record", "rank_checksums"]
+__all__ = ["SaveJob", "SavingMixin", "checkpoint_record", "vote_report", "voted_records"]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -111,12 +112,38 @@ def _own_records(pending: Path) -> dict[str, FileRecord]:
     return out
 
 
-def rank_checksums(pending: Path, world_size: int) -> dict[str, dict[str, int]]:
-    """The CRC32s every rank computed while writing its files (recorded in its rank JSON)."""
+#: a vote carries a rank's file records while they fit in its slot (see DistContext.vote); a rank with
+#: more files says so, and the coordinator reads them from the rank's JSON
+VOTE_RECORDS_LIMIT = 768
+
+
+def vote_report(records: dict[str, FileRecord], rank_json: str, rank_json_record: FileRecord) -> dict[str, Any]:
+    """What a rank votes with when its part is written: its files' records and its JSON's own."""
+    report: dict[str, Any] = {"files": {**records, rank_json: rank_json_record}}
+    if len(json.dumps(report)) > VOTE_RECORDS_LIMIT:
+        report = {"files": {rank_json: rank_json_record}, "more": rank_json}
+    return report
+
+
+def voted_records(pending: Path, votes: list[Any]) -> dict[str, dict[str, int]]:
+    """The file records of every rank, from the votes (and, for a rank whose records did not fit,
+    from its JSON in ``pending``, which must match the record it voted for it; one that is not here,
+    in an object store's staging, is marked ``"more"`` for the storage to read)."""
     known: dict[str, dict[str, int]] = {}
-    for rank in range(world_size):
-        file = pending / rank_file(rank)
-        if file.exists():
+    for vote in votes:
+        report = vote.get("report") if isinstance(vote, dict) else None
+        if not isinstance(report, dict):
+            continue
+        known.update(report.get("files", {}))
+        more = report.get("more")
+        if isinstance(more, str):
+            file = pending / more
+            expected = known.get(more, {})
+            if not file.is_file():  # on another host's staging disk: the store's copy is read (describe_files)
+                known[more] = {**expected, "more": 1}
+                continue
+            if file.stat().st_size != expected.get("size") or file_crc32(file) != expected.get("crc32"):
+                raise CheckpointCorruptError(f"{file}: not the file its rank wrote (size or CRC32 differs)")
             known.update(LocalStorage.read_json(file).get("files", {}))
     return known
 
@@ -318,6 +345,7 @@ class SavingMixin(ManagerCore):
     def _write_and_commit_paused(self, job: SaveJob) -> SaveResult:
         io = self._io_dist
         failure: BaseException | None = None
+        report: dict[str, Any] | None = None
         t0 = time.perf_counter()
         if job.pending_dir is None:
             job.pending_dir = self._new_pending(io, job.name, job.step)  # every rank, or none, gets it
@@ -338,7 +366,10 @@ class SavingMixin(ManagerCore):
                 job.finite_checked = groups
             records = dict(written) if written is not None else _own_records(job.pending)
             rank_json = {**job.state.rank_json, "files": records}
-            self._storage.write_json(job.pending / rank_file(io.rank), rank_json)
+            own = job.pending / rank_file(io.rank)
+            self._storage.write_json(own, rank_json)
+            # what the coordinator records of this rank's files, its JSON included (read back: it is small)
+            report = vote_report(records, rank_file(io.rank), {"size": own.stat().st_size, "crc32": file_crc32(own)})
             self._storage.upload_part(job.pending, io.rank, list(records))  # object stores
         except BaseException as exc:
             if finite is not None:
@@ -353,8 +384,9 @@ class SavingMixin(ManagerCore):
         job.timings.update(ctx.timings)
         try:
             # collective commit: rank 0 commits only once every rank has written its part
-            io.vote(failure, f"step {job.step}: all ranks written")
-            final = io.on_coordinator(lambda: self._commit(job), f"step {job.step}: commit")
+            votes = io.vote(failure, f"step {job.step}: all ranks written", report)
+            job.timings["vote"] = time.perf_counter() - t1
+            final = io.on_coordinator(lambda: self._commit(job, votes, failure), f"step {job.step}: commit")
         except PostCommitError:
             with self._lock:  # it is committed: the policy must not save this step again
                 self._last_saved_step, self._last_saved_known = job.step, True
@@ -365,10 +397,13 @@ class SavingMixin(ManagerCore):
                     self._storage.remove_tree(job.pending)
             if exc is not failure:  # the commit's own error (this rank's write error is named above)
                 _name_failure(exc, job.step, job.pending_dir)
+                if failure is not None and exc.__cause__ is None:
+                    raise exc from failure  # the verdict names every failed rank; the cause is this one's
             raise
-        # rank 0's commit includes the export and retention, reported as their own phases
-        job.timings["commit"] = (
-            time.perf_counter() - t1 - job.timings.get("export", 0.0) - job.timings.get("prune", 0.0)
+        # rank 0's commit includes the vote, checkpoint.json, the rename, the export and retention,
+        # reported as their own phases
+        job.timings["commit"] = time.perf_counter() - t1 - sum(
+            job.timings.get(part, 0.0) for part in ("vote", "checkpoint_json", "rename", "export", "prune")
         )
         with self._lock:
             if self._last_saved_step is None or job.step >= self._last_saved_step:
@@ -393,15 +428,24 @@ class SavingMixin(ManagerCore):
             timings=dict(job.timings),
         )
 
-    def _commit(self, job: SaveJob) -> str:
-        """Rank 0: describe the pending directory in checkpoint.json, rename it into place, move pointers."""
+    def _commit(self, job: SaveJob, votes: list[Any] | None, failure: BaseException | None) -> str:
+        """Rank 0: judge the vote, describe the pending directory in checkpoint.json (the file records
+        the ranks voted with), rename it into place, move pointers."""
+        assert votes is not None  # the coordinator's
+        phase = f"step {job.step}: all ranks written"
+        error = vote_outcome(votes, phase)
+        if error is not None:
+            if failure is not None:
+                raise error from failure
+            raise error
         pending = job.pending
         self._storage.write_json(pending / STATE_JSON, job.state.global_json)
         self._hf_configs.write(pending, job.hf_configs, self._storage.write_json)
         t_export = time.perf_counter()
         if export_consolidated(self.config, pending, final=job.final):  # inside: committed with the rest
             job.timings["export"] = time.perf_counter() - t_export
-        files = self._storage.describe_files(pending, rank_checksums(pending, self._io_dist.world_size))
+        t_files = time.perf_counter()
+        files = self._storage.describe_files(pending, voted_records(pending, votes))
         parent, lineage = self._lineage()
         record = getattr(self._engine, "record", None)
         meta = checkpoint_record(
@@ -415,7 +459,10 @@ class SavingMixin(ManagerCore):
             files=files,
         )
         self._storage.write_json(pending / CHECKPOINT_JSON, seal_checkpoint_json(meta))  # sealed as written
+        job.timings["checkpoint_json"] = time.perf_counter() - t_files
+        t_rename = time.perf_counter()
         final = self._storage.commit(pending, job.name)  # object stores: the marker is written last
+        job.timings["rename"] = time.perf_counter() - t_rename
         final_name = basename(final)
         try:
             self._storage.write_pointer(LATEST_POINTER, {"name": final_name, "step": job.step})

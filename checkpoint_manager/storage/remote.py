@@ -451,8 +451,9 @@ class FsspecStorage(_ObjectRoot):
         )
 
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-        """Every rank's files as the store lists them (sizes), CRC32s from the rank JSONs; the small
-        files this process still holds (state, export) are described from the local copy."""
+        """Every rank's files as the store lists them (sizes), CRC32s from the ranks' votes (``known``;
+        a rank JSON is read only for a rank whose records did not fit its vote); the small files this
+        process still holds (state, export) are described from the local copy."""
         remote = self.remote_dir(pending)
         self.fs.invalidate_cache(remote)
         try:
@@ -462,7 +463,9 @@ class FsspecStorage(_ObjectRoot):
         sizes = {str(p)[len(remote) + 1 :]: int(i.get("size") or 0) for p, i in listing.items()}
         known = dict(known)
         for rel in sizes:
-            if _RANK_JSON.match(rel) and not (pending / rel).is_file():  # a rank on another host
+            told = known.get(rel)
+            if _RANK_JSON.match(rel) and not (pending / rel).is_file() and (told is None or told.get("more")):
+                # a rank on another host that did not vote its records (they did not fit its vote)
                 raw = self._call(f"read {rel}", self.fs.cat_file, f"{remote}/{rel}")
                 known.update(json.loads(bytes(raw).decode("utf-8")).get("files", {}))
         out = describe_files(pending, known)

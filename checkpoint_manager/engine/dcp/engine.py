@@ -27,8 +27,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from checkpoint_manager.engine.base import EngineContext, EngineState, FileRecord, TensorInfo
+from checkpoint_manager.engine.dcp.chunk_index import INDEX_FILE, ChunkIndex
 from checkpoint_manager.engine.dcp.direct_io import reserve_write_buffers, staging_gate
 from checkpoint_manager.engine.dcp.io import check_data_files, read_dcp_metadata
+from checkpoint_manager.engine.dcp.multirank import RankPlans, save_ranks
 from checkpoint_manager.engine.dcp.objects import object_records
 from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache
 from checkpoint_manager.engine.dcp.planner import load_tensors as dcp_load
@@ -47,6 +49,7 @@ log = logging.getLogger("checkpoint_manager")
 
 _COLLECT_AFTER_PLANNING = 10_000
 _METADATA = "dcp.metadata"  # ctx.extra: (directory, Metadata) that read_index read, for load
+_INDEX = "dcp.chunk_index"  # ctx.extra: (directory, ChunkIndex) that read_index opened, for load
 
 
 @contextlib.contextmanager
@@ -101,6 +104,7 @@ class DCPEngine:
         self.config = config
         self.staging = StagingBuffers()  # reused host copies for async saves
         self.plans = SavePlanCache()  # the last save's plan and layout, reused while the structure holds
+        self.ranks = RankPlans()  # the same for a save of several ranks (see multirank)
 
     # -- save -------------------------------------------------------------------------------------
     def record(self) -> dict[str, Any]:
@@ -164,6 +168,12 @@ class DCPEngine:
         writer.objects = records  # the non-tensor entries plain DCP loads (dcp_objects)
         try:
             with staging_gate(gate), quiet_single_process():  # writers wait for each staging buffer
+                if ctx.world_size > 1 and type(writer) is CheckpointWriter:
+                    written = save_ranks(self.ranks, state.tensors, directory, ctx, writer, records)
+                    if written is not None:
+                        return written
+                    writer = self._writer(directory, ctx)  # the ranks hold different tensors: dcp.save
+                    writer.objects = records
                 dcp_save(
                     state.tensors,
                     storage_writer=writer,
@@ -191,7 +201,12 @@ class DCPEngine:
     # -- load -------------------------------------------------------------------------------------
     def read_index(self, directory: Path, ctx: EngineContext) -> Mapping[str, TensorInfo]:
         """The ``.metadata``'s tensors (byte entries are for plain DCP: their values are in state.json),
-        after every data file it names is checked to hold its records."""
+        after every data file it names is checked to hold its records; for a checkpoint of several
+        ranks, its chunk index's (each rank then reads only the chunks it needs: see chunk_index)."""
+        if (directory / INDEX_FILE).exists() and ctx.meta.get("writer") == WRITER_ID:
+            index = ChunkIndex(directory)
+            ctx.extra[_INDEX] = (directory, index)
+            return index.infos()
         level = self.config.verify_on_load if self.config is not None else "sizes"
         metadata = read_dcp_metadata(directory, meta=dict(ctx.meta), level=level)
         check_data_files(metadata, directory)  # before targets are allocated from the sizes it claims
@@ -205,10 +220,21 @@ class DCPEngine:
     def load(self, targets: Mapping[str, torch.Tensor], directory: Path, ctx: EngineContext) -> None:
         if not targets:
             return
+        wanted = targets if isinstance(targets, dict) else dict(targets)
+        indexed = ctx.extra.get(_INDEX)
+        if indexed is not None and indexed[0] == directory:
+            # the chunks this rank needs, from the index: planned and read by this rank alone
+            partial = indexed[1].metadata_for(wanted)
+            reader = CheckpointReader(directory, fast=True, metadata=partial)
+            try:
+                with quiet_single_process():
+                    dcp_load(wanted, storage_reader=reader, no_dist=True)
+            except CheckpointException as exc:
+                raise own_failure(exc, 0) from exc
+            return
         cached = ctx.extra.get(_METADATA)  # freed with the load's ctx, after the state is set
         metadata: Metadata | None = cached[1] if cached is not None and cached[0] == directory else None
         reader = CheckpointReader(directory, fast=ctx.meta.get("writer") == WRITER_ID, metadata=metadata)
-        wanted = targets if isinstance(targets, dict) else dict(targets)
         try:
             with quiet_single_process():
                 # one process, whole plain tensors: no plan to exchange or reshard, DCP's pipeline skipped

@@ -41,7 +41,7 @@ from checkpoint_manager.engine.dcp.envelope import Envelope, envelope_for
 from checkpoint_manager.engine.dcp.io import METADATA_FILE, paused_gc
 from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache, _PlanEntry, frozen
 
-__all__ = ["WRITER_ID", "CheckpointWriter", "chunk_for_bytes", "prime_layout", "record_layout"]
+__all__ = ["WRITER_ID", "CheckpointWriter", "chunk_for_bytes", "object_paths", "prime_layout", "record_layout"]
 
 
 WRITER_ID = "checkpoint-manager-direct/1"
@@ -76,6 +76,11 @@ class CheckpointWriter(FileSystemWriter):
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._coordinator = is_coordinator
 
+    @property
+    def objects_written(self) -> list[tuple[str, _StorageInfo]]:
+        """The object records this rank wrote in its last ``write_data``: (key, where)."""
+        return list(self._objects_written)
+
     def _object_records(self, file_name: str, start: int) -> bytes:
         """The coordinator's object records, back to back from ``start`` in ``file_name`` (noted for
         :meth:`finish`); nothing on other ranks."""
@@ -100,7 +105,7 @@ class CheckpointWriter(FileSystemWriter):
             or not (self.use_collectives or self.rank is None)
         ):
             if objects:  # new dicts: a cached plan's own stay as they are
-                paths = _object_paths(objects, metadata.planner_data)
+                paths = object_paths(objects, metadata.planner_data)
                 metadata.state_dict_metadata = {
                     **metadata.state_dict_metadata,
                     **{key: BytesStorageMetadata() for key, _ in objects},
@@ -137,7 +142,7 @@ class CheckpointWriter(FileSystemWriter):
                     **metadata.state_dict_metadata,
                     **{key: BytesStorageMetadata() for key, _ in objects},
                 }
-                metadata.planner_data = {**metadata.planner_data, **_object_paths(objects, metadata.planner_data)}
+                metadata.planner_data = {**metadata.planner_data, **object_paths(objects, metadata.planner_data)}
                 metadata.storage_data = {**metadata.storage_data, **{MetadataIndex(k): i for k, i in objects}}
             with paused_gc():
                 data = pickle.dumps(metadata)
@@ -584,7 +589,7 @@ def _objects_inserts(objects: list[tuple[str, _StorageInfo]]) -> tuple[bytes, by
     return out[0], out[1], out[2]
 
 
-def _object_paths(objects: list[tuple[str, _StorageInfo]], planner_data: Any) -> dict[str, tuple[str, ...]]:
+def object_paths(objects: list[tuple[str, _StorageInfo]], planner_data: Any) -> dict[str, tuple[str, ...]]:
     """The planner_data (flat key -> path in the saved state dict) of the object entries, in the form
     the tensors' mappings have: flat (our planner) or one level of nesting (DCP's, see planner.nest)."""
     first = next(iter(planner_data.values()), ()) if isinstance(planner_data, dict) else ()

@@ -1,0 +1,636 @@
+"""The chunks of a checkpoint written by many ranks, as columns of integers.
+
+Every rank of an FSDP2 job holds a shard of every tensor, so DCP's ``.metadata`` lists tensors x
+ranks chunks: 17.8 million for a Llama-70B state with AdamW at 8,192 ranks. As DCP's Python objects
+(a chunk, its index, its storage record, their sizes) that is ~700 bytes per chunk, more memory than
+a coordinator has to spare, and pickled one object at a time it takes minutes. Here a chunk is a row
+of integers (tensor, rank, offsets, sizes, where it lies in its rank's file):
+
+- :class:`KeyTable`: the tensors of the state in plan order, the same on every rank of an SPMD job
+  (its :attr:`~KeyTable.digest` is what the ranks compare);
+- :func:`encode_report` / :class:`ChunkTable`: one rank's rows as bytes, and every rank's rows
+  merged and checked on the coordinator: each tensor's chunks inside it, no two at one offset, and
+  together exactly its size;
+- :func:`write_metadata`: DCP's standard ``.metadata`` pickle written from the columns, a block of
+  rows at a time, by filling per-chunk opcode templates (no Python object per chunk); plain
+  ``torch.distributed.checkpoint.load`` reads it as it reads what ``dcp.save`` writes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import io
+import math
+import os
+import pickle
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
+
+from checkpoint_manager.core.checksum import crc32
+from checkpoint_manager.errors import CheckpointError
+
+__all__ = ["ChunkTable", "KeyTable", "data_file", "encode_report", "report_size", "write_metadata"]
+
+# A report: magic, rows, dims per row, whether dims are int64 (else int32); then the rows' (position,
+# length) as int64, then their (key, offsets..., sizes...) as int32 or int64.
+_MAGIC = 0x434D43484E4B5331  # "CMCHNKS1"
+_HEADER = struct.Struct("<qqqq")
+_INT32_MAX = (1 << 31) - 1
+
+
+def data_file(rank: int) -> str:
+    """The data file of ``rank`` (DCP's name for a rank's one file)."""
+    return f"__{rank}_0.distcp"
+
+
+@dataclass(frozen=True)
+class KeyTable:
+    """The tensors of a state in plan order: key, global size, DCP properties, and (for a DTensor)
+    its mesh shape and placements, which decide which replica writes a replicated shard."""
+
+    fqns: tuple[str, ...]
+    sizes: tuple[torch.Size, ...]
+    properties: tuple[TensorProperties, ...]
+    #: per key: None for a plain tensor, else (mesh shape, placements as ("S", dim) / ("R",))
+    shards: tuple[tuple[tuple[int, ...], tuple[tuple[Any, ...], ...]] | None, ...]
+
+    @cached_property
+    def digest(self) -> int:
+        """63 bits of a SHA-256 of everything in the table: equal tables, equal digests."""
+        h = hashlib.sha256()
+        for fqn, size, props, shard in zip(self.fqns, self.sizes, self.properties, self.shards, strict=True):
+            h.update(
+                repr(
+                    (fqn, tuple(size), str(props.dtype), str(props.layout), props.requires_grad,
+                     str(props.memory_format), props.pin_memory, shard)
+                ).encode()
+            )
+            h.update(b"\0")
+        return int.from_bytes(h.digest()[:8], "little") >> 1
+
+    @cached_property
+    def ndim(self) -> int:
+        """The most dimensions of any tensor (a report's rows all have this many)."""
+        return max((len(s) for s in self.sizes), default=0)
+
+    @cached_property
+    def wide(self) -> bool:
+        """Whether a dimension needs 64 bits (reports then carry int64 dims)."""
+        return any(d > _INT32_MAX for s in self.sizes for d in s)
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        return {fqn: i for i, fqn in enumerate(self.fqns)}
+
+
+def encode_report(table: KeyTable, rows: Sequence[tuple[int, Sequence[int], Sequence[int], int, int]]) -> bytes:
+    """One rank's chunks, as bytes: (key ordinal, offsets, sizes, position, length) per row, in the
+    order the rank wrote them."""
+    d = table.ndim
+    dtype = torch.int64 if table.wide else torch.int32
+    n = len(rows)
+    placed = torch.zeros((n, 2), dtype=torch.int64)
+    dims = torch.zeros((n, 1 + 2 * d), dtype=dtype)
+    if n:
+        placed[:, 0] = torch.tensor([r[3] for r in rows], dtype=torch.int64)
+        placed[:, 1] = torch.tensor([r[4] for r in rows], dtype=torch.int64)
+        flat = []
+        for key, offsets, sizes, _, _ in rows:
+            pad = (0,) * (d - len(offsets))
+            flat.append((key, *offsets, *pad, *sizes, *pad))
+        dims.copy_(torch.tensor(flat, dtype=dtype))
+    return b"".join(
+        (_HEADER.pack(_MAGIC, n, d, int(table.wide)), _tensor_bytes(placed), _tensor_bytes(dims))
+    )
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
+
+
+def report_size(table: KeyTable, rows: int) -> int:
+    """The bytes of a report of ``rows`` rows for ``table``'s state."""
+    return _HEADER.size + rows * 16 + rows * (1 + 2 * table.ndim) * (8 if table.wide else 4)
+
+
+def _decode_report(raw: torch.Tensor, table: KeyTable, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A report's (position, length) rows and (key, offsets, sizes) rows: views of ``raw`` (uint8),
+    which may be longer than the report (a gathered slot)."""
+    if raw.numel() < _HEADER.size:
+        raise CheckpointError(f"rank {rank}'s chunk report is truncated ({raw.numel()} bytes)")
+    magic, n, d, wide = _HEADER.unpack(_tensor_bytes(raw[: _HEADER.size]))
+    if magic != _MAGIC or d != table.ndim or bool(wide) != table.wide or n < 0:
+        raise CheckpointError(f"rank {rank}'s chunk report does not match this state's")
+    length = report_size(table, n)
+    if raw.numel() < length:
+        raise CheckpointError(f"rank {rank}'s chunk report is truncated ({raw.numel()} of {length} bytes)")
+    start = _HEADER.size
+    placed = raw[start : start + n * 16].view(torch.int64).reshape(n, 2)
+    dims = raw[start + n * 16 : length].view(torch.int64 if wide else torch.int32).reshape(n, 1 + 2 * d)
+    return placed, dims
+
+
+@dataclass
+class ChunkTable:
+    """Every rank's chunks, merged on the coordinator and sorted by tensor (each tensor's chunks in
+    rank order, as DCP's global plan lists them)."""
+
+    keys: KeyTable
+    ranks: int
+    key: torch.Tensor  # int64 [C]
+    rank: torch.Tensor  # int64 [C]
+    position: torch.Tensor  # int64 [C]
+    length: torch.Tensor  # int64 [C]
+    offsets: torch.Tensor  # [C, D]
+    sizes: torch.Tensor  # [C, D]
+    starts: torch.Tensor = field(init=False)  # int64 [K + 1]: key k's rows are starts[k]:starts[k+1]
+
+    def __post_init__(self) -> None:
+        counts = torch.bincount(self.key, minlength=len(self.keys.fqns)) if self.key.numel() else torch.zeros(
+            len(self.keys.fqns), dtype=torch.int64
+        )
+        self.starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+
+    @property
+    def chunks(self) -> int:
+        return int(self.key.numel())
+
+    @classmethod
+    def merge(cls, keys: KeyTable, reports: Sequence[bytes | torch.Tensor]) -> ChunkTable:
+        """The rows of every rank's report (``reports[r]`` from rank ``r``: its bytes, or a uint8
+        tensor that starts with them), checked: see :meth:`check`."""
+        placed_parts, dims_parts, rank_parts = [], [], []
+        for r, raw in enumerate(reports):
+            view = raw if isinstance(raw, torch.Tensor) else torch.frombuffer(bytearray(raw) or bytearray(1), dtype=torch.uint8)[: len(raw)]
+            part_placed, part_dims = _decode_report(view, keys, r)
+            placed_parts.append(part_placed)
+            dims_parts.append(part_dims)
+            rank_parts.append(torch.full((part_placed.shape[0],), r, dtype=torch.int64))
+        d = keys.ndim
+        placed = torch.cat(placed_parts) if placed_parts else torch.zeros((0, 2), dtype=torch.int64)
+        dims = torch.cat(dims_parts) if dims_parts else torch.zeros((0, 1 + 2 * d), dtype=torch.int32)
+        rank = torch.cat(rank_parts) if rank_parts else torch.zeros(0, dtype=torch.int64)
+        del placed_parts, dims_parts, rank_parts
+        key = dims[:, 0].to(torch.int64)
+        if key.numel() and (int(key.min()) < 0 or int(key.max()) >= len(keys.fqns)):
+            raise CheckpointError("a rank's chunk report names a tensor this state does not hold")
+        order = torch.argsort(key, stable=True)
+        table = cls(
+            keys,
+            len(reports),
+            key[order],
+            rank[order],
+            placed[order, 0].contiguous(),
+            placed[order, 1].contiguous(),
+            dims[order, 1 : 1 + d].contiguous(),
+            dims[order, 1 + d :].contiguous(),
+        )
+        table.check()
+        return table
+
+    def check(self) -> None:
+        """Raise :class:`CheckpointError` unless each tensor's chunks lie inside it, differ in their
+        offsets (empty chunks aside) and together hold exactly its elements.
+
+        The chunks come from DTensor shardings (products of ``torch.chunk`` intervals, one per mesh
+        coordinate), which are disjoint by construction: two ranks writing the same chunk, or a
+        chunk nobody wrote, is what can go wrong, and these three checks see both.
+        """
+        keys, d = self.keys, self.keys.ndim
+        if not self.chunks:
+            if any(math.prod(s) for s in keys.sizes):
+                raise CheckpointError("no rank reported a chunk")
+            return
+        glob = torch.tensor(
+            [list(s) + [1] * (d - len(s)) for s in keys.sizes], dtype=torch.int64
+        ).reshape(len(keys.sizes), d)
+        ndims = torch.tensor([len(s) for s in keys.sizes], dtype=torch.int64)
+        offsets, sizes = self.offsets.to(torch.int64), self.sizes.to(torch.int64)
+        row_glob = glob[self.key]
+        # the dims past a tensor's own are padding: zero offsets, zero sizes
+        past = torch.arange(d).unsqueeze(0) >= ndims[self.key].unsqueeze(1)
+        if bool((offsets.masked_select(past) != 0).any()) or bool((sizes.masked_select(past) != 0).any()):
+            raise CheckpointError("a rank's chunk report has dimensions its tensor lacks")
+        sizes_v = sizes.masked_fill(past, 1)
+        if bool((offsets < 0).any()) or bool((sizes_v < 0).any()) or bool((offsets + sizes_v > row_glob).any()):
+            bad = int(((offsets < 0) | (offsets + sizes_v > row_glob)).any(1).nonzero()[0, 0])
+            raise CheckpointError(f"a chunk of {keys.fqns[int(self.key[bad])]!r} lies outside it")
+        if bool((self.position < 0).any()) or bool((self.length < 0).any()):
+            raise CheckpointError("a rank's chunk report places a record before its file's start")
+        volume = sizes_v.prod(1)
+        per_key = torch.zeros(len(keys.sizes), dtype=torch.int64).index_add_(0, self.key, volume)
+        want = torch.tensor([math.prod(s) for s in keys.sizes], dtype=torch.int64)
+        wrong = (per_key != want).nonzero()
+        if wrong.numel():
+            k = int(wrong[0, 0])
+            raise CheckpointError(
+                f"the chunks of {keys.fqns[k]!r} hold {int(per_key[k])} of its {int(want[k])} elements "
+                "(a chunk written by no rank, or by two)"
+            )
+        # no two non-empty chunks of a tensor at one offset (two equal empty ones are DCP's duplicates)
+        nonempty = (volume > 0).nonzero().squeeze(1)
+        if nonempty.numel() > 1:
+            rows = torch.cat([self.key[nonempty].unsqueeze(1), offsets[nonempty]], 1)
+            if not _increasing(rows):  # the usual rank order is; else sort to find equal rows
+                ordered = rows[_lexsort(rows)]
+                same = (ordered[1:] == ordered[:-1]).all(1)
+                if bool(same.any()):
+                    k = int(ordered[int(same.nonzero()[0, 0]), 0])
+                    raise CheckpointError(f"two ranks wrote the same chunk of {keys.fqns[k]!r}")
+
+    def without_duplicate_empties(self) -> ChunkTable:
+        """This table less the repeats of an empty chunk at one offset (ranks past a small tensor's
+        end all hold the same empty shard): DCP keeps one of them, the first."""
+        if not self.chunks:
+            return self
+        volume = self.sizes.to(torch.int64).masked_fill(self._past(), 1).prod(1)
+        empty = (volume == 0).nonzero().squeeze(1)
+        if empty.numel() < 2:
+            return self
+        rows = torch.cat([self.key[empty].unsqueeze(1), self.offsets[empty].to(torch.int64)], 1)
+        order = _lexsort(rows)
+        ordered = rows[order]
+        repeat = torch.zeros(empty.numel(), dtype=torch.bool)
+        repeat[1:] = (ordered[1:] == ordered[:-1]).all(1)
+        if not bool(repeat.any()):
+            return self
+        drop = torch.zeros(self.chunks, dtype=torch.bool)
+        # of equal rows, _lexsort keeps the input (rank) order: the first stays
+        drop[empty[order[repeat]]] = True
+        keep = (~drop).nonzero().squeeze(1)
+        return ChunkTable(
+            self.keys, self.ranks, self.key[keep], self.rank[keep], self.position[keep], self.length[keep],
+            self.offsets[keep], self.sizes[keep],
+        )
+
+    def _past(self) -> torch.Tensor:
+        ndims = torch.tensor([len(s) for s in self.keys.sizes], dtype=torch.int64)
+        return torch.arange(self.keys.ndim).unsqueeze(0) >= ndims[self.key].unsqueeze(1)
+
+
+def _increasing(rows: torch.Tensor) -> bool:
+    """Whether ``rows`` (int64 [n, m]) are in strictly increasing lexicographic order."""
+    a, b = rows[:-1], rows[1:]
+    undecided = torch.ones(a.shape[0], dtype=torch.bool)
+    for col in range(rows.shape[1]):
+        less = a[:, col] < b[:, col]
+        more = a[:, col] > b[:, col]
+        if bool((undecided & more).any()):
+            return False
+        undecided &= ~less
+    return not bool(undecided.any())
+
+
+def _lexsort(rows: torch.Tensor) -> torch.Tensor:
+    """The stable order sorting ``rows`` (int64 [n, m]) by their columns, first column first."""
+    order = torch.arange(rows.shape[0])
+    for col in range(rows.shape[1] - 1, -1, -1):
+        order = order[torch.argsort(rows[order, col], stable=True)]
+    return order
+
+
+# -- the .metadata pickle -----------------------------------------------------------------------------
+
+_PROTO = b"\x80\x04"
+_MARK, _STOP, _POP, _MEMOIZE = b"(", b".", b"0", b"\x94"
+_EMPTY_TUPLE, _EMPTY_DICT, _EMPTY_LIST, _NONE = b")", b"}", b"]", b"N"
+_NEWOBJ, _BUILD, _SETITEMS, _APPENDS, _REDUCE = b"\x81", b"b", b"u", b"e", b"R"
+_TUPLE1, _STACK_GLOBAL = b"\x85", b"\x93"
+_TUPLES = {0: b"", 1: b"\x85", 2: b"\x86", 3: b"\x87"}
+_BATCH = 1000  # items per MARK ... SETITEMS/APPENDS, as pickle batches them
+_BLOCK_ROWS = 1 << 19  # rows filled at a time: bounds the memory of a write
+
+
+def _string(value: str) -> bytes:
+    raw = value.encode("utf-8", "surrogatepass")
+    if len(raw) < 256:
+        return b"\x8c" + bytes([len(raw)]) + raw
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def _get(index: int) -> bytes:
+    return b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
+
+
+def _long_get(index: int) -> bytes:
+    return b"j" + struct.pack("<I", index)
+
+
+def _body(obj: Any) -> bytes:
+    """``obj``'s pickle opcodes without header or STOP, and without memo (they fit anywhere)."""
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=2)
+    pickler.fast = True
+    pickler.dump(obj)
+    raw = buf.getvalue()
+    assert raw[:2] == b"\x80\x02" and raw[-1:] == b"."
+    return raw[2:-1]
+
+
+class _Memo:
+    """The objects every chunk refers to, put in the pickle's memo up front (pushed, memoized, popped)."""
+
+    GLOBALS = (
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+    )
+    STRINGS = (
+        "offsets", "sizes", "fqn", "offset", "index", "relative_path", "length", "transform_descriptors",
+        "properties", "size", "chunks",
+    )
+
+    def __init__(self, fqns: Sequence[str], files: Sequence[str]) -> None:
+        out = [_PROTO]
+        self.at: dict[Any, int] = {}
+        for module, name in self.GLOBALS:
+            out += [_string(module), _string(name), _STACK_GLOBAL, _MEMOIZE, _POP]
+            self.at[name] = len(self.at)
+        for s in self.STRINGS:
+            out += [_string(s), _MEMOIZE, _POP]
+            self.at[s] = len(self.at)
+        self.files = len(self.at)
+        for f in files:
+            out += [_string(f), _MEMOIZE, _POP]
+        self.fqns = self.files + len(files)
+        for f in fqns:
+            out += [_string(f), _MEMOIZE, _POP]
+        self.prefix = b"".join(out)
+
+    def get(self, what: str) -> bytes:
+        return _get(self.at[what])
+
+
+def _size_template(memo: _Memo, ndim: int, wide: bool) -> tuple[bytes, list[int], bytes]:
+    """A torch.Size of ``ndim`` ints: (opcodes before the ints, each int's field offset, after)."""
+    head = memo.get("Size") + (_MARK if ndim > 3 else b"")
+    int_op = b"\x8a\x08" if wide else b"J"  # LONG1 of 8 bytes, or BININT
+    width = len(int_op) + (8 if wide else 4)
+    fields = [len(head) + i * width + len(int_op) for i in range(ndim)]
+    body = b"".join(int_op + bytes(width - len(int_op)) for _ in range(ndim))
+    tail = (_TUPLES[ndim] if ndim <= 3 else b"t") + _TUPLE1 + _REDUCE
+    if ndim == 0:
+        tail = _EMPTY_TUPLE + _TUPLE1 + _REDUCE
+    return head + body, fields, tail
+
+
+@dataclass
+class _Template:
+    """Opcodes of one row with holes for its integers: ``fields[name]`` are (offset, width) pairs."""
+
+    raw: bytes
+    fields: dict[str, list[tuple[int, int]]]
+
+
+def _chunk_template(memo: _Memo, ndim: int, wide: bool) -> _Template:
+    """A ChunkStorageMetadata: offsets and sizes."""
+    out = bytearray(memo.get("ChunkStorageMetadata") + _EMPTY_TUPLE + _NEWOBJ + _EMPTY_DICT + _MARK)
+    fields: dict[str, list[tuple[int, int]]] = {"offsets": [], "sizes": []}
+    width = 8 if wide else 4
+    for name in ("offsets", "sizes"):
+        out += memo.get(name)
+        head, holes, tail = _size_template(memo, ndim, wide)
+        fields[name] = [(len(out) + h, width) for h in holes]
+        out += head + tail
+    out += _SETITEMS + _BUILD
+    return _Template(bytes(out), fields)
+
+
+def _storage_template(memo: _Memo, ndim: int, wide: bool) -> _Template:
+    """A MetadataIndex (fqn, offset, index) and its _StorageInfo (file, position, length)."""
+    out = bytearray(memo.get("MetadataIndex") + _EMPTY_TUPLE + _NEWOBJ + _EMPTY_DICT + _MARK)
+    fields: dict[str, list[tuple[int, int]]] = {}
+    width = 8 if wide else 4
+    out += memo.get("fqn") + b"j"
+    fields["fqn"] = [(len(out), 4)]
+    out += bytes(4)
+    out += memo.get("offset")
+    head, holes, tail = _size_template(memo, ndim, wide)
+    fields["offsets"] = [(len(out) + h, width) for h in holes]
+    out += head + tail
+    out += memo.get("index") + b"J"
+    fields["index"] = [(len(out), 4)]
+    out += bytes(4) + _SETITEMS + _BUILD
+    out += memo.get("_StorageInfo") + _EMPTY_TUPLE + _NEWOBJ + _EMPTY_DICT + _MARK
+    out += memo.get("relative_path") + b"j"
+    fields["file"] = [(len(out), 4)]
+    out += bytes(4)
+    out += memo.get("offset") + b"\x8a\x08"
+    fields["position"] = [(len(out), 8)]
+    out += bytes(8)
+    out += memo.get("length") + b"\x8a\x08"
+    fields["length"] = [(len(out), 8)]
+    out += bytes(8)
+    out += memo.get("transform_descriptors") + _NONE + _SETITEMS + _BUILD
+    return _Template(bytes(out), fields)
+
+
+class _Rows:
+    """Filled rows: a uint8 tensor [n, width] over a bytearray, so slices are written without a copy."""
+
+    def __init__(self, n: int, width: int) -> None:
+        self.buf = bytearray(n * width)
+        self.width = width
+        self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8).view(n, width) if n else torch.zeros(
+            (0, width), dtype=torch.uint8
+        )
+
+    def view(self, lo: int, hi: int) -> memoryview:
+        return memoryview(self.buf)[lo * self.width : hi * self.width]
+
+
+def _fill(template: _Template, columns: dict[str, torch.Tensor]) -> _Rows:
+    """The template repeated for each row, each field set from its int64 column(s)."""
+    n = next(iter(columns.values())).shape[0]
+    out = _Rows(n, len(template.raw))
+    if not n:
+        return out
+    rows = out.tensor
+    rows.copy_(torch.frombuffer(bytearray(template.raw), dtype=torch.uint8).unsqueeze(0).expand(n, -1))
+    for name, holes in template.fields.items():
+        col = columns[name]
+        for i, (at, width) in enumerate(holes):
+            values = col[:, i] if col.dim() == 2 else col
+            dtype = torch.int64 if width == 8 else torch.int32
+            rows[:, at : at + width] = values.to(dtype).contiguous().view(torch.uint8).reshape(n, width)
+    return out
+
+
+class _Sink:
+    """Writes to a file, counting bytes and keeping the CRC-32."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.size = 0
+        self.crc = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.crc = crc32(data, self.crc)
+        self.size += len(data)
+
+
+
+def write_metadata(
+    path: Path,
+    table: ChunkTable,
+    *,
+    planner_data: dict[str, Any],
+    objects: Sequence[tuple[str, _StorageInfo]] = (),
+    storage_meta: StorageMeta | None = None,
+    fsync: bool = True,
+) -> tuple[int, int]:
+    """Write DCP's ``.metadata`` for ``table`` to ``path`` (through ``<path>.tmp`` and a rename, as
+    DCP does); returns its size and CRC-32.
+
+    ``planner_data`` maps each tensor key to its path in the saved state dict (DCP's flattening),
+    ``objects`` are the non-tensor entries (key, record) the coordinator wrote as bytes.
+    """
+    keys = table.keys
+    files = [data_file(r) for r in range(table.ranks)]
+    memo = _Memo(keys.fqns, files)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        sink = _Sink(f)
+        sink.write(memo.prefix)
+        sink.write(memo.get("Metadata") + _EMPTY_TUPLE + _NEWOBJ + _EMPTY_DICT + _MARK)
+        sink.write(_string("state_dict_metadata") + _EMPTY_DICT)
+        _write_tensors(sink, table, memo)
+        if objects:
+            sink.write(_MARK)
+            for key, _ in objects:
+                sink.write(_string(key) + _body(BytesStorageMetadata()))
+            sink.write(_SETITEMS)
+        sink.write(_string("planner_data") + _EMPTY_DICT)
+        for lo in range(0, len(keys.fqns), _BATCH):
+            part = []
+            for k in range(lo, min(lo + _BATCH, len(keys.fqns))):
+                part.append(_long_get(memo.fqns + k) + _body(tuple(planner_data[keys.fqns[k]])))
+            sink.write(_MARK + b"".join(part) + _SETITEMS)
+        extra = {key: planner_data[key] for key, _ in objects if key in planner_data}
+        if extra:
+            sink.write(_MARK + b"".join(_body(k) + _body(tuple(v)) for k, v in extra.items()) + _SETITEMS)
+        sink.write(_string("storage_data") + _EMPTY_DICT)
+        _write_storage(sink, table, memo)
+        if objects:
+            sink.write(_MARK + b"".join(_body(MetadataIndex(k)) + _body(info) for k, info in objects) + _SETITEMS)
+        sink.write(_string("storage_meta") + _body(storage_meta))
+        sink.write(_string("version") + _body(CURRENT_DCP_VERSION))
+        sink.write(_SETITEMS + _BUILD + _STOP)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return sink.size, sink.crc
+
+
+def _blocks(table: ChunkTable) -> Iterator[tuple[int, int, int, int]]:
+    """(first key, end key, first row, end row) of blocks of whole keys, about _BLOCK_ROWS rows each."""
+    starts = table.starts.tolist()
+    k = 0
+    nkeys = len(table.keys.fqns)
+    while k < nkeys:
+        end = k + 1
+        while end < nkeys and starts[end + 1] - starts[k] <= _BLOCK_ROWS:
+            end += 1
+        yield k, end, starts[k], starts[end]
+        k = end
+
+
+def _by_ndim(table: ChunkTable, lo: int, hi: int) -> dict[int, torch.Tensor]:
+    """The rows lo:hi grouped by their tensor's dimensions: ndim -> row numbers (relative to lo)."""
+    ndims = torch.tensor([len(s) for s in table.keys.sizes], dtype=torch.int64)[table.key[lo:hi]]
+    return {int(n): (ndims == n).nonzero().squeeze(1) for n in torch.unique(ndims).tolist()}
+
+
+def _write_tensors(sink: _Sink, table: ChunkTable, memo: _Memo) -> None:
+    """state_dict_metadata's tensor entries: each a TensorStorageMetadata with its chunk list."""
+    keys = table.keys
+    templates: dict[int, _Template] = {}
+    props: dict[int, bytes] = {}
+    starts = table.starts.tolist()
+    sink.write(_MARK)
+    batch = 0
+    for k0, k1, lo, hi in _blocks(table):
+        filled: dict[int, tuple[_Rows, list[int]]] = {}
+        for ndim, rows in _by_ndim(table, lo, hi).items():
+            t = templates.get(ndim)
+            if t is None:
+                t = templates[ndim] = _chunk_template(memo, ndim, keys.wide)
+            cols = {"offsets": table.offsets[lo:hi][rows, :ndim], "sizes": table.sizes[lo:hi][rows, :ndim]}
+            at = torch.full((hi - lo,), -1, dtype=torch.int64)  # each block row's place in its group
+            at[rows] = torch.arange(rows.numel())
+            filled[ndim] = (_fill(t, cols), at.tolist())
+        for k in range(k0, k1):
+            if batch == _BATCH:
+                sink.write(_SETITEMS + _MARK)
+                batch = 0
+            batch += 1
+            size, p = keys.sizes[k], keys.properties[k]
+            body = props.get(id(p))
+            if body is None:
+                body = props[id(p)] = _body(p)
+            sink.write(
+                _long_get(memo.fqns + k)
+                + memo.get("TensorStorageMetadata") + _EMPTY_TUPLE + _NEWOBJ + _EMPTY_DICT + _MARK
+                + memo.get("properties") + body
+                + memo.get("size") + _body(torch.Size(size))
+                + memo.get("chunks") + _EMPTY_LIST
+            )
+            a, b = starts[k] - lo, starts[k + 1] - lo
+            if b > a:
+                rows_k, at_k = filled[len(size)]
+                first = at_k[a]
+                for c in range(0, b - a, _BATCH):
+                    sink.write(_MARK)
+                    sink.write(rows_k.view(first + c, first + min(b - a, c + _BATCH)))
+                    sink.write(_APPENDS)
+            sink.write(_SETITEMS + _BUILD)
+    sink.write(_SETITEMS)
+
+
+def _write_storage(sink: _Sink, table: ChunkTable, memo: _Memo) -> None:
+    """storage_data's tensor entries: a MetadataIndex and its _StorageInfo per chunk, written by
+    groups of equal dimensions (a dict's order is not its content)."""
+    keys = table.keys
+    templates: dict[int, _Template] = {}
+    for _, _, lo, hi in _blocks(table):
+        if hi == lo:
+            continue
+        key = table.key[lo:hi]
+        hint = torch.arange(lo, hi) - table.starts[key]  # a chunk's place among its tensor's chunks
+        for ndim, rows in _by_ndim(table, lo, hi).items():
+            t = templates.get(ndim)
+            if t is None:
+                t = templates[ndim] = _storage_template(memo, ndim, keys.wide)
+            filled = _fill(t, {
+                "fqn": memo.fqns + key[rows],
+                "offsets": table.offsets[lo:hi][rows, :ndim],
+                "index": hint[rows],
+                "file": memo.files + table.rank[lo:hi][rows],
+                "position": table.position[lo:hi][rows],
+                "length": table.length[lo:hi][rows],
+            })
+            n = rows.numel()
+            for c in range(0, n, _BATCH):
+                sink.write(_MARK)
+                sink.write(filled.view(c, min(n, c + _BATCH)))
+                sink.write(_SETITEMS)
