@@ -359,6 +359,7 @@ def run_save(sc: Scenario, steps: dict[str, Measured], wire: dict[str, int], *, 
 
     from checkpoint_manager.core.dist import VOTE_SLOT, decode_slots, encode_slot, vote_outcome
     from checkpoint_manager.core.integrity import file_crc32
+    from checkpoint_manager.engine.dcp.chunk_index import INDEX_FILE, write_index
     from checkpoint_manager.engine.dcp.chunks import ChunkTable, data_file, write_metadata
     from checkpoint_manager.lifecycle.saving import checkpoint_record, vote_report, voted_records
 
@@ -376,6 +377,7 @@ def run_save(sc: Scenario, steps: dict[str, Measured], wire: dict[str, int], *, 
             pending / ".metadata", sc.merged, planner_data=sc.mappings,
             storage_meta=StorageMeta(checkpoint_id=pending, save_id="bench"),
         )
+        write_index(pending / INDEX_FILE, sc.merged)
     # the data files (sparse: their sizes are what matters) and every rank's JSON, as the ranks write
     # them, and the votes they send (their file records)
     slots = []
@@ -397,7 +399,7 @@ def run_save(sc: Scenario, steps: dict[str, Measured], wire: dict[str, int], *, 
     job = _job()
     with measure(steps[f"checkpoint_json_{tag}"]):
         storage.write_json(pending / "state.json", {"train_state": job.state.train_state})
-        files = storage.describe_files(pending, voted_records(pending, votes))
+        files = storage.describe_files(pending, voted_records(votes))
         meta = checkpoint_record(
             job, engine="dcp", engine_record={"writer": "checkpoint-manager-direct/1"}, world_size=n,
             lineage=Lineage(1, ((1, 1),)), parent=None, ranking=None, files=files,
@@ -444,17 +446,19 @@ def per_rank_share(sc: Scenario, steps: dict[str, Measured], wire: dict[str, int
 
 
 def run_load(sc: Scenario, path: Path, steps: dict[str, Measured], world: int, tag: str) -> None:
-    """One rank's load planning of the checkpoint at ``path`` in a job of ``world`` ranks."""
+    """One rank's load planning of the checkpoint at ``path`` in a job of ``world`` ranks: what it
+    reads and checks itself (``checkpoint.json``, its JSON state, the engine's index) and its read
+    plan, as the manager and the DCP engine run them (rank 0's check of every file is ``verify``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from checkpoint_manager.core.integrity import check
     from checkpoint_manager.core.layout import read_checkpoint_json
     from checkpoint_manager.engine.base import EngineContext
-    from checkpoint_manager.engine.dcp.engine import _METADATA, DCPEngine
+    from checkpoint_manager.engine.dcp.engine import _INDEX, DCPEngine
     from checkpoint_manager.engine.dcp.planner import FastLoadPlanner
+    from checkpoint_manager.state.training import read_rank_json
 
     sharding = Sharding(sc.sharding.name, world, min(sc.sharding.shard_group, world))
     rank = world // 2 + 1 if world > 2 else world - 1
@@ -472,16 +476,19 @@ def run_load(sc: Scenario, path: Path, steps: dict[str, Measured], world: int, t
                 torch.empty(chunk[0], device="meta"), mesh, sharding.placements, run_check=False,
                 shape=torch.Size(key.shape), stride=_contiguous_stride(key.shape),
             )
-        meta = read_checkpoint_json(path)
         engine = DCPEngine()
         with measure(steps[f"load_plan_{tag}"]):
-            check(path, meta, "sizes")
+            meta = read_checkpoint_json(path)
+            read_rank_json(path, rank if world == sc.world else 0, meta=meta, level="sizes")
             ctx = EngineContext(step=1000, rank=rank, world_size=world, meta=meta, extra={})
             engine.read_index(path, ctx)
+            partial = ctx.extra[_INDEX][1].metadata_for(targets)
             planner = FastLoadPlanner()
-            planner.set_up_planner(nest(targets), ctx.extra[_METADATA][1], rank == 0)
+            planner.set_up_planner(nest(targets), partial, rank == 0)
             plan = planner.create_local_plan()
         assert plan.items
+        if world == sc.world:  # at the same world size each shard is one saved chunk, read whole
+            assert len(plan.items) == len(targets), (len(plan.items), len(targets))
     finally:
         dist.destroy_process_group()
 
@@ -556,6 +563,7 @@ def measure_ranks(
         "wire_bytes": wire,
         "inputs_mib": inputs_bytes / 2**20,
         "metadata_bytes": (path / ".metadata").stat().st_size,
+        "index_bytes": (path / ".chunks.safetensors").stat().st_size,
         "checkpoint_json_bytes": (path / CHECKPOINT_JSON).stat().st_size,
     }
     out["coordinator_s"] = {

@@ -16,11 +16,13 @@ if TYPE_CHECKING:
     from checkpoint_manager.core.dist import CollectiveTimeoutError
     from checkpoint_manager.core.layout import CheckpointInfo, Lineage
     from checkpoint_manager.core.naming import format_name, parse_name
+    from checkpoint_manager.core.safe_io import parse_json, read_json
     from checkpoint_manager.engine.base import (
         Engine,
         EngineContext,
         EngineState,
         FileRecord,
+        GroupBase,
         StagingEngine,
         TensorInfo,
     )
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
         CheckpointMismatchError,
         CheckpointNotFoundError,
         CheckpointVersionError,
+        EngineNotAvailableError,
         ManagerClosedError,
         PostCommitError,
         UnsafeCheckpointError,
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
     )
     from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
     from checkpoint_manager.lifecycle.finite import NonFiniteStateError
+    from checkpoint_manager.lifecycle.frozen import FrozenChangedError
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
     from checkpoint_manager.lifecycle.observe import (
         CheckpointCallback,
@@ -87,6 +91,8 @@ if TYPE_CHECKING:
         KeepEveryNSteps,
         KeepLast,
         KeepUnranked,
+        Prunable,
+        Pruner,
         RetentionPlan,
         RetentionPolicy,
         plan_retention,
@@ -123,6 +129,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointMismatchError": "checkpoint_manager.errors",
     "CheckpointNotFoundError": "checkpoint_manager.errors",
     "CheckpointVersionError": "checkpoint_manager.errors",
+    "EngineNotAvailableError": "checkpoint_manager.errors",
     "CollectiveTimeoutError": "checkpoint_manager.core.dist",
     "DefaultCheckpointManager": "checkpoint_manager.lifecycle.manager",
     "ENGINE_ENTRY_POINT_GROUP": "checkpoint_manager.factory",
@@ -131,6 +138,8 @@ _EXPORTS: dict[str, str] = {
     "EngineContext": "checkpoint_manager.engine.base",
     "EngineState": "checkpoint_manager.engine.base",
     "FileRecord": "checkpoint_manager.engine.base",
+    "FrozenChangedError": "checkpoint_manager.lifecycle.frozen",
+    "GroupBase": "checkpoint_manager.engine.base",
     "StagingEngine": "checkpoint_manager.engine.base",
     "TensorInfo": "checkpoint_manager.engine.base",
     "Continuous": "checkpoint_manager.lifecycle.policy",
@@ -144,6 +153,8 @@ _EXPORTS: dict[str, str] = {
     "KeepBest": "checkpoint_manager.lifecycle.retention",
     "KeepEveryNSteps": "checkpoint_manager.lifecycle.retention",
     "KeepLast": "checkpoint_manager.lifecycle.retention",
+    "Prunable": "checkpoint_manager.lifecycle.retention",
+    "Pruner": "checkpoint_manager.lifecycle.retention",
     "KeepUnranked": "checkpoint_manager.lifecycle.retention",
     "Lineage": "checkpoint_manager.core.layout",
     "LoadContext": "checkpoint_manager.protocol",
@@ -186,10 +197,12 @@ _EXPORTS: dict[str, str] = {
     "open_bundle": "checkpoint_manager.formats",
     "open_storage": "checkpoint_manager.storage",
     "pack_bundle": "checkpoint_manager.formats",
+    "parse_json": "checkpoint_manager.core.safe_io",
     "parse_name": "checkpoint_manager.core.naming",
     "plan_retention": "checkpoint_manager.lifecycle.retention",
     "prune": "checkpoint_manager.lifecycle.retention",
     "read_event_log": "checkpoint_manager.lifecycle.observe",
+    "read_json": "checkpoint_manager.core.safe_io",
     "resolve_checkpoint": "checkpoint_manager.formats.resolve",
     "resolve_manager_class": "checkpoint_manager.factory",
     "save_record": "checkpoint_manager.lifecycle.observe",
@@ -220,13 +233,16 @@ __all__ = [
     "DefaultCheckpointManager",
     "Engine",
     "EngineContext",
+    "EngineNotAvailableError",
     "EngineState",
     "EveryNSeconds",
     "EveryNSteps",
     "FileRecord",
     "FinalStep",
     "FinalizeOnExit",
+    "FrozenChangedError",
     "FsspecStorage",
+    "GroupBase",
     "KeepAll",
     "KeepAny",
     "KeepBest",
@@ -242,6 +258,8 @@ __all__ = [
     "MissingConfigWarning",
     "NonFiniteStateError",
     "PostCommitError",
+    "Prunable",
+    "Pruner",
     "ResolvedCheckpoint",
     "ResumableDistributedSampler",
     "RetentionPlan",
@@ -277,10 +295,12 @@ __all__ = [
     "open_bundle",
     "open_storage",
     "pack_bundle",
+    "parse_json",
     "parse_name",
     "plan_retention",
     "prune",
     "read_event_log",
+    "read_json",
     "resolve_checkpoint",
     "resolve_manager_class",
     "save_record",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,6 +40,7 @@ from checkpoint_manager.core.plugins import (
     find_plugin,
     qualname,
 )
+from checkpoint_manager.core.safe_io import parse_json
 
 __all__ = [
     "MAX_COLLECTIVE_TIMEOUT_S",
@@ -135,6 +135,17 @@ class CheckpointConfig(
         return self
 
     @model_validator(mode="after")
+    def _check_export_engine(self) -> CheckpointConfig:
+        """The save-time export reads the DCP files the default engine writes: with another engine the
+        saves it applies to would fail (``"final"``: the run's last checkpoint never committed)."""
+        if self.save_consolidated != "never" and self.engine != "dcp":
+            raise ValueError(
+                f"save_consolidated={self.save_consolidated!r} exports from the files of the 'dcp' engine, "
+                f"and engine={self.engine!r} writes others: set save_consolidated='never' or engine='dcp'"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_finite_switches(self) -> CheckpointConfig:
         if self.check_finite_optimizer and not self.check_finite:
             raise ValueError("check_finite_optimizer=True needs check_finite=True")
@@ -210,7 +221,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise FileNotFoundError(f"config file {path} does not exist") from None
     if suffix == ".json":
-        data = json.loads(text)
+        data = parse_json(text, path, error=ValueError)
     else:
         try:
             import yaml

@@ -72,6 +72,14 @@ class RunFields(BaseModel):
         "async total drops by about one memcpy, the stall grows (the copy and the writes share memory "
         "bandwidth and the two cores). Local save_dir only.",
     )
+    save_frozen: Literal["every", "once"] = Field(
+        default="every",
+        description="once: model parameters that do not require grad (a frozen base, frozen towers) are "
+        "written by the first checkpoint that needs them and shared by later ones while their contents "
+        "(CRC-32, checked at every save) are unchanged: hard links on a local disk, server-side copies "
+        "in an object store. Every checkpoint stays complete and loads alone. every: each checkpoint "
+        "writes them.",
+    )
     check_finite: bool = Field(
         default=False,
         description="Refuse to commit a checkpoint whose model weights or buffers hold NaN or inf "
@@ -203,7 +211,8 @@ class CadenceFields(BaseModel):
 
 class RetentionFields(BaseModel):
     """What to keep: a checkpoint survives if any rule keeps it; the newest, the best, the one resumed
-    from and saves in flight are always kept. Nothing set: keep everything."""
+    from, saves in flight and superseded checkpoints are always kept, and a damaged one is replaced
+    by the next intact one. Nothing set: keep everything."""
 
     keep_last: int | None = Field(
         default=None,
@@ -225,6 +234,11 @@ class RetentionFields(BaseModel):
     )
     keep_every_n_steps: int | None = Field(
         default=None, ge=1, description="Keep every checkpoint whose step is a multiple of N, forever."
+    )
+    delete_superseded: bool = Field(
+        default=False,
+        description="Let retention delete superseded checkpoints (those a run abandoned by going back to "
+        "an older one and saving); False keeps them, listed as superseded and loadable by path.",
     )
     background_deletion: bool = Field(
         default=True,

@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointVersionError",
+    "EngineNotAvailableError",
     "ManagerClosedError",
     "PostCommitError",
     "UnsafeCheckpointError",
@@ -33,6 +34,12 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointVersionError(CheckpointCorruptError):
     """A checkpoint written by an unknown (newer) format version."""
+
+
+class EngineNotAvailableError(CheckpointCorruptError):
+    """A checkpoint names an engine this process does not have: not built in, not an installed entry
+    point, not the one the config names. The name is read from a file, so it is never imported;
+    auto-resume skips such a checkpoint like a damaged one."""
 
 
 class UnsafeCheckpointError(CheckpointCorruptError):
@@ -80,4 +87,5 @@ class PostCommitError(CheckpointError):
 
 
 class UnsupportedConfigWarning(UserWarning):
-    """A config field was set that the chosen manager declares it does not implement."""
+    """A config field was set that the chosen manager declares it does not implement, or that the
+    chosen engine cannot honour (``save_frozen="once"`` with an engine without ``places_groups``)."""

@@ -159,6 +159,13 @@ class SaveResult:
     cadence: Mapping[str, float] = field(default_factory=dict)
     #: With ``on_save_error="continue"``: the error of a save that failed (nothing was committed).
     error: BaseException | None = None
+    #: Checkpoints the retention pass after this save found damaged (name: the problem), on the rank
+    #: that ran it (0): each was kept, and so was the intact checkpoint kept in its place.
+    damaged: Mapping[str, str] = field(default_factory=dict)
+    #: With ``save_frozen="once"``: the frozen parameters' files, each with how it got into this
+    #: checkpoint (``"write"``, or shared: ``"link"``, ``"reflink"``, ``"copy"``, with its ``origin``),
+    #: and the bytes written and shared (``checkpoint.json``'s ``"frozen"``)
+    frozen: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:

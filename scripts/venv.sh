@@ -58,7 +58,24 @@ log "installing $TORCH_SPEC"
 "${PIP[@]}" "$TORCH_SPEC"
 log "installing checkpoint-manager[$EXTRAS] (editable)${plugin_dirs[*]+ and plugins: ${plugin_dirs[*]}}"
 editables=(-e ".[$EXTRAS]")
+# A plugin whose requires-python this interpreter does not meet (torchtitan's needs 3.11) is left out.
+python_fits() {
+    "$VENV/bin/python" - "$1/pyproject.toml" <<'PY'
+import platform
+import re
+import sys
+
+from pip._vendor.packaging.specifiers import SpecifierSet
+
+found = re.search(r'^requires-python\s*=\s*"([^"]+)"', open(sys.argv[1], encoding="utf-8").read(), re.M)
+sys.exit(0 if found is None or platform.python_version() in SpecifierSet(found.group(1)) else 1)
+PY
+}
 for dir in "${plugin_dirs[@]+"${plugin_dirs[@]}"}"; do
+    if ! python_fits "$dir"; then
+        log "skipping $dir: its requires-python excludes Python $("$VENV/bin/python" -c 'import platform; print(platform.python_version())')"
+        continue
+    fi
     editables+=(-e "$dir")
 done
 "${PIP[@]}" "$TORCH_SPEC" "${editables[@]}"

@@ -156,6 +156,19 @@ def load(out: Path) -> None:
         (out / f"loaded_ws{dist.get_world_size()}.json").write_text(json.dumps({"step": result.step}))
 
 
+def load_damaged(out: Path) -> None:
+    """Load step 4 (whose rank-1 file the test truncated): every rank must refuse, with rank 0's error."""
+    model, opt = build("fsdp")
+    with manager(out / "ckpt") as mgr:
+        try:
+            mgr.load(LoadContext(model=model, optimizer=opt, train_state=TrainState(), step=4, load_rng=False,
+                                 extra={"shadow": Shadow()}))
+            outcome: dict[str, Any] = {"error": None}
+        except Exception as exc:
+            outcome = {"error": type(exc).__name__, "message": str(exc)}
+    (out / f"damaged_rank{dist.get_rank()}.json").write_text(json.dumps(outcome))
+
+
 def main() -> int:
     action, out = sys.argv[1], Path(sys.argv[2])
     count_collectives()
@@ -166,6 +179,8 @@ def main() -> int:
     torch.set_num_threads(1)
     if action == "save":
         save(out, sys.argv[3])
+    elif action == "load_damaged":
+        load_damaged(out)
     else:
         load(out)
     dist.barrier()

@@ -46,7 +46,7 @@ class SafetensorsEngine:
 
     @staticmethod
     def file_name(ctx: EngineContext) -> str:
-        return f"rank_{ctx.rank:05d}.safetensors"
+        return str(ctx.extra.get("file") or f"rank_{ctx.rank:05d}.safetensors")
 
     def encode(self, state: EngineState) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         tensors: dict[str, torch.Tensor] = {}
@@ -126,7 +126,78 @@ class StagingSafetensorsEngine(SafetensorsEngine):
         return None
 
 
+class GroupSafetensorsEngine(StagingSafetensorsEngine):
+    """The reference engine keeping a tensor group (``ctx.group``) in a file of its own, which a later
+    save references when it is given it (``ctx.group_base``): what ``save_frozen="once"`` needs."""
+
+    places_groups: ClassVar[bool] = True
+
+    @staticmethod
+    def group_name(ctx: EngineContext) -> str:
+        return f"rank_{ctx.rank:05d}.group.safetensors"
+
+    def stage(self, state: EngineState, ctx: EngineContext) -> EngineState:
+        return EngineState(
+            {k: t if k in ctx.group else t.detach().clone() for k, t in state.tensors.items()}, dict(state.objects)
+        )
+
+    def save(self, state: EngineState, directory: Path, ctx: EngineContext) -> Mapping[str, FileRecord]:
+        group = ctx.group
+        rest = EngineState({k: t for k, t in state.tensors.items() if k not in group}, state.objects)
+        records = dict(super().save(rest, directory, ctx))
+        if not group:
+            return records
+        name = self.group_name(ctx)
+        ctx.group_files[:] = [name]
+        if ctx.group_base is not None and name in ctx.group_base.files:
+            return records  # placed here already: this checkpoint's own name for the same file
+        tensors, metadata = self.encode(EngineState({k: state.tensors[k] for k in group}))
+        data = safetensors.torch.save(tensors, metadata=metadata)
+        self.write_group(directory / name, data)
+        records[name] = {"size": len(data), "crc32": zlib.crc32(data)}
+        return records
+
+    def write_group(self, path: Path, data: bytes) -> None:
+        path.unlink(missing_ok=True)  # a placed file shares its bytes with another checkpoint
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def read_index(self, directory: Path, ctx: EngineContext) -> Mapping[str, TensorInfo]:
+        index = dict(super().read_index(directory, ctx))
+        group = directory / self.group_name(ctx)
+        if group.is_file():
+            index.update(super().read_index(directory, _as_file(ctx, self.group_name(ctx))))
+        return index
+
+    def load(self, targets: Mapping[str, torch.Tensor], directory: Path, ctx: EngineContext) -> None:
+        name = self.group_name(ctx)
+        grouped = set(self._header(directory / name)[0]) if (directory / name).is_file() else set()
+        super().load({k: t for k, t in targets.items() if k not in grouped}, directory, ctx)
+        if grouped:
+            super().load({k: t for k, t in targets.items() if k in grouped}, directory, _as_file(ctx, name))
+
+
+def _as_file(ctx: EngineContext, name: str) -> EngineContext:
+    """``ctx`` for reading ``name`` with the base class's methods (which read ``file_name(ctx)``)."""
+    out = EngineContext(step=ctx.step, rank=ctx.rank, world_size=ctx.world_size, meta=ctx.meta)
+    out.extra["file"] = name
+    return out
+
+
 # ---- broken engines: each fails one check ---------------------------------------------------------
+
+
+class GroupWrittenInPlace(GroupSafetensorsEngine):
+    """groups: writes the group again into the file given to it, through its name (``open(..., "wb")``
+    truncates the file every checkpoint sharing it holds)."""
+
+    def save(self, state: EngineState, directory: Path, ctx: EngineContext) -> Mapping[str, FileRecord]:
+        ctx.group_base = None
+        return super().save(state, directory, ctx)
+
+    def write_group(self, path: Path, data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
 
 
 class BoolAsUint8(StagingSafetensorsEngine):

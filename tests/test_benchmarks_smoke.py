@@ -115,3 +115,14 @@ def test_run_quick_cli_still_works(tmp_path: Path) -> None:
     results = json.loads((out / "results.json").read_text())
     assert [r["name"] for r in results["summary"]] == ["ours"]
     assert results["records"][0]["payload_bytes"] > 0
+
+
+def test_bench_frozen_runs_its_quick_round(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_frozen
+
+    assert bench_frozen.main(["--quick", "--dir", str(tmp_path), "--json", str(tmp_path / "out.json")]) == 0
+    summary = json.loads((tmp_path / "out.json").read_text())["summary"]
+    # what a later save writes: the trainable state and its optimizer state, not the base
+    assert summary["later_bytes"]["once"] < 1.1 * summary["trainable_and_optimizer_bytes"]
+    assert summary["later_bytes"]["every"] > summary["base_bytes"]
+    assert "first save:  once" in capsys.readouterr().out

@@ -162,7 +162,7 @@ def test_gzip_bomb_is_refused_by_unpack_and_by_load(
     assert main(["unpack", str(bomb), str(dest)]) == 4
     err = capsys.readouterr().err
     assert err.startswith(f"ckpt unpack: error: {bomb}: {ratio} ($CHECKPOINT_MANAGER_BUNDLE_MAX_RATIO)")
-    assert list(dest.iterdir()) == []  # nothing written
+    assert not dest.exists()  # nothing written, not even the directory
     with pytest.raises(BundleTooLargeError, match=ratio):
         load_weights(bomb, tmp_path)
     assert not cache.exists() or list(cache.iterdir()) == []  # no entry, no leftover work directory
@@ -192,7 +192,7 @@ def test_limits_are_checked_at_each_header_before_the_data_is_read(tmp_path: Pat
         extract_bundle(path, tmp_path / "out")
     with pytest.raises(BundleTooLargeError, match=r"expands to more than 1000 bytes"):
         list_bundle(path, limits=BundleLimits(max_bytes=1000, max_ratio=0))
-    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path / "out").exists()
     with pytest.raises(CheckpointCorruptError, match="truncated or damaged tar"):  # past the limits: truncated
         list_bundle(path, limits=BundleLimits(max_bytes=2**50, max_ratio=0))
 
@@ -400,8 +400,8 @@ def test_cache_is_bounded_lru_and_clearable(
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (b"{not json", r"checkpoint_config\.json is not valid JSON \(Expecting property name"),
-        (b"\xff\xfe", r"checkpoint_config\.json is not valid JSON \('utf-8' codec can't decode"),
+        (b"{not json", r"checkpoint_config\.json: not valid JSON \(Expecting property name"),
+        (b"\xff\xfe", r"checkpoint_config\.json: not valid JSON \('utf-8' codec can't decode"),
         (b"[1, 2]", r"checkpoint_config\.json holds a JSON list, not the config object it should"),
         (None, r"bundle\.json names config 'checkpoint_config\.json', which it lacks"),
     ],
@@ -502,7 +502,7 @@ def test_inspect_summary_of_safetensors_and_damaged_state(
     assert summary["optimizers"]["optim"]["param_groups"] == []
     assert summary["optimizers"]["optim"]["slots"] == ["exp_avg", "exp_avg_sq", "step"]
     (problem,) = summary["problems"]
-    assert problem.startswith(f"{damaged / 'state.json'}: unreadable (JSONDecodeError: Expecting property name")
+    assert problem.startswith(f"{damaged / 'state.json'}: not valid JSON (Expecting property name")
 
 
 @pytest.mark.parametrize("verify", ["sizes", "full"])

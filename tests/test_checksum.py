@@ -91,6 +91,22 @@ _WITHOUT_ISAL = textwrap.dedent(
 
 
 @pytest.mark.timeout(120)
+def test_crc32_many_spreads_pieces_over_threads_and_equals_zlib() -> None:
+    import torch
+
+    piece = checksum._PARALLEL_PIECE
+    sizes = [0, 1, piece - 3, piece, 2 * piece + 5, 3 * piece + 4097]
+    buffers = [os.urandom(n) for n in sizes]
+    views = [memoryview(b) for b in buffers]
+    expected = [zlib.crc32(b) for b in buffers]
+    assert checksum.crc32_many(views, threads=4) == expected
+    assert checksum.crc32_many(views, threads=1) == expected
+    tensor = torch.frombuffer(bytearray(buffers[1] * 15), dtype=torch.uint8).view(3, 5)  # odd shape, C order
+    assert checksum.tensor_crc32(tensor) == zlib.crc32(buffers[1] * 15)
+    assert checksum.tensor_crc32(tensor.t()) == zlib.crc32(bytes(tensor.t().contiguous().view(-1).tolist()))
+    assert checksum.tensor_crc32(torch.empty(0, 3)) == 0
+
+
 def test_without_isal_saves_on_zlib_and_warns_once_naming_the_cost(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(

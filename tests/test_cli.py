@@ -211,7 +211,7 @@ def test_list_json_matches_the_directory(damaged: Path, children: Children) -> N
     assert rows["step_00000050"]["state"] == "pending" and rows["step_00000050"]["size_bytes"] == 100
     assert rows["step_00000040"]["pointers"] == ["latest"]
     assert rows["step_00000020"]["pointers"] == ["best"]
-    assert doc["latest"] == {"name": "step_00000040", "step": 40}
+    assert doc["latest"] == {"name": "step_00000040", "step": 40, "lineage": {"seq": 4, "line": [[1, 4]]}}
     assert doc["best"]["name"] == "step_00000020" and doc["best"]["value"] == LOSS[20]
     assert doc["committed"] == 3
     assert doc["total_bytes"] == sum(r["size_bytes"] for r in doc["checkpoints"])
@@ -484,7 +484,7 @@ def test_prune_dry_run_then_real(children: Children, capsys: pytest.CaptureFixtu
     rules = ["--keep-last", "1", "--keep-best", "1", "--monitor", "loss", "--mode", "max"]
     assert main(["prune", str(root), *rules]) == 2  # the run ranked loss with mode min
     assert "pass force to rank with mode 'max' anyway (ckpt prune --force)" in capsys.readouterr().err
-    assert main(["prune", str(root), *rules, "--force"]) == 0
+    assert main(["prune", str(root), *rules, "--force", "--yes"]) == 0
     lines = capsys.readouterr().out.splitlines()
     # by max(loss) the best is step 10; the run's best pointer (step 20) stays protected
     assert lines[0].startswith("deleted step_00000030 (step 30, ")
@@ -494,7 +494,7 @@ def test_prune_dry_run_then_real(children: Children, capsys: pytest.CaptureFixtu
 
 def test_prune_usage_errors(run: Run, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["prune", str(run.root)]) == 2
-    assert capsys.readouterr().err == "ckpt prune: error: prune needs a rule: --keep-last, --keep-best or --keep-every\n"
+    assert capsys.readouterr().err == "ckpt prune: error: prune needs a rule: --keep-last, --keep-best, --keep-every or --superseded\n"
     assert main(["prune", str(run.root), "--keep-best", "2"]) == 2
     assert "--keep-best needs --monitor" in capsys.readouterr().err
     assert main(["prune", str(run.root), "--keep-last", "0"]) == 2
@@ -522,7 +522,7 @@ def test_prune_refuses_while_a_run_holds_the_lock(run: Run, tmp_path: Path, caps
         assert ready.wait(60)
         assert main(["prune", str(root), "--keep-last", "1", "--dry-run"]) == 0  # a dry run takes no lock
         capsys.readouterr()
-        assert main(["prune", str(root), "--keep-last", "1"]) == 5
+        assert main(["prune", str(root), "--keep-last", "1", "--yes"]) == 5
         err = capsys.readouterr().err
         assert err.startswith("ckpt prune: error: ") and f"pid {child.pid}" in err and err.count("\n") == 1
     finally:
@@ -612,7 +612,7 @@ def test_url_verify_and_prune(remote_run: tuple[str, dict[int, dict[str, torch.T
     assert [c["name"] for c in bad] == ["step_00000020"]
     assert bad[0]["problems"][0].startswith(f"{copy}/step_00000020/__0_0.distcp: CRC32 ")
 
-    assert main(["prune", copy, "--keep-last", "1", "--json"]) == 0
+    assert main(["prune", copy, "--keep-last", "1", "--json", "--yes"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [d["name"] for d in doc["deleted"]] == ["step_00000010", "step_00000030"]
     assert all(d["bytes"] > 0 for d in doc["deleted"])

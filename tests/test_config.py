@@ -214,7 +214,7 @@ def test_from_file_errors_of_the_file_itself(tmp_path: Path) -> None:
         CheckpointConfig.from_file(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.json"
     bad.write_text("{save_dir: x}")
-    with pytest.raises(json.JSONDecodeError, match="Expecting property name enclosed in double quotes"):
+    with pytest.raises(ValueError, match=rf"^{bad}: not valid JSON \(Expecting property name enclosed in double quotes"):
         CheckpointConfig.from_file(bad)
 
 
@@ -254,3 +254,18 @@ def test_subclass_from_dict_and_from_file(tmp_path: Path) -> None:
     # The base class refuses the subclass's field: a custom manager's YAML needs its config class.
     with pytest.raises(ValidationError, match=r"bucket\n  Extra inputs are not permitted"):
         CheckpointConfig.from_file(file)
+
+
+@pytest.mark.parametrize("mode", ["every", "final"])
+@pytest.mark.parametrize("engine", ["safetensors", "torch_checkpointing", "my_pkg.engines:Engine"])
+def test_save_consolidated_is_refused_with_an_engine_other_than_dcp(tmp_path: Path, mode: str, engine: str) -> None:
+    """The save-time export reads DCP files: with another engine every save it applies to would fail
+    (with "final", the run's last checkpoint would never be committed). Refused when validated."""
+    with pytest.raises(ValidationError) as refused:
+        CheckpointConfig(save_dir=str(tmp_path), engine=engine, save_consolidated=mode)
+    assert (
+        f"save_consolidated={mode!r} exports from the files of the 'dcp' engine, and engine={engine!r} writes "
+        "others: set save_consolidated='never' or engine='dcp'"
+    ) in str(refused.value)
+    assert CheckpointConfig(save_dir=str(tmp_path), engine=engine).save_consolidated == "never"
+    assert CheckpointConfig(save_dir=str(tmp_path), save_consolidated=mode).engine == "dcp"

@@ -38,6 +38,7 @@ def test_every_engine_check_is_registered() -> None:
         "stage_snapshot",
         "warm_up",
         "independent_saves",
+        "groups",
         "foreign_directory",
         "no_pickle",
     ]
@@ -62,7 +63,7 @@ def torch_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
-@pytest.mark.parametrize("engine", [fx.SafetensorsEngine, fx.StagingSafetensorsEngine])
+@pytest.mark.parametrize("engine", [fx.SafetensorsEngine, fx.StagingSafetensorsEngine, fx.GroupSafetensorsEngine])
 @pytest.mark.parametrize("check", list(ENGINE_CHECKS))
 def test_reference_engine_passes(check: str, engine: type[Any], tmp_path: Path) -> None:
     run_engine_check(check, engine, tmp_path)
@@ -82,6 +83,7 @@ BROKEN: list[tuple[str, type[Any], str]] = [
     ("writes_inside", fx.LeavesTempFile, "save wrote outside its directory: added scratch/tmp/"),
     ("stage_snapshot", fx.StageWithoutCopy, "after stage, a change of the live state, save: 'dtype."),
     ("warm_up", fx.WarmUpCaches, "after warm_up, a training step, save: 'dtype."),
+    ("groups", fx.GroupWrittenInPlace, "a save given the group's files wrote into them (they are another checkpoint's): rewritten"),
     ("independent_saves", fx.PlansOnce, "the save of step 3 holds ['model.extra.bias'] in excess or lack"),
     ("foreign_directory", fx.CrashesOnForeign, "reading an empty directory raised "),
     ("no_pickle", fx.PickleEngine, "save wrote a torch.save archive (a zip holding data.pkl): 'state.pt'"),

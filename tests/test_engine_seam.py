@@ -23,8 +23,8 @@ from torch import nn
 
 from checkpoint_manager import (
     CheckpointConfig,
-    CheckpointError,
     DefaultCheckpointManager,
+    EngineNotAvailableError,
     LoadContext,
     SaveContext,
     TrainState,
@@ -192,12 +192,17 @@ def test_a_checkpoint_is_read_by_the_engine_that_wrote_it(tmp_path: Path) -> Non
     dcp_meta = json.loads((tmp_path / "dcp" / "step_00000001" / "checkpoint.json").read_text())
     assert (dcp_meta["engine"], dcp_meta["writer"]) == ("dcp", "checkpoint-manager-direct/1")
     expected = _state(model, opt)
-    for written, configured in (("st", "dcp"), ("dcp", ENGINE)):
+    for written, configured in (("st", ENGINE), ("dcp", ENGINE)):  # dcp is built in: any manager reads it
         fresh, fresh_opt = _net(9)
         _train(fresh, fresh_opt, 1)
         with _manager(tmp_path / "other", engine=configured, load_dir=str(tmp_path / written)) as mgr:
             assert mgr.load(LoadContext(model=fresh, optimizer=fresh_opt)).step == 1
         assert _equal(expected, _state(fresh, fresh_opt)), (written, configured)
+    # a dotted path recorded in a file is never imported: only the user's own engine= names it
+    fresh, fresh_opt = _net(9)
+    with _manager(tmp_path / "other", engine="dcp", load_dir=str(tmp_path / "st")) as mgr, \
+            pytest.raises(EngineNotAvailableError, match=f"records engine '{ENGINE}', which this process"):
+        mgr.load(LoadContext(model=fresh, optimizer=fresh_opt))
 
 
 def test_an_engine_that_is_not_installed_is_named_in_the_error(tmp_path: Path) -> None:
@@ -206,11 +211,14 @@ def test_an_engine_that_is_not_installed_is_named_in_the_error(tmp_path: Path) -
     with _manager(tmp_path / "run", engine="test_engine_seam:GoneEngine") as mgr:
         _save(mgr, model, opt, 1)
     before = _state(model, opt)
-    with _manager(tmp_path / "run", engine="dcp") as mgr, pytest.raises(CheckpointError) as info:
+    with _manager(tmp_path / "run", engine="dcp") as mgr, pytest.raises(EngineNotAvailableError) as info:
         mgr.load(LoadContext(model=model, optimizer=opt))
-    assert str(info.value).startswith(
-        f"{tmp_path / 'run' / 'step_00000001'}: written by engine 'no_such_engine_module:Engine', "
-        "which is not installed here ("
+    assert str(info.value) == (
+        f"{tmp_path / 'run' / 'step_00000001'}: checkpoint.json records engine 'no_such_engine_module:Engine', "
+        "which this process does not have: it is neither a built-in engine ('dcp') nor an engine installed in "
+        "entry-point group 'checkpoint_manager.engines' (installed: safetensors, torch_checkpointing); the "
+        "config names engine='dcp'. A name read from a checkpoint is never imported: install the package that "
+        "provides engine 'no_such_engine_module:Engine', or pass engine= naming it yourself"
     )
     assert _equal(before, _state(model, opt))  # refused before anything was set
 

@@ -241,16 +241,25 @@ def assert_same_final(ref_out: Path, out: Path, world_size: int) -> None:
 
 
 def check_newest_fits(kill: dict[str, Any], newest: int | None) -> None:
-    """What the kill's phase says about the newest committed checkpoint of the killed save's step."""
+    """What the kill's phase says about the newest committed checkpoint, given the killed save's step.
+
+    Retention runs after a commit, and deletes in the background (``background_deletion``): a
+    removal that the pass after step s's commit queued may still be running when the next save (s +
+    SAVE_EVERY) commits, since a pass waits only for the removals of the pass two before it (the
+    pruner's bounded backlog). So a kill in the retention of step s finds s or the save after it
+    committed, whatever the machine's speed; never an older one, never one further ahead.
+    """
     step, phase = kill["step"], kill["phase"]
     before_commit = phase in ("gather", "stage", "write") or kill["rank"] != 0 or (
         phase == "commit-rename" and kill["mode"] != "after"
     )
-    after_commit = phase in ("pointer", "retention") or (phase == "commit-rename" and kill["mode"] == "after")
+    after_commit = phase == "pointer" or (phase == "commit-rename" and kill["mode"] == "after")
     if before_commit:
         assert newest is None or newest < step, (kill, newest)
     if after_commit:
         assert newest == step, (kill, newest)
+    if phase == "retention" and kill["rank"] == 0:
+        assert newest in (step, step + SAVE_EVERY), (kill, newest)
 
 
 @pytest.mark.slow

@@ -264,7 +264,7 @@ def test_reader_rejects_damaged_files(tmp_path: Path) -> None:
         SafetensorsFile(tmp_path / "cut.safetensors")
     header = b'{"a": {"dtype": "F32", "shape": [4]'
     (tmp_path / "json.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    with pytest.raises(CheckpointCorruptError, match="header is not valid JSON"):
+    with pytest.raises(CheckpointCorruptError, match="header: not valid JSON"):
         SafetensorsFile(tmp_path / "json.safetensors")
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "model.safetensors.index.json").write_text(

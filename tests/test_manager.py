@@ -328,7 +328,8 @@ def test_pending_and_foreign_dirs_are_never_listed_and_swept(tmp_path: Path, cap
         DefaultCheckpointManager(cfg(tmp_path))
     assert not leftover.exists()
     assert "removed 1 leftover(s) of interrupted saves" in caplog.text
-    assert json.loads((root / "latest").read_text()) == {"name": "step_00000005", "step": 5}
+    assert json.loads((root / "latest").read_text()) == {"name": "step_00000005", "step": 5,
+                                                         "lineage": {"seq": 1, "line": [[1, 1]]}}
 
 
 def test_initial_load_path_takes_model_weights_only(tmp_path: Path) -> None:

@@ -371,6 +371,15 @@ def test_saves_of_a_job_load_with_plain_dcp_and_at_half_the_ranks(tmp_path: Path
     loaded = load_file(str(tmp_path / f"loaded_ws{world // 2}.safetensors"))
     assert _equal(load_file(str(tmp_path / "saved_4.safetensors")), loaded) == []
     assert json.loads((tmp_path / f"loaded_ws{world // 2}.json").read_text()) == {"step": 4}
+    # rank 0 alone checks every file of a load; its verdict reaches every rank, before any is read
+    data = checkpoints[-1] / "__1_0.distcp"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 1)
+    _run(tmp_path, world // 2, ["load_damaged"])
+    for rank in range(world // 2):
+        outcome = json.loads((tmp_path / f"damaged_rank{rank}.json").read_text())
+        assert outcome["error"] == "CheckpointCorruptError", outcome
+        assert f"{data}: size " in outcome["message"] and "(truncated or altered)" in outcome["message"]
 
 
 @pytest.mark.timeout(600)

@@ -304,16 +304,23 @@ def test_a_removal_the_filesystem_refuses_is_retried(tmp_path: Path, caplog: pyt
 def test_standalone_prune_dry_run_then_real(tmp_path: Path) -> None:
     storage = make_dir(tmp_path, [0.5, 0.1, 0.4, 0.3])
     root = storage.root
-    doomed = prune(root, keep_last=1, keep_best=1, monitor="loss")
+    doomed = prune(root, keep_last=1, keep_best=1, monitor="loss", mode="min")
     assert names(doomed) == ["step_00000010", "step_00000030"]
     assert len(listed(root)) == 4  # a dry run deletes nothing
-    assert names(prune(root, keep_last=1, keep_best=1, monitor="loss", dry_run=False, fsync=False)) == [
+    assert names(prune(root, keep_last=1, keep_best=1, monitor="loss", mode="min", dry_run=False, fsync=False)) == [
         "step_00000010", "step_00000030",
     ]
     assert listed(root) == ["step_00000020", "step_00000040"]
     assert not (root / LOCK_FILE).exists()
     with pytest.raises(ValueError, match="prune needs at least one of keep_last"):
         prune(root)
+    with pytest.raises(ValueError) as refused:  # no run here ranked by loss: there is no default direction
+        prune(root, keep_best=1, monitor="loss", dry_run=False)
+    assert str(refused.value) == (
+        f"{root}: no run here ranked checkpoints by 'loss' (no run here recorded a ranking), so whether lower "
+        "or higher is better is unknown; pass mode 'min' or 'max' (ckpt prune --mode min|max)"
+    )
+    assert listed(root) == ["step_00000020", "step_00000040"]
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         prune(tmp_path / "nope", keep_last=1)
 
@@ -546,11 +553,14 @@ def test_manager_protects_the_checkpoint_it_resumed_from(tmp_path: Path) -> None
         for step in (11, 12):
             _save(mgr, step)
             # 10 is in use and the save just made is the newest; 20 and 30 were superseded (this run
-            # went back before them), so no rule keeps them
-            assert listed(tmp_path) == ["step_00000010", f"step_{step:08d}"]
+            # went back before them): kept, since nothing asked to delete superseded checkpoints
+            assert listed(tmp_path) == ["step_00000010", f"step_{step:08d}", "step_00000020", "step_00000030"]
     with DefaultCheckpointManager(_manager_cfg(tmp_path, keep_last=1)) as mgr:
-        _save(mgr, 40)  # a new run that resumed nothing: only the newest stays
-    assert listed(tmp_path) == ["step_00000040"]
+        _save(mgr, 40)  # a new run that resumed nothing: only the newest of the line stays
+    assert listed(tmp_path) == ["step_00000020", "step_00000030", "step_00000040"]
+    with DefaultCheckpointManager(_manager_cfg(tmp_path, keep_last=1, delete_superseded=True)) as mgr:
+        _save(mgr, 50)  # the opt-in: superseded checkpoints go too
+    assert listed(tmp_path) == ["step_00000050"]
 
 
 def test_a_retention_failure_never_fails_the_save(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -3,7 +3,8 @@
 The scenario of issue 19: save 100, 200, 300; load 200; save 210, 220, 230. Auto-resume follows
 the current line (230, even with ``latest`` gone after a crash), retention ranks by it, and the
 abandoned 300 is marked superseded (listed, loadable by an explicit step or path, never picked by
-auto-resume; retention keeps it only while nothing is configured). Local and memory:// directories
+auto-resume; retention keeps it unless ``delete_superseded=True``; a new line's save of the same
+step takes its name and sets it aside as ``<name>.superseded``). Local and memory:// directories
 share the discovery code, so both are driven. Also: negative or non-integer steps refused at save.
 """
 
@@ -93,6 +94,12 @@ def step_dir(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def latest(root: Path) -> tuple[str, int] | None:
+    """The name and step the ``latest`` pointer names (it records the lineage too)."""
+    pointer = read_pointer(root, "latest")
+    return None if pointer is None else (pointer["name"], pointer["step"])
+
+
 def rewrite_checkpoint_json(file: Path, change: Callable[[dict[str, Any]], Any]) -> None:
     """Change a checkpoint.json by hand and seal it again (an unsealed edit fails its checksum)."""
     meta = json.loads(file.read_text())
@@ -107,27 +114,30 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 # -- the issue's scenario ---------------------------------------------------------------------------
-def test_keep_last_ranks_the_current_line_and_prunes_the_abandoned_one(tmp_path: Path) -> None:
+def test_keep_last_ranks_the_current_line_and_keeps_the_abandoned_one(tmp_path: Path) -> None:
     rolled_back(tmp_path, keep_last=2)
     # 220 and 230 are the line's newest two, 200 is protected as the checkpoint this run resumed from
     # (while it lived, and it survived its last pass); 300 was superseded at the first save after
-    # the load, so no rule kept it
-    assert on_disk(tmp_path) == [step_dir(200), step_dir(220), step_dir(230)]
-    assert read_pointer(tmp_path, "latest") == {"name": step_dir(230), "step": 230}
+    # the load: kept, since nothing asked to delete superseded checkpoints
+    assert on_disk(tmp_path) == [step_dir(200), step_dir(220), step_dir(230), step_dir(300)]
+    assert latest(tmp_path) == (step_dir(230), 230)
     with DefaultCheckpointManager(config(tmp_path, keep_last=2)) as mgr:
         step, weights = load(mgr)
         assert step == 230
         assert_same(weights, weights_for(230))
         save(mgr, 240)
-    assert on_disk(tmp_path) == [step_dir(230), step_dir(240)]
+    assert on_disk(tmp_path) == [step_dir(230), step_dir(240), step_dir(300)]
+    with DefaultCheckpointManager(config(tmp_path, keep_last=2, delete_superseded=True)) as mgr:
+        save(mgr, 250)  # the opt-in: superseded checkpoints go too
+    assert on_disk(tmp_path) == [step_dir(240), step_dir(250)]
 
 
 def test_keep_last_counts_only_the_line(tmp_path: Path) -> None:
     rolled_back(tmp_path)  # no rule: nothing is deleted
     with DefaultCheckpointManager(config(tmp_path, keep_last=5, load_mode="never")) as mgr:
         save(mgr, 240)  # a run that loaded nothing continues the newest line
-    # the line's newest five; the superseded 300 is not one of them, and the line's 100 is
-    assert on_disk(tmp_path) == [step_dir(s) for s in (100, 200, 210, 220, 230, 240)][1:]
+    # the line's newest five (the line's 100 is not one of them); the superseded 300 is kept
+    assert on_disk(tmp_path) == [step_dir(s) for s in (200, 210, 220, 230, 240, 300)]
 
 
 def test_auto_resume_follows_the_line_after_a_crash_without_latest(tmp_path: Path) -> None:
@@ -151,7 +161,7 @@ def test_auto_resume_follows_the_line_after_a_crash_without_latest(tmp_path: Pat
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(rolled_first)], env=env, timeout=300,
                           capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    assert read_pointer(tmp_path, "latest") == {"name": step_dir(230), "step": 230}
+    assert latest(tmp_path) == (step_dir(230), 230)
     (tmp_path / "latest").unlink()  # a crash between the commit and the pointer, or a lost pointer
     with DefaultCheckpointManager(config(tmp_path)) as mgr:  # takes over the dead run's lock
         assert mgr.latest_checkpoint() is not None and mgr.latest_checkpoint().name == step_dir(230)  # type: ignore[union-attr]
@@ -202,12 +212,18 @@ def test_the_step_both_lines_hold_loads_from_the_current_line(tmp_path: Path) ->
         other = {k: v + 1 for k, v in weights_for(300).items()}
         model.load_state_dict(other)
         mgr.save(SaveContext(model=model, train_state=TrainState(step=300), force=True))
-    assert on_disk(tmp_path) == [step_dir(100), step_dir(200), step_dir(300), step_dir(300) + "-v2"]
+    # the new line's 300 takes the name; the superseded one is set aside, listed and loadable by path
+    assert on_disk(tmp_path) == [step_dir(100), step_dir(200), step_dir(300), step_dir(300) + ".superseded"]
     with DefaultCheckpointManager(config(tmp_path)) as mgr:
-        assert [i.superseded for i in mgr.list_checkpoints()] == [False, False, True, False]
+        assert [(i.name, i.superseded) for i in mgr.list_checkpoints()] == [
+            (step_dir(100), False), (step_dir(200), False), (step_dir(300) + ".superseded", True), (step_dir(300), False)
+        ]
         step, weights = load(mgr, 300)
-    assert step == 300
-    assert_same(weights, other)
+        assert step == 300
+        assert_same(weights, other)
+        result = mgr.load(LoadContext(model=(model := nn.Linear(3, 2)), path=str(tmp_path / (step_dir(300) + ".superseded"))))
+        assert result.step == 300
+        assert_same(model.state_dict(), weights_for(300))
 
 
 def test_ckpt_list_and_inspect_show_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -237,7 +253,7 @@ def test_object_store_directories_follow_the_same_rule() -> None:
         assert_same(weights, weights_for(230))
         with DefaultCheckpointManager(config(url, keep_last=1)) as mgr:
             save(mgr, 240)
-            assert [i.step for i in mgr.list_checkpoints()] == [240]
+            assert [(i.step, i.superseded) for i in mgr.list_checkpoints()] == [(300, True), (240, False)]
     finally:
         fs = fsspec.filesystem("memory")
         if fs.exists(url.removeprefix("memory://")):
@@ -252,6 +268,7 @@ def test_checkpoints_written_without_a_lineage(tmp_path: Path) -> None:
             save(mgr, step)
     for step in (100, 200, 300):
         rewrite_checkpoint_json(tmp_path / step_dir(step) / CHECKPOINT_JSON, lambda m: [m.pop("lineage"), m.pop("parent")])
+    (tmp_path / "latest").write_text(json.dumps({"name": step_dir(300), "step": 300}))  # as such versions wrote it
     with DefaultCheckpointManager(config(tmp_path)) as mgr:
         assert [(i.step, i.superseded, i.lineage) for i in mgr.list_checkpoints()] == [
             (100, False, None), (200, False, None), (300, False, None)
@@ -296,6 +313,127 @@ def test_order_checkpoints_is_idempotent_and_needs_no_disk(tmp_path: Path) -> No
         infos = mgr.list_checkpoints()
     again = order_checkpoints(reversed(infos))
     assert [(i.name, i.superseded) for i in again] == [(i.name, i.superseded) for i in infos]
+
+
+# -- going back keeps what it supersedes -------------------------------------------------------------
+def test_going_back_warns_at_load_and_keeps_the_newer_checkpoints(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """keep_last=3 and checkpoints 300-500: an evaluation that loads 300 and saves once keeps 400 and 500."""
+    with DefaultCheckpointManager(config(tmp_path, keep_last=3)) as mgr:
+        for step in (300, 400, 500):
+            save(mgr, step)
+    with caplog.at_level(logging.WARNING, "checkpoint_manager"), DefaultCheckpointManager(config(tmp_path, keep_last=3)) as mgr:
+        assert load(mgr, 300)[0] == 300
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warnings == [
+            f"loaded {step_dir(300)} (step 300), older than the newest checkpoint of {tmp_path}: the next save "
+            f"starts a new line from it and supersedes {step_dir(400)} (step 400), {step_dir(500)} (step 500); "
+            "they are kept, listed as superseded and loadable by path (delete them with delete_superseded=True "
+            "or `ckpt prune --superseded`)"
+        ]
+        save(mgr, 310)
+        assert [(i.step, i.superseded) for i in mgr.list_checkpoints()] == [
+            (300, False), (400, True), (500, True), (310, False)
+        ]
+    assert on_disk(tmp_path) == [step_dir(s) for s in (300, 310, 400, 500)]
+    for step in (400, 500):  # loadable by path
+        with DefaultCheckpointManager(config(tmp_path / "other")) as mgr:
+            model = nn.Linear(3, 2)
+            assert mgr.load(LoadContext(model=model, path=str(tmp_path / step_dir(step)))).step == step
+        assert_same(model.state_dict(), weights_for(step))
+    assert main(["prune", str(tmp_path), "--superseded", "--yes", "--json"]) == 0  # the explicit way
+    assert on_disk(tmp_path) == [step_dir(300), step_dir(310)]
+
+
+def test_loading_the_newest_or_elsewhere_warns_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with DefaultCheckpointManager(config(tmp_path)) as mgr:
+        for step in (100, 200):
+            save(mgr, step)
+    with caplog.at_level(logging.WARNING, "checkpoint_manager"):
+        with DefaultCheckpointManager(config(tmp_path)) as mgr:
+            assert load(mgr)[0] == 200
+        with DefaultCheckpointManager(config(tmp_path / "eval")) as mgr:  # another save_dir: nothing superseded there
+            model = nn.Linear(3, 2)
+            mgr.load(LoadContext(model=model, path=str(tmp_path / step_dir(100))))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_new_line_takes_the_name_and_sets_the_superseded_one_aside_in_an_object_store() -> None:
+    url = f"memory://rollback-aside-{uuid.uuid4().hex[:8]}/run"
+    fs = fsspec.filesystem("memory")
+    try:
+        with DefaultCheckpointManager(config(url)) as mgr:
+            for step in (100, 200, 300):
+                save(mgr, step)
+        with DefaultCheckpointManager(config(url)) as mgr:
+            load(mgr, 200)
+            model = nn.Linear(3, 2)
+            other = {k: v + 1 for k, v in weights_for(300).items()}
+            model.load_state_dict(other)
+            mgr.save(SaveContext(model=model, train_state=TrainState(step=300), force=True))
+            assert [(i.name, i.superseded) for i in mgr.list_checkpoints()] == [
+                (step_dir(100), False), (step_dir(200), False), (step_dir(300) + ".superseded", True), (step_dir(300), False)
+            ]
+            for where, expected in ((step_dir(300), other), (step_dir(300) + ".superseded", weights_for(300))):
+                fresh = nn.Linear(3, 2)
+                assert mgr.load(LoadContext(model=fresh, path=f"{url}/{where}")).step == 300
+                assert_same(fresh.state_dict(), expected)
+    finally:
+        if fs.exists(url.removeprefix("memory://")):
+            fs.rm(url.removeprefix("memory://"), recursive=True)
+
+
+def went_back_to_3(root: Path) -> None:
+    """Steps 1-6 saved; a run loaded 3 and saved step 4 again (other weights): the old 4 is set aside."""
+    with DefaultCheckpointManager(config(root)) as mgr:
+        for step in range(1, 7):
+            save(mgr, step)
+    with DefaultCheckpointManager(config(root)) as mgr:
+        load(mgr, 3)
+        model = nn.Linear(3, 2)
+        model.load_state_dict({k: v * 2 for k, v in weights_for(4).items()})
+        mgr.save(SaveContext(model=model, train_state=TrainState(step=4), force=True))
+
+
+def test_a_damaged_head_of_a_new_line_falls_back_along_its_own_line(tmp_path: Path) -> None:
+    """Go back to step 3, save step 4 again, then one bit flips in the new 4's checkpoint.json:
+    auto-resume loads 3 (never the abandoned 6), and keep_last never deletes 3, the branch point."""
+    went_back_to_3(tmp_path)
+    head = tmp_path / step_dir(4) / CHECKPOINT_JSON
+    raw = bytearray(head.read_bytes())
+    raw[raw.index(b'"step"') + 1] ^= 0x01  # one bit of one key
+    head.write_bytes(bytes(raw))
+    with DefaultCheckpointManager(config(tmp_path, keep_last=1)) as mgr:
+        infos = mgr.list_checkpoints()
+        assert [(i.name, i.superseded) for i in infos] == [
+            (step_dir(1), False), (step_dir(2), False), (step_dir(3), False), (step_dir(4) + ".superseded", True),
+            (step_dir(5), True), (step_dir(6), True),
+        ]
+        step, weights = load(mgr)
+        assert step == 3
+        assert_same(weights, weights_for(3))
+        # the new line goes on from 3 (3 stays: the run resumed from it); the abandoned 4-6 stay, superseded
+        save(mgr, 7)
+    # the damaged head (its checkpoint.json unreadable) is no listed checkpoint, and is left alone
+    aside = step_dir(4) + ".superseded"
+    assert on_disk(tmp_path) == sorted([step_dir(3), step_dir(4), aside, step_dir(5), step_dir(6), step_dir(7)])
+    assert main(["prune", str(tmp_path), "--keep-last", "1", "--yes", "--json"]) == 0  # 7 is intact: 3 may go
+    assert on_disk(tmp_path) == sorted([step_dir(4), aside, step_dir(5), step_dir(6), step_dir(7)])
+
+
+def test_retention_keeps_the_branch_point_while_the_new_line_has_no_intact_checkpoint(tmp_path: Path) -> None:
+    went_back_to_3(tmp_path)
+    data = tmp_path / step_dir(4) / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-4])  # the new line's only checkpoint is damaged
+    gone = prune_dir(tmp_path, keep_last=1)
+    assert gone == [step_dir(1), step_dir(2)]  # 3, the branch point, is the line's newest intact
+    with DefaultCheckpointManager(config(tmp_path)) as mgr:
+        assert load(mgr)[0] == 3
+
+
+def prune_dir(root: Path, **rules: Any) -> list[str]:
+    from checkpoint_manager import prune
+
+    return [c.name for c in prune(root, **rules, dry_run=False, fsync=False)]
 
 
 # -- negative and non-integer steps -----------------------------------------------------------------

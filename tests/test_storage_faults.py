@@ -242,8 +242,12 @@ def pending(save_dir: Path) -> list[str]:
 
 
 def pointer(save_dir: Path) -> dict[str, Any] | None:
+    """The checkpoint ``latest`` names (its name and step; it records the lineage too)."""
     file = save_dir / LATEST
-    return json.loads(file.read_text()) if file.exists() else None
+    if not file.exists():
+        return None
+    data = json.loads(file.read_text())
+    return {"name": data["name"], "step": data["step"]}
 
 
 def config(save_dir: Path, async_save: bool, **kw: Any) -> CheckpointConfig:

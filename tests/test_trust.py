@@ -231,7 +231,7 @@ def test_deeply_nested_checkpoint_json_is_damage_not_a_crash(run: Path, golden: 
     file = run / STEP2 / "checkpoint.json"
     text = file.read_text()
     file.write_text(text.replace('"metrics": {}', '"metrics": ' + "[" * 100_000 + "]" * 100_000))
-    pinned_fails(run, CheckpointCorruptError, r"checkpoint\.json: not valid JSON \(nested too deeply\)")
+    pinned_fails(run, CheckpointCorruptError, r"checkpoint\.json: not valid JSON \(nested deeper than 256 levels\)")
     resumes_step1(run, golden, caplog)
 
 
@@ -455,7 +455,7 @@ STATE_CASES = [
      r"rank_00000\.json: damaged state \(ValueError: inline tensor has shape \[-1\], not a list of non-negative"),
     ("placeholder_of_another_tensor", _state(_placeholder),
      r"damaged state: model\.0\.weight is \(2, 8\) in state\.json, the live object holds \(8, 4\)"),
-    ("deep_nesting", _state(_deep), r"state\.json: damaged state \(.*nested too deeply"),
+    ("deep_nesting", _state(_deep), r"state\.json: damaged state \(.*nested deeper than 256 levels"),
     ("python_rng", _rank(_python_rng), r"damaged state \(ValueError: RNG state is not restorable"),
     ("optimizer_state_key", _state(_optim_state_key),
      r"damaged state: optim state of '0\.weight' holds \['exp_avg', 'exp_avg_sq', 'stdp'\], the optimizer"),

@@ -114,7 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return ExitCode.OK
-    except Exception as exc:
+    except BaseException as exc:  # every error (DCP's CheckpointException is a BaseException): one line
+        if isinstance(exc, (SystemExit, GeneratorExit)):
+            raise
         if args.debug:
             traceback.print_exc()
         print(f"{PROG} {args.command}: error: {describe(exc)}", file=sys.stderr)

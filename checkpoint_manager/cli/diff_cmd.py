@@ -112,9 +112,8 @@ def _open(text: str, section: str | None, args: argparse.Namespace) -> tuple[Ten
 
 def _tied_pairs(source: TensorSource) -> dict[str, str]:
     """``{tied copy: source}`` by the model's config: ``config.json`` of weights, a checkpoint's recorded one."""
-    import json
 
-    from checkpoint_manager.core.safe_io import read_small
+    from checkpoint_manager.core.safe_io import read_json
     from checkpoint_manager.errors import CheckpointError
     from checkpoint_manager.formats.hf import tied_pairs
     from checkpoint_manager.formats.model_config import read_recorded_config
@@ -126,7 +125,7 @@ def _tied_pairs(source: TensorSource) -> dict[str, str]:
                 recorded = read_recorded_config(source.path, source.section)
                 config = recorded.config if recorded is not None else None
         elif source.path.is_dir():
-            config = json.loads(read_small(source.path / "config.json", root=source.path).decode("utf-8"))
+            config = read_json(source.path / "config.json", root=source.path)
     except (OSError, ValueError, CheckpointError):  # no usable config: nothing is known to be tied
         return {}
     return tied_pairs(config) if isinstance(config, dict) else {}

@@ -9,13 +9,17 @@ from __future__ import annotations
 import enum
 
 from checkpoint_manager.errors import (
+    AsyncSaveError,
     BundleCacheError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointMismatchError,
     CheckpointNotFoundError,
+    ManagerClosedError,
+    PostCommitError,
 )
 
-__all__ = ["CliError", "ExitCode", "classify", "describe"]
+__all__ = ["CliError", "ExitCode", "classify", "describe", "unwrap"]
 
 
 class ExitCode(enum.IntEnum):
@@ -40,11 +44,27 @@ class CliError(Exception):
         self.message = message
 
 
+def unwrap(exc: BaseException) -> BaseException:
+    """The error a reader raised, out of DCP's ``CheckpointException`` (a BaseException that holds
+    each rank's failure): ``ckpt`` reads in one process, so it is rank 0's."""
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
+        failure = failures[min(failures)]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return inner
+    return exc
+
+
 def classify(exc: BaseException) -> ExitCode:
-    """The exit code for an exception raised while a command ran."""
+    """The exit code for an exception raised while a command ran; never ``DIFFERENT`` (1), which
+    means "differences found" (``diff``) or "verification failed" (``verify``), not an error."""
+    from checkpoint_manager.core.dist import CollectiveTimeoutError
     from checkpoint_manager.storage.lock import CheckpointLockError
 
+    exc = unwrap(exc)
     if isinstance(exc, CliError):
+        return ExitCode.USAGE if exc.code == ExitCode.DIFFERENT else exc.code
         return exc.code
     if isinstance(exc, KeyboardInterrupt):
         return ExitCode.INTERRUPTED
@@ -52,9 +72,14 @@ def classify(exc: BaseException) -> ExitCode:
         return ExitCode.NOT_FOUND
     if isinstance(exc, (CheckpointLockError, FileExistsError)):
         return ExitCode.CONFLICT
-    if isinstance(exc, BundleCacheError):  # the cache directory, not the checkpoint, is the problem
+    if isinstance(exc, CheckpointCorruptError):  # damaged, unsafe, a newer format, an engine not here
+        return ExitCode.CORRUPT
+    if isinstance(exc, CheckpointMismatchError):  # the checkpoint is fine: the options do not fit it
+        return ExitCode.USAGE
+    # the cache directory, a collective, a save's background or post-commit step: not the checkpoint
+    if isinstance(exc, (BundleCacheError, CollectiveTimeoutError, AsyncSaveError, PostCommitError, ManagerClosedError)):
         return ExitCode.IO_ERROR
-    if isinstance(exc, (CheckpointCorruptError, CheckpointError)):
+    if isinstance(exc, CheckpointError):
         return ExitCode.CORRUPT
     if isinstance(exc, (ValueError, KeyError)):
         return ExitCode.USAGE
@@ -63,6 +88,7 @@ def classify(exc: BaseException) -> ExitCode:
 
 def describe(exc: BaseException) -> str:
     """One line naming the path and the problem (OS errors get theirs rebuilt without the errno)."""
+    exc = unwrap(exc)
     if isinstance(exc, CliError):
         return exc.message
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:

@@ -9,7 +9,6 @@ tensor is unpacked, and nothing is left in the bundle cache.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import tempfile
@@ -105,17 +104,18 @@ def _read_state(path: Path) -> dict[str, Any] | str | None:
     """``state.json`` decoded (tensors left as None), None if there is none, or what is wrong with it."""
     from checkpoint_manager.core.codec import decode
     from checkpoint_manager.core.layout import STATE_JSON
-    from checkpoint_manager.core.safe_io import read_small
+    from checkpoint_manager.core.safe_io import read_json
+    from checkpoint_manager.errors import CheckpointCorruptError
 
     file = path / STATE_JSON
     if not path.is_dir() or not file.exists():
         return None
     try:
-        data = decode(json.loads(read_small(file)), tensor_hook=lambda placeholder: None)
+        data = decode(read_json(file), tensor_hook=lambda placeholder: None)
+    except CheckpointCorruptError as exc:  # names the file: damaged JSON, a FIFO, a symlink ...
+        return str(exc)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{file}: unreadable ({type(exc).__name__}: {exc})"
-    except Exception as exc:  # CheckpointCorruptError, UnsafeFileError: say so, show the rest
-        return f"{file}: {exc}"
     return data if isinstance(data, dict) else f"{file}: holds a JSON {type(data).__name__}, not an object"
 
 

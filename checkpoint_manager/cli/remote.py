@@ -10,7 +10,6 @@ removes the copy when the command ends.
 from __future__ import annotations
 
 import contextlib
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,13 +34,15 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
     booleans, ``{"endpoint_url": ...}``), anything else as a string."""
     if not pairs:
         return None
+    from checkpoint_manager.core.safe_io import parse_json
+
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise CliError(ExitCode.USAGE, f"--storage-option {pair!r}: expected KEY=VALUE")
         try:
-            options[key] = json.loads(value)
+            options[key] = parse_json(value, f"--storage-option {key}", error=ValueError)
         except ValueError:
             options[key] = value
     return options

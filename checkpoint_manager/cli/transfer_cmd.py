@@ -323,9 +323,9 @@ def run_unpack(args: argparse.Namespace, out: Output) -> int:
     from checkpoint_manager.formats.bundle import extract_bundle, list_bundle
 
     bundle = existing(args.bundle)
+    members = list_bundle(bundle)  # every member checked (names, kinds, depth, count, size) first
     with _bytes_progress(out, f"unpacking {bundle.name}", _members_bytes(bundle), "write"):
         dest = extract_bundle(bundle, args.dest)
-    members = list_bundle(bundle)
     doc: dict[str, Any] = {"bundle": str(bundle), "path": str(dest), "members": members, "bytes": tree_size(dest)}
     if out.json_mode:
         out.emit(doc)

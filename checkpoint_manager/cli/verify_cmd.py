@@ -61,7 +61,6 @@ Target = tuple[str, str, list[str], Callable[[str], list[str]] | None]
 def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
     """``(name, where, problems found already, check(level))`` per checkpoint; and whether ``text`` is a
     save directory. A checkpoint whose ``checkpoint.json`` is unreadable has no check: it failed."""
-    from checkpoint_manager.core.integrity import verify
     from checkpoint_manager.core.layout import CHECKPOINT_JSON, scan_checkpoints
     from checkpoint_manager.storage.local import LocalStorage
 
@@ -70,7 +69,7 @@ def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
     path = existing(text)
     if path.is_file() or (path / CHECKPOINT_JSON).exists():
         ckpt = resolve_checkpoint(text, args=args)
-        return [(ckpt.path.name, str(ckpt.path), [], lambda level: verify(ckpt.path, level))], False  # type: ignore[arg-type]
+        return [(ckpt.path.name, str(ckpt.path), [], _check(ckpt.path))], False
     from checkpoint_manager.formats.resolve import is_plain_dcp
 
     if is_plain_dcp(path):
@@ -80,14 +79,35 @@ def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
             "(ckpt convert ... --to dcp makes a checkpoint of ours that does)",
         )
     infos, bad = scan_checkpoints(path, LocalStorage(path).list_names())
-    out: list[Target] = [
-        (i.name, str(i.path), [], lambda level, p=i.path: verify(p, level))  # type: ignore[misc]
-        for i in infos
-    ]
+    out: list[Target] = [(i.name, str(i.path), [], _check(i.path)) for i in infos if i.path is not None]
     out += [(name, str(path / name), [problem], None) for name, problem in bad]
+    out += [(name, str(path / name), [problem], None) for name, problem in _linked_entries(path)]
     if not out:
         raise CliError(ExitCode.NOT_FOUND, f"{text}: no checkpoint here (not a checkpoint or save directory)")
     return out, True
+
+
+def _check(path: Path) -> Callable[[str], list[str]]:
+    """Sizes and CRC-32s, then (when they pass) what a load would refuse beyond them."""
+    from checkpoint_manager.core.integrity import verify
+    from checkpoint_manager.lifecycle.readable import load_problems
+
+    return lambda level: verify(path, level) or load_problems(path, level)  # type: ignore[arg-type]
+
+
+def _linked_entries(root: Path) -> list[tuple[str, str]]:
+    """Entries of a save directory that are symlinks to checkpoints: discovery never takes them (a
+    symlink there could point anywhere), so auto-resume, ``step=`` and retention never see them."""
+    import os
+
+    from checkpoint_manager.core.layout import CHECKPOINT_JSON
+
+    found = []
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if entry.is_symlink() and not entry.name.startswith(".") and (Path(entry.path) / CHECKPOINT_JSON).exists():
+            found.append((entry.name, f"{entry.path}: a symlink (to {os.readlink(entry.path)!r}), not a checkpoint "
+                          "directory: a load from this save directory never uses it"))
+    return found
 
 
 def _remote_targets(url: str, args: argparse.Namespace) -> tuple[list[Target], bool]:

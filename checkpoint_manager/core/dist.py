@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_manager import errors
+from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.errors import CheckpointError
 
 __all__ = ["VOTE_SLOT", "CollectiveTimeoutError", "DistContext", "decode_slots", "encode_slot", "vote_outcome"]
@@ -218,8 +219,8 @@ class DistContext:
         """Every rank's ``value`` on the coordinator, in rank order (None on the other ranks): one
         gather of ``slot`` bytes per rank, so the coordinator alone receives the ranks' values.
 
-        A value whose JSON does not fit in the slot arrives as ``{"error": ...}`` saying so: callers
-        send small values (and say where the rest is).
+        A value whose JSON does not fit in the slot arrives as ``{"more": bytes}``: the caller
+        gathers again in slots that large (see :func:`encode_slot`).
         """
         if self.world_size == 1:
             return [value]
@@ -236,10 +237,13 @@ class DistContext:
             return None
         return decode_slots(slots)
 
-    def vote(self, failure: BaseException | None, phase: str, report: Any = None) -> list[Any] | None:
-        """The commit vote: every rank's ``report`` (or why its write failed) on the coordinator.
+    def vote(
+        self, failure: BaseException | None, phase: str, report: Any = None, *, slot: int = VOTE_SLOT
+    ) -> list[Any] | None:
+        """The commit vote: every rank's ``report`` (or why its write failed) on the coordinator, in
+        ``slot``-byte slots (one that did not fit arrives as ``{"more": bytes}``).
 
-        Returns the reports on the coordinator, None elsewhere; the coordinator judges them
+        Returns the votes on the coordinator, None elsewhere; the coordinator judges them
         (:func:`vote_outcome`) before it commits, and :meth:`on_coordinator` brings its verdict to every
         rank. A rank whose own write already failed in a collective does not vote: its group is
         broken, and waiting again would double the time the survivors take to give up.
@@ -251,7 +255,7 @@ class DistContext:
                 raise _as_error(failure, phase)
             return [{"report": report}]
         mine = {"error": describe(failure)} if failure is not None else {"report": report}
-        return self.gather_json(mine, phase)
+        return self.gather_json(mine, phase, slot=slot)
 
 
 def vote_outcome(votes: list[Any], phase: str) -> CheckpointError | None:
@@ -275,10 +279,10 @@ def decode_slots(slots: list[torch.Tensor]) -> list[Any]:
 
 def encode_slot(value: Any, slot: int) -> torch.Tensor:
     """``value`` as JSON in a ``slot``-byte buffer (see :func:`decode_slots`); one that does not fit
-    is replaced by ``{"error": ...}`` saying so."""
+    is replaced by ``{"more": bytes}``, its size."""
     payload = json.dumps(value).encode("utf-8")
     if len(payload) > slot - _HEADER:
-        payload = json.dumps({"error": f"a report of {len(payload)} bytes, over the {slot - _HEADER} allowed"}).encode()
+        payload = json.dumps({"more": len(payload)}).encode()
     out = torch.zeros(slot, dtype=torch.uint8)
     out[:_HEADER] = torch.frombuffer(bytearray(struct.pack("<q", len(payload))), dtype=torch.uint8)
     if payload:
@@ -305,7 +309,8 @@ def _slot_size(slot: torch.Tensor) -> int:
 
 
 def _decode(buf: torch.Tensor) -> Any:
-    return json.loads(_bytes(buf).decode("utf-8"))
+    raw = _bytes(buf)
+    return parse_json(raw, "a payload from another rank", limit=len(raw), error=ValueError)
 
 
 def _bytes(t: torch.Tensor) -> bytes:

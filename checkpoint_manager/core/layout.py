@@ -14,7 +14,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeGuard
@@ -39,9 +39,11 @@ __all__ = [
     "format_name",
     "order_checkpoints",
     "parse_checkpoint_json",
+    "pointer_lineage",
     "read_checkpoint_json",
     "scan_checkpoints",
     "seal_checkpoint_json",
+    "superseded_by",
     "validate_template",
 ]
 
@@ -154,12 +156,19 @@ def _is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def next_lineage(parent: CheckpointInfo | None, infos: Iterable[CheckpointInfo]) -> Lineage:
+def next_lineage(
+    parent: CheckpointInfo | None, infos: Iterable[CheckpointInfo], *, pointer: Mapping[str, Any] | None = None
+) -> Lineage:
     """The lineage of a new save into the directory holding ``infos``, descending from ``parent``.
 
-    Its number is one more than any there; without a parent (a fresh start) its line is its own.
+    Its number is one more than any there, or than the one the ``latest`` pointer records (whose
+    checkpoint may be damaged, and unlisted); without a parent (a fresh start) its line is its own.
     """
-    seq = 1 + max((lin.seq for i in infos if (lin := i.lineage) is not None), default=0)
+    recorded = pointer_lineage(pointer)
+    seq = 1 + max(
+        [lin.seq for i in infos if (lin := i.lineage) is not None] + ([recorded.seq] if recorded else []),
+        default=0,
+    )
     if parent is None:
         return Lineage(seq, ((seq, seq),))
     lineage = parent.lineage
@@ -168,26 +177,63 @@ def next_lineage(parent: CheckpointInfo | None, infos: Iterable[CheckpointInfo])
     return lineage.child(seq)
 
 
-def order_checkpoints(infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
-    """Committed checkpoints in save order (the head, the newest save, last), abandoned ones marked.
+def pointer_lineage(pointer: Mapping[str, Any] | None) -> Lineage | None:
+    """The lineage a ``latest`` pointer records for its checkpoint, or None (absent or malformed)."""
+    return Lineage.from_meta(dict(pointer)) if pointer is not None else None
+
+
+def _head(ordered: list[CheckpointInfo], pointer: Mapping[str, Any] | None) -> Lineage | None:
+    """The lineage of the directory's newest save: the newest listed one's, unless ``latest`` records
+    a newer save whose checkpoint is not listed (its ``checkpoint.json`` damaged, or it is gone)
+    and whose line passes through a listed checkpoint (a pointer from another directory does not)."""
+    listed = ordered[-1].lineage if ordered else None
+    recorded = pointer_lineage(pointer)
+    if recorded is None or pointer is None or any(i.name == pointer.get("name") for i in ordered):
+        return listed
+    if listed is not None and recorded.seq <= listed.seq:
+        return listed
+    ours = any(lin is not None and lin.seq in recorded for i in ordered if (lin := i.lineage) is not None)
+    legacy = recorded.legacy_step is not None and any(i.lineage is None for i in ordered)
+    return recorded if ours or legacy else listed
+
+
+def order_checkpoints(
+    infos: Iterable[CheckpointInfo], *, pointer: Mapping[str, Any] | None = None
+) -> list[CheckpointInfo]:
+    """Committed checkpoints in save order (the newest save last), abandoned ones marked.
 
     The head's lineage decides: a checkpoint with a lineage is on the current line if its number is
     in the head's line, one without is if its step is at most the line's ``legacy_step``; any
-    other is ``superseded``. Without a head lineage nothing is judged.
+    other is ``superseded``. The head is the newest save: the newest listed checkpoint, or the one
+    the ``latest`` pointer records when that one is newer but not listed (a bit flip in the
+    ``checkpoint.json`` of a new line's first save must not bring back the line it abandoned).
+    Without a head lineage nothing is judged.
     """
     ordered = sorted(infos, key=lambda i: i.sort_key)
-    head = ordered[-1].lineage if ordered else None
+    head = _head(ordered, pointer)
     if head is None:
         return [dataclasses.replace(i, superseded=False) if i.superseded else i for i in ordered]
     out: list[CheckpointInfo] = []
     for info in ordered:
-        lineage = info.lineage
-        if lineage is not None:
-            superseded = lineage.seq not in head
-        else:
-            superseded = head.legacy_step is not None and info.step > head.legacy_step
+        superseded = _off_line(info, head)
         out.append(info if info.superseded == superseded else dataclasses.replace(info, superseded=superseded))
     return out
+
+
+def _off_line(info: CheckpointInfo, head: Lineage) -> bool:
+    """Whether ``info`` is off the line ``head`` ends (superseded once ``head`` is the newest save)."""
+    lineage = info.lineage
+    if lineage is not None:
+        return lineage.seq not in head
+    return head.legacy_step is not None and info.step > head.legacy_step
+
+
+def superseded_by(parent: CheckpointInfo, infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
+    """The checkpoints of the current line (``infos`` as listed) that the next save, descending from
+    ``parent``, supersedes: those saved after ``parent`` on the line a run goes back from."""
+    listed = list(infos)
+    head = next_lineage(parent, listed)
+    return [i for i in listed if not i.superseded and i.name != parent.name and _off_line(i, head)]
 
 
 def pick_step(infos: Iterable[CheckpointInfo], step: int) -> CheckpointInfo | None:
@@ -460,8 +506,11 @@ _scan_cache: dict[str, dict[str, tuple[tuple[int, int, int, int], CheckpointInfo
 _scan_cache_lock = threading.Lock()
 
 
-def scan_checkpoints(root: Path, names: list[str]) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
-    """Committed checkpoints in save order (see :func:`order_checkpoints`), and the broken ones' (name, problem).
+def scan_checkpoints(
+    root: Path, names: list[str], *, pointer: Mapping[str, Any] | None = None
+) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
+    """Committed checkpoints in save order (see :func:`order_checkpoints`; ``pointer``: the ``latest``
+    pointer's JSON), and the broken ones' (name, problem).
 
     Every call looks at the files on disk; the returned infos may be shared between calls, so treat
     them (and their ``meta``) as read-only.
@@ -500,7 +549,7 @@ def scan_checkpoints(root: Path, names: list[str]) -> tuple[list[CheckpointInfo]
             current[name] = (key, info)
     with _scan_cache_lock:
         _scan_cache[root_s] = current
-    return order_checkpoints(good), bad
+    return order_checkpoints(good, pointer=pointer), bad
 
 
 def metric_value(value: Any) -> float | None:

@@ -100,6 +100,26 @@ def validate_template(template: str) -> None:
             raise ValueError(f"name_template {template!r}: nested fields in a format spec are not allowed")
     if "/" in template or "\\" in template:
         raise ValueError(f"name_template {template!r} must not contain path separators")
+    for _, field_name, field_spec, conversion in parsed:
+        if field_name is not None:
+            _check_spec(template, field_name, field_spec or "", conversion)
+
+
+def _check_spec(template: str, field: str, spec: str, conversion: str | None) -> None:
+    """A field's format spec must format the values a save gives it (``step`` an int; metrics and
+    counters an int or a float), or every save would fail on its name."""
+    pattern = "{0" + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+    samples: tuple[object, ...] = (12,) if field == "step" else (12, 0.5)
+    errors = []
+    for sample in samples:
+        try:
+            pattern.format(sample)
+            return
+        except (ValueError, TypeError) as exc:
+            errors.append(str(exc))
+    what = "an int" if field == "step" else "an int or a float"
+    shown = "{" + field + pattern[2:]
+    raise ValueError(f"name_template {template!r}: {shown} cannot format {what}: {errors[0]}")
 
 
 def format_name(template: str, *, step: int, metrics: dict[str, Any], fields: dict[str, Any]) -> str:

@@ -29,7 +29,9 @@ __all__ = [
     "check_prefixes",
     "describe",
     "did_you_mean",
+    "find_installed",
     "find_plugin",
+    "installed_entry_points",
     "qualname",
 ]
 
@@ -126,6 +128,22 @@ def find_plugin(kind: PluginKind, name: str, *, allowed_import_prefixes: tuple[s
             raise PermissionError(f"{label} is outside the allowed import prefixes {list(prefixes)}")
         target = _import_target(kind, name, module, attr)
     return target
+
+
+def find_installed(kind: PluginKind, name: str) -> object | None:
+    """The built-in or installed entry point named ``name``, or None: never a dotted path, so a name
+    read from a file imports nothing but code the library or an installed package registered."""
+    builtin = kind.builtins.get(name)
+    if builtin is not None:
+        module, _, attr = builtin.partition(":")
+        return _import_target(kind, name, module, attr)
+    target = _load_entry_point(kind, name, None)
+    return None if target is _NOT_FOUND else target
+
+
+def installed_entry_points(kind: PluginKind) -> list[importlib_metadata.EntryPoint]:
+    """Every entry point installed packages register in ``kind.group``, by name."""
+    return sorted(importlib_metadata.entry_points(group=kind.group), key=lambda ep: (ep.name, ep.value))
 
 
 def check_plugin_class(kind: PluginKind, obj: object, *, name: str | None, config_base: type[Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ from typing import Any
 from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
 
 __all__ = [
+    "JSON_DEPTH_LIMIT",
     "SMALL_FILE_LIMIT",
     "UnsafeFileError",
     "inside",
+    "json_deeper_than",
     "open_regular",
     "parse_json",
     "read_json",
@@ -120,22 +123,77 @@ def read_small(
         os.close(fd)
 
 
-def parse_json(raw: bytes, file: str | Path) -> Any:
-    """Decode JSON a checkpoint holds; anything that is not UTF-8 JSON (or nests deeper than the
-    interpreter's recursion allows) is a :class:`CheckpointCorruptError` naming ``file``."""
+#: how deeply JSON read from a file may nest: far above anything this library writes (a state dict
+#: nests a few levels per container), far below what makes a recursive parser or decoder overflow
+JSON_DEPTH_LIMIT = 256
+
+_ESCAPED = re.compile(rb"\\.", re.S)
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
+_ONE_BRACKET = bytes.maketrans(b"{}", b"[]")
+
+
+def json_deeper_than(raw: bytes, depth: int) -> bool:
+    """Whether the JSON text ``raw`` nests more than ``depth`` arrays and objects, found without
+    parsing it (a recursive parser is what deep nesting attacks) at a few percent of a parse.
+
+    Escapes and string contents are dropped, braces become brackets, then each pass removes the
+    innermost ``[]`` pairs: balanced text is empty after as many passes as it is deep."""
+    if raw.count(b"[") + raw.count(b"{") <= depth:
+        return False
+    text = _ESCAPED.sub(b"", raw) if b"\\" in raw else raw
+    # only quotes and brackets; "" pairs first (empty, or two strings with no bracket between them)
+    text = text.translate(_ONE_BRACKET, _NOT_STRUCTURE).replace(b'""', b"")
+    if b'"' in text:
+        text = b"".join(text.split(b'"')[::2])  # what lies between quotes is string content
+    for _ in range(depth):
+        if not text:
+            return False
+        shorter = text.replace(b"[]", b"")
+        if len(shorter) == len(text):  # unbalanced ("]][["): its unclosed opens nest
+            return text.count(b"[") > depth
+        text = shorter
+    return bool(text)
+
+
+def parse_json(
+    raw: bytes | str,
+    file: str | Path,
+    *,
+    limit: int = SMALL_FILE_LIMIT,
+    depth: int = JSON_DEPTH_LIMIT,
+    error: type[Exception] = CheckpointCorruptError,
+) -> Any:
+    """Decode JSON this library reads from a file or the network: the one JSON reader.
+
+    Text larger than ``limit`` bytes, nested deeper than ``depth``, not UTF-8 or not JSON is an
+    ``error`` (a :class:`CheckpointCorruptError` unless the caller reads something else, such as
+    a config file) naming ``file``; nothing deep ever reaches a recursive parser or decoder.
+    """
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if len(data) > limit:
+        raise error(f"{file}: {len(data)} bytes of JSON, more than the {limit} such a file may hold")
+    if json_deeper_than(data, depth):
+        raise error(f"{file}: not valid JSON (nested deeper than {depth} levels)")
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointCorruptError(f"{file}: not valid JSON ({exc})") from exc
+        raise error(f"{file}: not valid JSON ({exc})") from exc
     except RecursionError:
-        raise CheckpointCorruptError(f"{file}: not valid JSON (nested too deeply)") from None
+        raise error(f"{file}: not valid JSON (nested too deeply)") from None
 
 
 def read_json(
-    path: str | Path, *, limit: int = SMALL_FILE_LIMIT, root: str | Path | None = None, follow: bool = False
+    path: str | Path,
+    *,
+    limit: int = SMALL_FILE_LIMIT,
+    root: str | Path | None = None,
+    follow: bool = False,
+    depth: int = JSON_DEPTH_LIMIT,
+    error: type[Exception] = CheckpointCorruptError,
 ) -> Any:
-    """A small JSON file, read as :func:`read_small` does and decoded by :func:`parse_json`."""
-    return parse_json(read_small(path, limit=limit, root=root, follow=follow), path)
+    """A small JSON file, read as :func:`read_small` does (regular, bounded, inside ``root``) and
+    decoded by :func:`parse_json`."""
+    return parse_json(read_small(path, limit=limit, root=root, follow=follow), path, limit=limit, depth=depth, error=error)
 
 
 def _kind(mode: int) -> str:

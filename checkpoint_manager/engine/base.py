@@ -32,9 +32,32 @@ Call order of a load, on every rank:
    any world size: resharding is the engine's). A key absent from ``targets`` is not read. Both
    calls get the same ``ctx`` (what ``read_index`` read may wait in ``ctx.extra``).
 
-A load takes the engine ``checkpoint.json`` names (``"engine"``, the engine's ``name``), resolved as
-``engine=`` is (``"dcp"``, an entry-point name, a dotted path): the manager's own engine if the names
-are equal, else that one, built as ``cls(config)``.
+A tensor group in files of its own (optional; what ``save_frozen="once"`` needs). An engine whose
+class sets ``places_groups = True`` can keep a group of tensors (this rank's frozen parameters) in
+files that hold nothing else, and a later save can then reference those files instead of writing
+the group again. On such an engine's save the lifecycle names the group in ``ctx.group`` (keys of
+``state.tensors``) and either
+
+* leaves ``ctx.group_base`` None: write the group's tensors into files of their own (nothing else in
+  them), list their names in ``ctx.group_files`` and return their records like every file's; where
+  known, put each group key's CRC-32 as written in ``ctx.group_crcs`` (of the bytes of its local
+  tensor, ``to_local()`` for a DTensor, C-contiguous), which spares the lifecycle a pass over them; or
+* sets ``ctx.group_base`` (a :class:`GroupBase`): the files an earlier save of this engine wrote for
+  the group, whose tensors are unchanged since (the lifecycle compared their CRC-32s), already
+  placed in ``directory`` under the same names (linked or copied: they share bytes with other
+  checkpoints). Reference them without writing or reading the group's tensors and set
+  ``ctx.group_files`` to their names, returning no record for them. An engine that cannot (it
+  lacks what it needs to reference them) writes the group as above, into new files: a placed file
+  it writes over must be replaced (unlinked first), never written into.
+
+Every checkpoint must load with its own files alone, so a group's files are referenced the way any
+file of the checkpoint is. With ``stage``, keys in ``ctx.group`` are not snapshotted: pass those
+tensors through unchanged (``save`` reads them only when it writes them).
+
+A load takes the engine ``checkpoint.json`` names (``"engine"``, the engine's ``name``): the manager's
+own engine if the names are equal, else one this process can name without importing anything the
+file says (:func:`checkpoint_manager.engine.registry.engine_for_record`: a built-in, an installed
+entry point, the engine the config names), built as ``cls(config)``.
 """
 
 from __future__ import annotations
@@ -56,6 +79,7 @@ __all__ = [
     "EngineContext",
     "EngineState",
     "FileRecord",
+    "GroupBase",
     "StagingEngine",
     "TensorInfo",
 ]
@@ -89,6 +113,17 @@ class TensorInfo(NamedTuple):
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class GroupBase:
+    """The files an earlier save wrote for a tensor group, placed in this save's directory under the
+    same names (see the module docstring)."""
+
+    #: the checkpoint they came from (a path or a URL)
+    location: str
+    #: the files, by path relative to the checkpoint, with their records as written
+    files: Mapping[str, FileRecord]
+
+
 @dataclass
 class EngineContext:
     """Where and for whom an engine call runs."""
@@ -119,6 +154,15 @@ class EngineContext:
     start_save: Callable[[EngineState], None] | None = None
     #: save: seconds of phases the engine measured itself (e.g. ``"fsync"``), reported in the result's timings
     timings: dict[str, float] = field(default_factory=dict)
+    #: save and stage, for an engine with ``places_groups``: the keys of the tensor group to keep in
+    #: files of their own (on stage: to pass through without a snapshot); empty: no group
+    group: frozenset[str] = frozenset()
+    #: save: the group's files of an earlier save, unchanged and placed in the directory; None: write them
+    group_base: GroupBase | None = None
+    #: save, set by the engine: the files (relative paths) that hold the group, written or referenced
+    group_files: list[str] = field(default_factory=list)
+    #: save, set by the engine where it has them: each group key's CRC-32 as written
+    group_crcs: dict[str, int] = field(default_factory=dict)
     #: free-form, engine-private: the saves of one manager share one dict; a load's ``read_index``
     #: and ``load`` share one of their own, dropped when the load returns
     extra: dict[str, Any] = field(default_factory=dict)

@@ -22,7 +22,7 @@ from torch import nn
 
 from checkpoint_manager.engine.dcp.direct_io import BLOCK, DIRECT_MIN
 
-__all__ = ["StagingBuffers", "StagingGate"]
+__all__ = ["StagingBuffers", "StagingGate", "local_tensor"]
 
 HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB base pages)
 
@@ -67,7 +67,7 @@ class StagingBuffers:
         for key, tensor in tensors.items():
             if self._stop.is_set():
                 return
-            local = _local(tensor)
+            local = local_tensor(tensor)
             if key not in self._buffers:
                 self._buffer_for(key, local, ahead=True).copy_(local.detach())
 
@@ -96,7 +96,7 @@ class StagingBuffers:
         targets: list[torch.Tensor] = []
         buffers = self._buffers
         for key, tensor in tensors.items():
-            local = _local(tensor)
+            local = local_tensor(tensor)
             buf = self._buffer_for(key, local)
             sources.append(local)
             targets.append(buf)
@@ -225,7 +225,8 @@ def _huge_page_empty(shape: torch.Size, dtype: torch.dtype, *, pin_memory: bool)
     return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=skip).view(dtype).view(shape)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``t``: the tensor itself, or a DTensor's local shard."""
     if type(t) is torch.Tensor or type(t) is nn.Parameter:  # the common case, without isinstance
         return t
     if DTensor is not None and isinstance(t, DTensor):

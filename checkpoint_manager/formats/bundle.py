@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, METADATA_FILE, STATE_JSON
-from checkpoint_manager.core.safe_io import SMALL_FILE_LIMIT, open_regular, read_small
+from checkpoint_manager.core.safe_io import SMALL_FILE_LIMIT, open_regular, parse_json, read_json, read_small
 from checkpoint_manager.errors import (
     BundleCacheError,
     BundleTooLargeError,
@@ -85,7 +85,12 @@ DEFAULT_CACHE_MAX = 50 * 2**30
 DEFAULT_MAX_BYTES = 2**40
 DEFAULT_MAX_RATIO = 100.0
 RATIO_FLOOR = 64 * 2**20  # below this many expanded bytes, any compression ratio is fine
-MAX_MEMBERS = 1_000_000
+#: a checkpoint is a few files per rank: far below this even at thousands of ranks
+MAX_MEMBERS = 100_000
+#: directories a member may lie below (``checkpoint/step_x/sub/file`` lies below 3)
+MAX_DEPTH = 32
+#: characters in a member's name (Linux's PATH_MAX is 4096 bytes, for the whole destination path)
+MAX_NAME = 1024
 _METADATA_NAMES = frozenset({BUNDLE_JSON, CONFIG_JSON, CHECKPOINT_JSON, METADATA_FILE, STATE_JSON})
 _TENSOR_FILES = (".distcp", ".safetensors")  # in cache entries, hashed only up to _HASHED_TENSOR_BYTES
 _HASHED_TENSOR_BYTES = 2**20
@@ -139,6 +144,10 @@ class BundleLimits:
 
     max_bytes: int = DEFAULT_MAX_BYTES
     max_ratio: float = DEFAULT_MAX_RATIO
+    #: members (files and directories) a bundle may hold
+    max_members: int = MAX_MEMBERS
+    #: directories a member may lie below
+    max_depth: int = MAX_DEPTH
 
     @classmethod
     def from_env(cls) -> BundleLimits:
@@ -166,7 +175,7 @@ def _env_size(name: str, default: int) -> int:
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
 
-def _check_member(bundle: Path, member: tarfile.TarInfo, seen: set[str]) -> str:
+def _check_member(bundle: Path, member: tarfile.TarInfo, seen: set[str], max_depth: int = MAX_DEPTH) -> str:
     """The member's normalized name, or an UnsafeCheckpointError naming it and what is wrong."""
     name = member.name
     problem: str | None = None
@@ -176,6 +185,10 @@ def _check_member(bundle: Path, member: tarfile.TarInfo, seen: set[str]) -> str:
         problem = "an absolute path"
     elif ".." in re.split(r"[/\\]", name):
         problem = "a '..' component"
+    elif len(name) > MAX_NAME:
+        problem = f"a name of {len(name)} characters (at most {MAX_NAME})"
+    elif len([part for part in re.split(r"[/\\]", name) if part not in ("", ".")]) > max_depth + 1:
+        problem = f"nested more than {max_depth} directories deep"
     elif member.issym() or member.islnk():
         problem = f"a {'symbolic' if member.issym() else 'hard'} link (to {member.linkname!r})"
     elif member.ischr() or member.isblk():
@@ -204,8 +217,8 @@ def _check_expansion(bundle: Path, expanded: int, file_size: int, count: int, li
             f"expands to more than {limits.max_ratio:g} times its {file_size} bytes, the limit (${MAX_RATIO_ENV}); "
             "a compression bomb?"
         )
-    elif count > MAX_MEMBERS:
-        problem = f"has more than {MAX_MEMBERS} members"
+    elif count > limits.max_members:
+        problem = f"has more than {limits.max_members} members"
     if problem is not None:
         raise BundleTooLargeError(f"{bundle}: {problem}; refusing to read further")
 
@@ -219,7 +232,7 @@ def _checked_members(bundle: Path, tar: tarfile.TarFile, limits: BundleLimits | 
     members: list[tarfile.TarInfo] = []
     try:
         while (member := tar.next()) is not None:
-            _check_member(bundle, member, seen)
+            _check_member(bundle, member, seen, limits.max_depth)
             members.append(member)
             _check_expansion(bundle, tar.offset, file_size, len(members), limits)
     except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as exc:
@@ -244,11 +257,25 @@ def extract_bundle(bundle: str | Path, dest: str | Path, *, limits: BundleLimits
     target = Path(dest)
     if target.exists() and any(target.iterdir()):
         raise FileExistsError(f"{target} is not empty; unpack bundles into a new directory")
-    target.mkdir(parents=True, exist_ok=True)
+    created = not target.exists()
     with _open_tar(path) as tar:
-        members = _checked_members(path, tar, limits)
-        _extract(path, tar, members, target)
+        members = _checked_members(path, tar, limits)  # every header checked before anything is written
+        target.mkdir(parents=True, exist_ok=True)
+        try:
+            _extract(path, tar, members, target)
+        except BaseException:  # no partial tree is left behind
+            _empty(target, remove=created)
+            raise
     return target
+
+
+def _empty(target: Path, *, remove: bool) -> None:
+    """Remove what an unpack wrote into ``target`` (and ``target`` itself when the unpack made it)."""
+    if remove:
+        shutil.rmtree(target, ignore_errors=True)
+        return
+    for child in target.iterdir():
+        _remove(child)
 
 
 def _extract(path: Path, tar: tarfile.TarFile, members: list[tarfile.TarInfo], target: Path) -> None:
@@ -297,9 +324,9 @@ def read_bundle_metadata(bundle: str | Path, dest: str | Path, *, limits: Bundle
     target = Path(dest)
     if target.exists() and any(target.iterdir()):
         raise FileExistsError(f"{target} is not empty")
-    target.mkdir(parents=True, exist_ok=True)
     with _open_tar(path) as tar:
         members = _checked_members(path, tar, limits)
+        target.mkdir(parents=True, exist_ok=True)
         wanted = [m for m in members if m.isdir() or posixpath.basename(m.name.rstrip("/")) in _METADATA_NAMES]
         too_big = [m for m in wanted if m.size > SMALL_FILE_LIMIT]
         if too_big:
@@ -313,9 +340,9 @@ def read_bundle_metadata(bundle: str | Path, dest: str | Path, *, limits: Bundle
 def _read_json(bundle: Path, file: Path, what: str) -> Any:
     """A JSON file of the bundle, or a CheckpointCorruptError naming the bundle and the file."""
     try:
-        return json.loads(read_small(file).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointCorruptError(f"{bundle}: {what} is not valid JSON ({exc})") from exc
+        return parse_json(read_small(file), what)
+    except CheckpointCorruptError as exc:
+        raise type(exc)(f"{bundle}: {exc}") from exc
 
 
 def _read_manifest(bundle: Path, root: Path) -> BundleInfo:
@@ -498,7 +525,7 @@ def _read_record(record_file: Path) -> dict[str, Any]:
         st = os.lstat(record_file)
         if st.st_uid != os.geteuid():
             raise _Untrusted(f"its record belongs to uid {st.st_uid}")
-        record = json.loads(read_small(record_file, limit=SMALL_FILE_LIMIT))
+        record = read_json(record_file, limit=SMALL_FILE_LIMIT)
     except FileNotFoundError:
         raise _Untrusted("it has no record") from None
     except (ValueError, CheckpointCorruptError) as exc:

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from checkpoint_manager.engine.dcp.engine import own_failure
 from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 from checkpoint_manager.engine.dcp.reader import CheckpointReader
 from checkpoint_manager.errors import CheckpointNotFoundError
@@ -102,5 +104,8 @@ def read_entries(
     if targets:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load(targets, storage_reader=CheckpointReader(path), no_dist=True)
+            try:
+                dcp_load(targets, storage_reader=CheckpointReader(path), no_dist=True)
+            except CheckpointException as exc:  # a BaseException: the reader's own typed error instead
+                raise own_failure(exc, 0) from exc
     return {e.name: targets[e.key] for e in entries}

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from checkpoint_manager.core.codec import dtype_name
 from checkpoint_manager.core.layout import CHECKPOINT_JSON
-from checkpoint_manager.core.safe_io import read_small
+from checkpoint_manager.core.safe_io import read_json
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from checkpoint_manager.formats.dcp_stream import TensorEntry, group_entries, read_entries, tensor_entries
 from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
@@ -216,10 +216,7 @@ def _adapter_configs(
     file = Path(given)
     if file.is_dir():
         file = file / "adapter_config.json"
-    try:
-        data = json.loads(read_small(file, follow=True).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc})") from exc
+    data = read_json(file, follow=True, error=ValueError)
     if not isinstance(data, dict):
         raise ValueError(f"{file}: not an adapter config (a JSON object)")
     return {"default": data}
@@ -310,10 +307,7 @@ def _read_config(artifacts_dir: str | Path | None) -> dict[str, Any] | None:
     file = Path(artifacts_dir) / "config.json"
     if not file.is_file():
         return None
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc})") from exc
+    data = read_json(file, follow=True, error=ValueError)
     return data if isinstance(data, dict) else None
 
 
@@ -343,15 +337,35 @@ def _class_tied_pairs(config: dict[str, Any]) -> dict[str, str]:
                     archs.append(name)
         except ImportError:
             pass
+    known = _registered_model_classes()
     for arch in archs:
+        if not isinstance(arch, str) or arch not in known:  # a name read from a file chooses no import
+            continue
         try:
-            cls = getattr(transformers, str(arch))
+            cls = getattr(transformers, arch)
         except (AttributeError, ImportError, RuntimeError):
             continue
         declared = getattr(cls, "_tied_weights_keys", None)
         if isinstance(declared, dict):
             pairs.update({str(k): str(v) for k, v in declared.items()})
     return pairs
+
+
+def _registered_model_classes() -> frozenset[str]:
+    """The model class names transformers' auto classes map to: the only ``architectures`` entries
+    looked up (``config.json`` is a file, and ``getattr(transformers, name)`` imports a module)."""
+    try:
+        from transformers.models.auto import modeling_auto
+    except ImportError:
+        return frozenset()
+    names: set[str] = set()
+    for table_name in dir(modeling_auto):
+        table = getattr(modeling_auto, table_name)
+        if not table_name.endswith("_MAPPING_NAMES") or not isinstance(table, Mapping):
+            continue
+        for value in table.values():
+            names.update(v for v in (value if isinstance(value, tuple | list) else (value,)) if isinstance(v, str))
+    return frozenset(names)
 
 
 def tied_pairs(config: Mapping[str, Any] | None) -> dict[str, str]:
@@ -389,7 +403,9 @@ def copy_artifacts(
             continue
         target = Path(dest) / name
         if name == "config.json" and dtype is not None:
-            config = json.loads(Path(entry.path).read_text(encoding="utf-8"))
+            config = read_json(entry.path, follow=True, error=ValueError)
+            if not isinstance(config, dict):
+                raise ValueError(f"{entry.path}: not a model config (a JSON object)")
             keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
             for key in keys:
                 config[key] = dtype_name(dtype)
@@ -424,9 +440,11 @@ def hf_weight_files(path: str | Path) -> list[Path]:
     index = p / HF_INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = read_json(index, follow=True)["weight_map"]
             names = sorted({str(v) for v in weight_map.values()})
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        except CheckpointCorruptError:
+            raise
+        except (OSError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointCorruptError(f"{index}: not a safetensors index ({exc})") from exc
         for name in names:
             if Path(name).name != name or name in ("", ".", ".."):

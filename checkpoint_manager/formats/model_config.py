@@ -14,7 +14,6 @@ JSON while the config is unchanged. A config that cannot be recorded never fails
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from checkpoint_manager.core.codec import dtype_name
-from checkpoint_manager.core.safe_io import read_small
+from checkpoint_manager.core.safe_io import parse_json, read_small
 from checkpoint_manager.errors import CheckpointCorruptError
 from checkpoint_manager.state.keys import model_keys
 
@@ -229,7 +228,7 @@ class HFConfigRecorder:
         cached = self._cache.get(id(obj))
         if cached is not None and cached[0] == snapshot:
             return dict(cached[1])
-        data = json.loads(obj.to_json_string(use_diff=True))
+        data = parse_json(obj.to_json_string(use_diff=True), f"{type(obj).__name__}.to_json_string()", error=TypeError)
         if not isinstance(data, dict):
             raise TypeError(f"{type(obj).__name__}.to_json_string() is not a JSON object")
         self._cache[id(obj)] = (snapshot, data)
@@ -269,10 +268,7 @@ def read_recorded_config(checkpoint: str | Path, model_key: str = "model") -> Re
         raw = read_small(file, root=root)
     except FileNotFoundError:
         return None
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointCorruptError(f"{file}: not valid JSON ({exc})") from exc
+    data = parse_json(raw, file)
     models = data.get("models") if isinstance(data, dict) else None
     if not isinstance(models, dict) or data.get("format") != _FORMAT:
         raise CheckpointCorruptError(f"{file}: not a recorded Hugging Face config")

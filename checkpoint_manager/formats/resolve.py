@@ -98,9 +98,11 @@ def is_plain_dcp(path: str | Path) -> bool:
 
 
 def newest_committed(storage: Storage) -> CheckpointInfo | None:
-    """The checkpoint a save directory stands for: the newest committed one, as discovery ranks them."""
+    """The checkpoint a save directory stands for: the newest committed one of its current line, as
+    discovery ranks them (the newest listed may be off the line when its head's record is damaged)."""
     infos, _bad = storage.scan()
-    return infos[-1] if infos else None
+    line = [i for i in infos if not i.superseded]
+    return line[-1] if line else None
 
 
 def resolve_checkpoint(

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
 
 __all__ = ["SafetensorsFile", "SafetensorsWriter", "save_safetensors", "st_dtype", "torch_dtype"]
@@ -188,10 +189,7 @@ class SafetensorsFile:
             (length,) = struct.unpack("<Q", head)
             if length > min(_MAX_HEADER, size - 8):
                 raise CheckpointCorruptError(f"{self.path}: header length {length} is impossible")
-            try:
-                header = json.loads(f.read(length).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CheckpointCorruptError(f"{self.path}: header is not valid JSON ({exc})") from exc
+            header = parse_json(f.read(length), f"{self.path}: header", limit=_MAX_HEADER)
             if not isinstance(header, dict):
                 raise CheckpointCorruptError(f"{self.path}: header is not a JSON object")
             self._data_start = 8 + length

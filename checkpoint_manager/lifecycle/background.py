@@ -145,9 +145,15 @@ class BackgroundMixin(ManagerCore):
         job = self._prepare(ctx, step, async_save=True)
         executor = self._background()
         t0 = time.perf_counter()
+        # save_frozen="once": a frozen group that a committed checkpoint holds is not snapshotted; the
+        # background write checks it against that checkpoint and reads it live only if it changed
+        live = job.frozen if job.frozen and self._frozen.held else frozenset()
+        job.frozen_live = bool(live)
         stage = getattr(self._engine, "stage", None)
         if stage is None:  # the lifecycle's own snapshot: one copy into reused host buffers
-            job.state.tensors = self._staging.stage(job.state.tensors)  # nothing on disk yet
+            tensors = job.state.tensors
+            copies = self._staging.stage({k: t for k, t in tensors.items() if k not in live} if live else tensors)
+            job.state.tensors = {k: copies.get(k, t) for k, t in tensors.items()} if live else copies
             job.engine_state = EngineState(job.state.tensors, job.state.objects)
         else:
             started: list[EngineState] = []
@@ -160,6 +166,7 @@ class BackgroundMixin(ManagerCore):
                 started.append(snapshot)
 
             engine_ctx = self._engine_context(self._io_dist, step)
+            engine_ctx.group = live
             if self.config.async_overlap and self._storage.is_local:
                 engine_ctx.start_save = start_save
             try:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from checkpoint_manager.engine.base import Engine, EngineContext
     from checkpoint_manager.engine.staging import StagingBuffers
     from checkpoint_manager.lifecycle.exports import HFConfigRecorder
+    from checkpoint_manager.lifecycle.frozen import FrozenSaves
     from checkpoint_manager.lifecycle.observe import Observers
     from checkpoint_manager.lifecycle.policy import AnyOf
     from checkpoint_manager.lifecycle.preemption import PreemptionWatcher
@@ -54,6 +55,7 @@ class ManagerCore:
     _prepared: bool
     _reported: set[tuple[str, ...]]
     _hf_configs: HFConfigRecorder
+    _frozen: FrozenSaves
     _executor: ThreadPoolExecutor | None
     _inflight: Future[Any] | None
     _inflight_step: int | None

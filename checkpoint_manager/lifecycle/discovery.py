@@ -47,8 +47,9 @@ class DiscoveryMixin(ManagerCore):
             log.warning(msg, *args)
 
     def latest_checkpoint(self, *, load_dir: bool = False) -> CheckpointInfo | None:
-        infos = self.list_checkpoints(load_dir=load_dir)
-        return infos[-1] if infos else None
+        """The newest committed checkpoint of the current line (None: there is none)."""
+        line = [i for i in self.list_checkpoints(load_dir=load_dir) if not i.superseded]
+        return line[-1] if line else None
 
     def _resolve(self, ctx: LoadContext) -> tuple[str | None, bool]:
         """The checkpoint to load (or None) and whether it is model-only initial weights."""

@@ -7,7 +7,7 @@ import logging
 import operator
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,19 +17,21 @@ from checkpoint_manager.core.integrity import Presence, VerifyLevel, check, read
 from checkpoint_manager.core.layout import (
     STATE_JSON,
     STATE_JSON_LIMIT,
+    CheckpointInfo,
     info_from_meta,
     rank_file,
     read_checkpoint_json,
+    superseded_by,
 )
 from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.engine.base import Engine, EngineContext
+from checkpoint_manager.engine.registry import engine_for_record
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from checkpoint_manager.formats.plain_dcp import load_plain_dcp
 from checkpoint_manager.formats.resolve import is_plain_dcp
 from checkpoint_manager.lifecycle.background import save_context
 from checkpoint_manager.lifecycle.core import ManagerCore
 from checkpoint_manager.lifecycle.discovery import GONE_RETRIES
-from checkpoint_manager.lifecycle.engines import load_engine_class
 from checkpoint_manager.lifecycle.exports import load_initial_hf, resolve_load_path
 from checkpoint_manager.protocol import LoadContext, LoadResult
 from checkpoint_manager.state.training import StateLoader, per_rank_state, read_rank_json
@@ -110,21 +112,17 @@ class LoadingMixin(ManagerCore):
 
     def _engine_for(self, meta: dict[str, Any], path: Path) -> Engine:
         """The engine that wrote the checkpoint (``checkpoint.json``'s ``"engine"``): a checkpoint is
-        read with its own engine whatever this manager writes with."""
+        read with its own engine whatever this manager writes with, found among the engines this
+        process can name (:func:`~checkpoint_manager.engine.registry.engine_for_record`)."""
         name = meta.get("engine", "dcp")
-        if not isinstance(name, str) or not name:
-            raise CheckpointCorruptError(f"{path}: checkpoint.json names no engine ({name!r})")
         if name == self._engine.name:
             return self._engine
-        engine = self._other_engines.get(name)
+        engine = self._other_engines.get(name) if isinstance(name, str) else None
         if engine is None:
             try:
-                engine = cast(Any, load_engine_class(name))(self.config)
-            except Exception as exc:
-                raise CheckpointError(
-                    f"{path}: written by engine {name!r}, which is not installed here ({exc}); "
-                    f"install it (entry-point group 'checkpoint_manager.engines') to load this checkpoint"
-                ) from exc
+                engine = engine_for_record(name, self.config)
+            except CheckpointCorruptError as exc:
+                raise type(exc)(f"{path}: {exc}") from exc
             self._other_engines[name] = engine
         return engine
 
@@ -174,7 +172,13 @@ class LoadingMixin(ManagerCore):
         level = self.config.verify_on_load
         meta = read_checkpoint_json(path, verify_checksum=level != "off")
         t_verify = time.perf_counter()
-        check(path, meta, level)
+        if self._dist.world_size > 1 and not is_url(source) and path == Path(location):
+            # One directory every rank reads: rank 0 checks every file of it; each rank then checks
+            # what it reads itself (its JSON, the index, the records it reads). Every rank checking
+            # every file read each rank's JSON once per rank: ranks squared reads in all.
+            self._dist.on_coordinator(lambda: check(path, meta, level), f"load {path.name}: verify")
+        else:  # one process, or a private copy (an object store's download, an unpacked bundle)
+            check(path, meta, level)
         t_verify = time.perf_counter() - t_verify
         engine = self._engine_for(meta, path)
         # Everything below is read, checked and decoded before the read fills the live tensors.
@@ -220,6 +224,10 @@ class LoadingMixin(ManagerCore):
             if self._in_save_dir(source):
                 self._resumed_from = basename(source)
                 self._parent, self._parent_known = info_from_meta(Path(basename(source)), meta), True
+                self._warn_going_back(self._parent)
+                if rank_json is not None and int(meta.get("world_size") or 1) == self._dist.world_size:
+                    # save_frozen="once": the next save may share this checkpoint's frozen files
+                    self._frozen.resumed(source, basename(source), rank_json.get("frozen"), self._storage)
             else:  # the next save continues save_dir's newest line
                 self._parent, self._parent_known = None, False
             if not self._prepared:  # the first save after a resume is warm too
@@ -253,6 +261,30 @@ class LoadingMixin(ManagerCore):
                 "read": t_read - t_plan,
                 "apply": t_end - t_read,
             },
+        )
+
+    def _warn_going_back(self, loaded: CheckpointInfo) -> None:
+        """Rank 0: a load of a checkpoint older than the newest of its line names what the next save
+        supersedes (a run that goes on from here starts a new line), and what becomes of them."""
+        if self._dist.rank != 0:
+            return
+        newer = superseded_by(loaded, self.list_checkpoints())
+        if not newer:
+            return
+        fate = (
+            "retention deletes them (delete_superseded=True)"
+            if self.config.delete_superseded
+            else "they are kept, listed as superseded and loadable by path (delete them with "
+            "delete_superseded=True or `ckpt prune --superseded`)"
+        )
+        log.warning(
+            "loaded %s (step %d), older than the newest checkpoint of %s: the next save starts a new line "
+            "from it and supersedes %s; %s",
+            loaded.name,
+            loaded.step,
+            self.config.save_dir,
+            ", ".join(f"{i.name} (step {i.step})" for i in newer),
+            fate,
         )
 
     def _load_plain(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -21,10 +22,12 @@ from checkpoint_manager.core.gcpause import paused_gc
 from checkpoint_manager.core.layout import CheckpointInfo, validate_template
 from checkpoint_manager.engine.base import Engine
 from checkpoint_manager.engine.staging import StagingBuffers
+from checkpoint_manager.errors import UnsupportedConfigWarning
 from checkpoint_manager.lifecycle.background import BackgroundMixin, save_context, track
 from checkpoint_manager.lifecycle.discovery import DiscoveryMixin
 from checkpoint_manager.lifecycle.engines import create_engine
 from checkpoint_manager.lifecycle.exports import HFConfigRecorder
+from checkpoint_manager.lifecycle.frozen import FrozenSaves
 from checkpoint_manager.lifecycle.loading import LoadingMixin
 from checkpoint_manager.lifecycle.observe import CheckpointCallback, EventLog, Observers
 from checkpoint_manager.lifecycle.policy import build_save_policy
@@ -77,12 +80,21 @@ class DefaultCheckpointManager(DiscoveryMixin, SavingMixin, BackgroundMixin, Loa
         self._last_saved_step: int | None = None
         self._last_saved_known = False
         self._engine: Engine = create_engine(config)
+        if config.save_frozen == "once" and not getattr(self._engine, "places_groups", False):
+            message = (
+                f"engine={config.engine!r} keeps no tensor group in files of its own (no places_groups): "
+                "save_frozen='once' has no effect, every checkpoint writes the frozen parameters"
+            )
+            if config.on_unsupported_field == "error":
+                raise ValueError(message + " (on_unsupported_field='error')")
+            warnings.warn(message, UnsupportedConfigWarning, stacklevel=2)
         self._engine_extra: dict[str, Any] = {}  # the engine's EngineContext.extra, kept across calls
         self._other_engines: dict[str, Engine] = {}  # engines of checkpoints others wrote, by name
         self._staging = StagingBuffers()  # async snapshots for an engine without stage()
         self._prepared = False  # the save path warmed up ahead of the first save (see _prepare_ahead)
         self._reported: set[tuple[str, ...]] = set()  # damaged checkpoints already warned about
         self._hf_configs = HFConfigRecorder()  # config.json / adapter config into each checkpoint
+        self._frozen = FrozenSaves()  # save_frozen="once": the checkpoint whose frozen files the next save shares
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[Any] | None = None
         self._inflight_step: int | None = None

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from checkpoint_manager.core.safe_io import open_regular, parse_json
 from checkpoint_manager.protocol import LoadResult, SaveResult
 
 __all__ = [
@@ -107,6 +108,8 @@ def save_record(result: SaveResult, *, rank: int = 0, world_size: int = 1) -> di
         "committed": result.committed,
         "timings": _seconds(result.timings),
         **({"cadence": _seconds(result.cadence)} if result.cadence else {}),
+        **({"damaged": dict(result.damaged)} if result.damaged else {}),
+        **({"frozen": dict(result.frozen)} if result.frozen else {}),
         "rank": rank,
         "world_size": world_size,
     }
@@ -176,15 +179,16 @@ class EventLog:
 def read_event_log(path: str | Path) -> list[dict[str, Any]]:
     """The records of an event log, oldest first; a torn last line (a crash mid-write) is ignored."""
     records: list[dict[str, Any]] = []
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(value, dict):
-            records.append(value)
+    with os.fdopen(open_regular(path, follow=True), "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                value = parse_json(line, path, error=ValueError)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                records.append(value)
     return records
 
 

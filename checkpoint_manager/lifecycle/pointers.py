@@ -92,6 +92,6 @@ def update_pointers(
         else:
             storage.remove_pointer(BEST_POINTER)  # it names a checkpoint that is gone
     if symlinks:
-        latest = checkpoints[-1].name if checkpoints else None
+        latest = line[-1].name if line else None
         storage.link_pointers({LATEST_LINK: latest, BEST_LINK: best.name if best is not None else kept_name})
     return best

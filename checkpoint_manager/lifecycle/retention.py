@@ -12,16 +12,18 @@ against the directory first: a metric no checkpoint logged, or a mode against th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
-from checkpoint_manager.core.layout import CheckpointInfo, metric_value, order_checkpoints
-from checkpoint_manager.errors import UnsafeCheckpointError
+from checkpoint_manager.core.layout import CheckpointInfo, metric_value
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
 from checkpoint_manager.lifecycle.pointers import (
     BEST_POINTER,
     LATEST_POINTER,
@@ -33,6 +35,7 @@ from checkpoint_manager.storage import Storage, open_storage
 
 if TYPE_CHECKING:
     from checkpoint_manager.config import CheckpointConfig, MonitorMode
+    from checkpoint_manager.core.integrity import VerifyLevel
 
 __all__ = [
     "KeepAll",
@@ -41,12 +44,16 @@ __all__ = [
     "KeepEveryNSteps",
     "KeepLast",
     "KeepUnranked",
+    "Prunable",
     "Pruner",
     "RetentionPlan",
     "RetentionPolicy",
+    "build_pruner",
     "build_retention_policy",
     "plan_retention",
     "prune",
+    "recorded_mode",
+    "resolve_mode",
 ]
 
 log = logging.getLogger("checkpoint_manager")
@@ -184,12 +191,24 @@ def retention_from_config(config: CheckpointConfig) -> KeepAny | None:
 
 @dataclass(frozen=True)
 class RetentionPlan:
-    """The outcome of one retention pass: what stays (and why), what goes, what failed to go."""
+    """The outcome of one retention pass: what stays (and why), what goes, what failed to go.
+
+    ``damaged``: the checkpoints the pass was to keep but found damaged (name: the problem); each is
+    kept, and so is the checkpoint that stands in for it (the newest intact one, the next best, ...).
+    """
 
     keep: list[CheckpointInfo]
     delete: list[CheckpointInfo]
     reasons: dict[str, list[str]] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
+    damaged: dict[str, str] = field(default_factory=dict)
+
+
+#: what a retention pass asks of a checkpoint it means to keep: its problems (empty: it loads)
+Check = Callable[[CheckpointInfo], "list[str]"]
+
+# Rules that keep "the N ..." count only checkpoints that load: a damaged one is replaced by the next.
+_COUNTING = (KeepLast, KeepBest)
 
 
 def plan_retention(
@@ -199,46 +218,133 @@ def plan_retention(
     protected: Iterable[str] = (),
     monitor: str | None = None,
     mode: MonitorMode = "min",
+    check: Check | None = None,
+    delete_superseded: bool = False,
 ) -> RetentionPlan:
-    """Decide, without touching the disk, which checkpoints a retention pass deletes.
+    """Decide, without deleting anything, which checkpoints a retention pass deletes.
 
-    Protected whatever the policy: the newest, the best by ``monitor`` and the names in ``protected``.
-    The rules rank the current line (save order); a superseded checkpoint survives only if protected
-    (or when there is no policy: then nothing is deleted).
+    ``checkpoints`` as a listing gives them (``Storage.scan``, :func:`order_checkpoints`): their
+    ``superseded`` marks are taken as they are. Kept whatever the policy: the newest checkpoint of
+    the current line, the best by ``monitor``, the names in ``protected`` and (unless
+    ``delete_superseded``) every superseded checkpoint (one a run abandoned by going back to an older
+    one). The rules rank the current line (save order).
+
+    ``check`` (the problems of a checkpoint; empty when it loads) is asked about every checkpoint
+    kept as the newest, the best, a protected name or one of the N that ``KeepLast``/``KeepBest``
+    keep, and only when the pass deletes something. A damaged one is kept and named in
+    ``damaged``, and the rules are applied again without it: the newest *intact* checkpoint is
+    kept too, ``keep_last=N`` keeps N that load. So a pass never leaves fewer loadable checkpoints
+    than its rules ask for, and never none when there was one.
     """
-    ordered = order_checkpoints(checkpoints)
+    # save order; which are superseded is the listing's to say (Storage.scan marks them by the
+    # directory's head, which may be a checkpoint the listing cannot show: see order_checkpoints)
+    ordered = sorted(checkpoints, key=lambda c: c.sort_key)
     line = [c for c in ordered if not c.superseded]
-    reasons: dict[str, list[str]] = {c.name: [] for c in ordered}
-    if line:
-        reasons[line[-1].name].append("newest")
-    if monitor is not None:
-        best = best_checkpoint(line, monitor, mode)
-        if best is not None:
-            reasons[best.name].append(f"best {monitor}")
-    for name in protected:
-        if name in reasons:
-            reasons[name].append("protected")
+    superseded = [c for c in ordered if c.superseded]
+    shielded = set(protected)
     rules: Sequence[RetentionPolicy]
     if policy is None:
-        rules, line = [KeepAll()], ordered
+        rules = [KeepAll()]
     elif isinstance(policy, KeepAny):
         rules = policy.policies
     else:
         rules = [policy]
-    for rule in rules:
-        for name in rule.keep(line):
-            reasons[name].append(repr(rule))
+    reasons: dict[str, list[str]] = {c.name: [] for c in ordered}
+    damaged: dict[str, str] = {}
+    verdicts: dict[str, list[str]] = {}
+
+    def add(name: str, reason: str) -> None:
+        if reason not in reasons[name]:
+            reasons[name].append(reason)
+
+    while True:
+        to_check: list[CheckpointInfo] = []
+        view = [c for c in line if c.name not in damaged]
+        if view:
+            newest = view[-1]
+            add(newest.name, "newest" if newest is line[-1] else "newest intact")
+            to_check.append(newest)
+        else:  # no checkpoint of the line loads: the newest superseded one that does stays
+            spare = [c for c in superseded if c.name not in damaged]
+            if spare and line:
+                add(spare[-1].name, "newest intact")
+                to_check.append(spare[-1])
+        if monitor is not None:
+            best = best_checkpoint(view, monitor, mode)
+            if best is not None:
+                add(best.name, f"best {monitor}")
+                to_check.append(best)
+        for info in ordered:
+            if info.name in shielded:
+                add(info.name, "protected")
+                to_check.append(info)
+        for rule in rules:
+            kept = rule.keep(view)
+            for info in view:
+                if info.name in kept:
+                    add(info.name, repr(rule))
+                    if isinstance(rule, _COUNTING):
+                        to_check.append(info)
+        if not delete_superseded:
+            for info in superseded:
+                add(info.name, "superseded")
+        if check is None or all(reasons[c.name] for c in ordered):
+            break  # nothing would be deleted: nothing to check
+        found = False
+        for info in to_check:
+            if info.name in verdicts:
+                continue
+            verdicts[info.name] = problems = check(info)
+            if problems:
+                damaged[info.name] = "; ".join(problems)
+                found = True
+        if not found:
+            break
+    for name in damaged:
+        add(name, "damaged")
     keep = [c for c in ordered if reasons[c.name]]
     delete = [c for c in ordered if not reasons[c.name]]
-    return RetentionPlan(keep=keep, delete=delete, reasons={k: v for k, v in reasons.items() if v})
+    return RetentionPlan(keep=keep, delete=delete, reasons={k: v for k, v in reasons.items() if v}, damaged=damaged)
+
+
+@runtime_checkable
+class Prunable(Protocol):
+    """What a retention pass needs of the place it deletes from: every
+    :class:`~checkpoint_manager.storage.Storage` is one, and so is a plugin's own store of
+    checkpoints (the tiered manager's replica store), so every deleter goes through :class:`Pruner`.
+    Only a pruner that ``owns_pointers`` needs a whole ``Storage``."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def is_local(self) -> bool: ...
+
+    def scan(self) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]: ...
+
+    def read_pointer(self, kind: str) -> dict[str, Any] | None: ...
+
+    def check_info(self, info: CheckpointInfo, level: VerifyLevel) -> None: ...
+
+    def verify(self, location: str, level: VerifyLevel) -> list[str]: ...
+
+    def hide(self, name: str) -> str: ...
+
+    def purge(self, hidden: str) -> None: ...
+
+    def unfinished_deletions(self) -> list[str]: ...
 
 
 class Pruner:
-    """Applies a retention policy to one save directory; owned by the single writer of that directory."""
+    """Applies a retention policy to one save directory; owned by the single writer of that directory.
+
+    The one way checkpoints are deleted by rule: a run's retention, :func:`prune`, ``ckpt prune``,
+    both tiers of the tiered manager and its replica store all delete through a pruner.
+    """
 
     def __init__(
         self,
-        storage: Storage,
+        storage: Prunable,
         policy: RetentionPolicy | None,
         *,
         monitor: str | None = None,
@@ -247,10 +353,14 @@ class Pruner:
         pointer_symlinks: bool = False,
         owns_pointers: bool = True,
         force: bool = False,
+        verify: VerifyLevel = "sizes",
+        delete_superseded: bool = False,
     ) -> None:
         """``owns_pointers=False``: a pass from outside the run (``prune``, ``ckpt prune``) leaves the
         pointers as the run wrote them and first checks its rules against the directory
-        (:meth:`check_rules`; ``force`` lets a mode that disagrees with the run's through)."""
+        (:meth:`check_rules`; ``force`` lets a mode that disagrees with the run's through).
+        ``verify``: how the checkpoints a pass keeps are checked before it deletes anything
+        (``"off"`` still checks sizes: a pass never trusts a checkpoint it has not looked at)."""
         self.storage = storage
         self.policy = policy
         self.monitor = monitor
@@ -259,7 +369,12 @@ class Pruner:
         self.pointer_symlinks = pointer_symlinks
         self.owns_pointers = owns_pointers
         self.force = force
+        self.verify: VerifyLevel = "sizes" if verify == "off" else verify
+        self.delete_superseded = delete_superseded
         self._warned_unlogged = False
+        self._reported: set[tuple[str, str]] = set()  # damaged checkpoints already logged
+        self._crc_checked: dict[str, tuple[Any, ...]] = {}  # name -> the file stats its CRCs were checked at
+        self._written: str | None = None  # the checkpoint the run just committed (see after_commit)
         self._executor: ThreadPoolExecutor | None = None
         # background removals queued by this pass and by the one before it: a pass first waits for
         # older ones, so deletion that falls behind slows saves rather than filling the disk
@@ -277,6 +392,8 @@ class Pruner:
             mode=config.mode,
             background=config.background_deletion,
             pointer_symlinks=config.pointer_symlinks,
+            verify=config.verify_on_load,
+            delete_superseded=config.delete_superseded,
         )
 
     @property
@@ -354,25 +471,87 @@ class Pruner:
         )
 
     # -- the pass ---------------------------------------------------------------------------------
-    def after_commit(self, protected: Iterable[str] = ()) -> RetentionPlan:
-        """Refresh ``best`` and the symlinks, then prune. Call only once the new checkpoint is durable."""
-        return self.prune(protected)
+    def after_commit(self, protected: Iterable[str] = (), *, written: str | None = None) -> RetentionPlan:
+        """Refresh ``best`` and the symlinks, then prune. Call only once the new checkpoint is durable.
 
-    def prune(self, protected: Iterable[str] = (), *, dry_run: bool = False) -> RetentionPlan:
-        """One retention pass over what is on disk now (a run's pointers first); ``dry_run`` only plans."""
+        ``written``: the checkpoint the run just committed; its CRC32s were computed from the bytes as
+        they were written, so this pass checks its sizes only (the next pass reads it under ``"full"``).
+        """
+        self._written = written
+        try:
+            return self.prune(protected)
+        finally:
+            self._written = None
+
+    def prune(
+        self, protected: Iterable[str] = (), *, dry_run: bool = False, only: Collection[str] | None = None
+    ) -> RetentionPlan:
+        """One retention pass over what is on disk now (a run's pointers first); ``dry_run`` only plans.
+
+        ``only``: delete nothing outside these names (the plan a person confirmed); what else the
+        pass would delete now is kept, with the reason ``not confirmed``.
+        """
         infos = self.scan()
         if not self.owns_pointers:
             self.check_rules(infos)
         elif not dry_run:
             self._warn_if_unlogged(infos)
-            update_pointers(
-                self.storage, infos, monitor=self.monitor, mode=self.mode, symlinks=self.pointer_symlinks
+            update_pointers(  # a pruner that owns the pointers is a run's, over a whole Storage
+                cast("Storage", self.storage), infos, monitor=self.monitor, mode=self.mode, symlinks=self.pointer_symlinks
             )
-        return self._prune(infos, protected, dry_run=dry_run)
+        return self._prune(infos, protected, dry_run=dry_run, only=only)
 
-    def _prune(self, infos: list[CheckpointInfo], protected: Iterable[str], *, dry_run: bool) -> RetentionPlan:
+    def check(self, info: CheckpointInfo) -> list[str]:
+        """The problems of a checkpoint this pass means to keep (empty: it loads), at ``verify``.
+
+        Under ``"full"`` a local checkpoint's CRC32s are read once per pruner while its files keep
+        their sizes, times and inodes (a file changed since is read again); sizes are checked always.
+        """
+        try:
+            self.storage.check_info(info, "sizes")
+        except CheckpointCorruptError as exc:
+            return [str(exc)]
+        if self.verify != "full" or info.name == self._written:
+            return []
+        stamp = _file_stamp(info) if self.storage.is_local else ()
+        if stamp is not None and self._crc_checked.get(info.name) == stamp:
+            return []
+        try:
+            problems = self.storage.verify(info.location, "full")
+        except CheckpointNotFoundError as exc:  # deleted meanwhile: it loads no more
+            return [str(exc)]
+        if not problems and stamp is not None:
+            self._crc_checked[info.name] = stamp
+        return problems
+
+    def _prune(
+        self,
+        infos: list[CheckpointInfo],
+        protected: Iterable[str],
+        *,
+        dry_run: bool,
+        only: Collection[str] | None = None,
+    ) -> RetentionPlan:
         shielded = set(protected) | self._pointer_targets()
-        plan = plan_retention(infos, self.policy, protected=shielded, monitor=self.monitor, mode=self.mode)
+        plan = plan_retention(
+            infos,
+            self.policy,
+            protected=shielded,
+            monitor=self.monitor,
+            mode=self.mode,
+            check=self.check,
+            delete_superseded=self.delete_superseded,
+        )
+        if only is not None:
+            held = [c for c in plan.delete if c.name not in only]
+            for info in held:
+                plan.reasons[info.name] = ["not confirmed"]
+            plan = dataclasses.replace(
+                plan,
+                keep=sorted((c for c in [*plan.keep, *plan.delete] if c.name in plan.reasons), key=lambda c: c.sort_key),
+                delete=[c for c in plan.delete if c.name in only],
+            )
+        self._report_damaged(plan)
         if dry_run:
             return plan
         self._bound_backlog()
@@ -392,6 +571,23 @@ class Pruner:
             log.info("retention: removed checkpoint %s (step %d)", info.location, info.step)
             self._remove(hidden)
         return plan
+
+    def _report_damaged(self, plan: RetentionPlan) -> None:
+        """A WARNING, once per checkpoint and problem, for each damaged checkpoint the pass kept."""
+        if not plan.damaged:
+            return
+        intact = [c.name for c in plan.keep if c.name not in plan.damaged]
+        for name, problem in plan.damaged.items():
+            if (name, problem) in self._reported:
+                continue
+            self._reported.add((name, problem))
+            log.warning(
+                "retention: checkpoint %s in %s is damaged (%s); it is kept, and so are the intact %s",
+                name,
+                self.storage.url,
+                problem,
+                ", ".join(intact) or "none",
+            )
 
     def _remove(self, hidden: str) -> None:
         """Delete a hidden checkpoint's files, in the background if configured (once at a time)."""
@@ -452,18 +648,73 @@ class Pruner:
             self._executor = None
 
 
+def _file_stamp(info: CheckpointInfo) -> tuple[Any, ...] | None:
+    """What a local checkpoint's recorded files look like now (sizes, times, inodes); None if one is gone."""
+    files = info.meta.get("files")
+    if not isinstance(files, dict):
+        return None
+    stamp: list[tuple[str, int, int, int]] = []
+    for rel in sorted(files):
+        try:
+            st = os.lstat(info.path / rel)
+        except (OSError, ValueError):
+            return None
+        stamp.append((rel, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(stamp)
+
+
+def recorded_mode(storage: Prunable, infos: Sequence[CheckpointInfo], monitor: str) -> MonitorMode | None:
+    """The mode a run recorded for ranking by ``monitor`` (the newest record first: a checkpoint's
+    ``ranking``, then the ``best`` pointer), or None when no run here ranked by it."""
+    for info in reversed(infos):
+        ranking = info.meta.get("ranking")
+        if isinstance(ranking, dict) and ranking.get("monitor") == monitor and ranking.get("mode") in ("min", "max"):
+            return cast("MonitorMode", ranking["mode"])
+    pointer = storage.read_pointer(BEST_POINTER)
+    if pointer is not None and pointer.get("monitor") == monitor and pointer.get("mode") in ("min", "max"):
+        return cast("MonitorMode", pointer["mode"])
+    return None
+
+
+def resolve_mode(storage: Storage, monitor: str | None, mode: MonitorMode | None) -> MonitorMode:
+    """``mode`` if given, else the one the run recorded for ``monitor``; ValueError when neither says.
+
+    A metric the run never ranked has no default direction: ranking accuracy as a loss keeps the
+    worst checkpoint as the "best" and deletes the best one.
+    """
+    if mode is not None:
+        return mode
+    if monitor is None:
+        return "min"  # nothing is ranked
+    infos, _ = storage.scan()
+    if not any(monitor in info.metrics for info in infos):
+        return "min"  # a metric nobody logged: refused by the rules' check, which names what was logged
+    found = recorded_mode(storage, infos, monitor)
+    if found is not None:
+        return found
+    ranked = sorted({str(r["monitor"]) for i in infos if isinstance(r := i.meta.get("ranking"), dict)})
+    there = f"it ranked by {', '.join(repr(m) for m in ranked)}" if ranked else "no run here recorded a ranking"
+    raise ValueError(
+        f"{storage.url}: no run here ranked checkpoints by {monitor!r} ({there}), so whether lower or higher "
+        f"is better is unknown; pass mode 'min' or 'max' (ckpt prune --mode min|max)"
+    )
+
+
 def prune(
     directory: str | Path,
     *,
     keep_last: int | None = None,
     keep_best: int | None = None,
     monitor: str | None = None,
-    mode: MonitorMode = "min",
+    mode: MonitorMode | None = None,
     keep_unranked: bool = False,
     keep_every_n_steps: int | None = None,
+    superseded: bool = False,
     protected: Iterable[str] = (),
     dry_run: bool = True,
     force: bool = False,
+    verify: VerifyLevel = "sizes",
+    only: Collection[str] | None = None,
     fsync: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> list[CheckpointInfo]:
@@ -472,25 +723,74 @@ def prune(
     ``dry_run`` (the default) only reports. A real pass takes the directory's writer lock, so it
     refuses to run while a training run writes there. ``directory`` may be an fsspec URL
     (``s3://bucket/prefix``; ``storage_options`` go to fsspec). The pointers are left as the run
-    wrote them and their targets are never deleted. ValueError: ``monitor`` is a metric no
-    checkpoint logged, or ``mode`` disagrees with the mode the run recorded for it (unless ``force``).
+    wrote them and their targets are never deleted. Superseded checkpoints are kept unless
+    ``superseded`` (then they go, unless something else keeps them; with no rule given that is all
+    this pass deletes). Before deleting, the checkpoints kept as the newest, the best, a pointer's
+    target or one of the N a rule counts are checked at ``verify`` (``"sizes"`` or ``"full"``); a
+    damaged one is kept, logged, and the next intact one is kept too. ``only``: delete nothing
+    outside these names (a plan someone confirmed).
+
+    ValueError: ``monitor`` is a metric no checkpoint logged; ``mode`` is None and the run never
+    ranked ``monitor`` (there is no default direction); or ``mode`` disagrees with the mode the run
+    recorded for it (unless ``force``).
     """
-    policy = build_retention_policy(
+    if keep_last is None and keep_best is None and keep_every_n_steps is None and not superseded:
+        raise ValueError("prune needs at least one of keep_last, keep_best, keep_every_n_steps or superseded")
+    storage = open_storage(directory, storage_options, fsync=fsync)
+    if not storage.is_present():
+        raise FileNotFoundError(f"prune: {str(directory)!r} is not a directory (nothing is stored there)")
+    pruner = build_pruner(
+        storage,
         keep_last=keep_last,
         keep_best=keep_best,
         monitor=monitor,
         mode=mode,
         keep_unranked=keep_unranked,
         keep_every_n_steps=keep_every_n_steps,
+        superseded=superseded,
+        force=force,
+        verify=verify,
     )
-    if policy is None:
-        raise ValueError("prune needs at least one of keep_last, keep_best or keep_every_n_steps")
-    storage = open_storage(directory, storage_options, fsync=fsync)
-    if not storage.is_present():
-        raise FileNotFoundError(f"prune: {str(directory)!r} is not a directory (nothing is stored there)")
-    pruner = Pruner(storage, policy, monitor=monitor, mode=mode, owns_pointers=False, force=force)
     if dry_run:
-        return pruner.prune(protected, dry_run=True).delete
+        return pruner.prune(protected, dry_run=True, only=only).delete
     with storage.writer_lock():
-        plan = pruner.prune(protected)
+        plan = pruner.prune(protected, only=only)
     return [c for c in plan.delete if c.name not in plan.failed]
+
+
+def build_pruner(
+    storage: Storage,
+    *,
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    monitor: str | None = None,
+    mode: MonitorMode | None = None,
+    keep_unranked: bool = False,
+    keep_every_n_steps: int | None = None,
+    superseded: bool = False,
+    force: bool = False,
+    verify: VerifyLevel = "sizes",
+) -> Pruner:
+    """The pruner of a pass from outside the run over ``storage`` (``prune``, ``ckpt prune``): the
+    mode resolved (:func:`resolve_mode`), the pointers left as the run wrote them."""
+    resolved = resolve_mode(storage, monitor, mode)
+    policy: RetentionPolicy | None = build_retention_policy(
+        keep_last=keep_last,
+        keep_best=keep_best,
+        monitor=monitor,
+        mode=resolved,
+        keep_unranked=keep_unranked,
+        keep_every_n_steps=keep_every_n_steps,
+    )
+    if policy is None:  # superseded alone: every checkpoint of the current line stays
+        policy = KeepAll()
+    return Pruner(
+        storage,
+        policy,
+        monitor=monitor,
+        mode=resolved,
+        owns_pointers=False,
+        force=force or mode is None,  # a mode read from the run's own record agrees with it
+        verify=verify,
+        delete_superseded=superseded,
+    )

@@ -6,10 +6,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +18,7 @@ import torch
 
 from checkpoint_manager._version import __version__
 from checkpoint_manager.core.codec import encode
-from checkpoint_manager.core.dist import DistContext, vote_outcome
+from checkpoint_manager.core.dist import VOTE_SLOT, DistContext, vote_outcome
 from checkpoint_manager.core.gcpause import paused_gc
 from checkpoint_manager.core.integrity import file_crc32
 from checkpoint_manager.core.layout import (
@@ -37,14 +37,20 @@ from checkpoint_manager.core.layout import (
 )
 from checkpoint_manager.core.layout import now as now_stamp
 from checkpoint_manager.engine.base import EngineContext, EngineState, FileRecord
-from checkpoint_manager.errors import CheckpointCorruptError, ManagerClosedError, PostCommitError
+from checkpoint_manager.errors import (
+    CheckpointCorruptError,
+    ManagerClosedError,
+    PostCommitError,
+    UnsafeCheckpointError,
+)
 from checkpoint_manager.lifecycle.core import ManagerCore
 from checkpoint_manager.lifecycle.exports import export_consolidated
 from checkpoint_manager.lifecycle.finite import FiniteCheck, NonFiniteStateError, finite_groups
+from checkpoint_manager.lifecycle.frozen import FrozenPlan, summarize
 from checkpoint_manager.lifecycle.observe import SaveStartEvent
 from checkpoint_manager.protocol import SaveContext, SaveResult
-from checkpoint_manager.state.training import GatheredState, gather_state
-from checkpoint_manager.storage import LocalStorage, basename
+from checkpoint_manager.state.training import GatheredState, frozen_keys, gather_state
+from checkpoint_manager.storage import basename
 from checkpoint_manager.storage.lock import CheckpointLockError
 
 if TYPE_CHECKING:
@@ -87,8 +93,12 @@ class SaveJob:
     timings: dict[str, float] = field(default_factory=dict)
     final: bool = False  # the end of training (save_consolidated="final" exports only then)
     finite_checked: tuple[str, ...] = ()  # the groups check_finite found free of NaN/inf
+    damaged: dict[str, str] = field(default_factory=dict)  # what the retention pass found damaged (kept)
     hf_configs: list[Any] = field(default_factory=list)  # the models' HF/PEFT configs, recorded at commit
     nbytes: int = 0  # the checkpoint's tensor bytes, global (a DTensor counts its global size)
+    frozen: frozenset[str] = frozenset()  # save_frozen="once": this rank's frozen keys (the engine's group)
+    frozen_live: bool = False  # the frozen tensors were left out of the async snapshot
+    frozen_summary: dict[str, Any] = field(default_factory=dict)  # checkpoint.json's "frozen"
 
     def __post_init__(self) -> None:
         self.engine_state = EngineState(self.state.tensors, self.state.objects)
@@ -100,51 +110,39 @@ class SaveJob:
         return self.pending_dir
 
 
-def _own_records(pending: Path) -> dict[str, FileRecord]:
-    """The files of ``pending`` an engine wrote without reporting them (rank JSONs aside), checksummed."""
+def _own_records(pending: Path, shared: Collection[str] = ()) -> dict[str, FileRecord]:
+    """The files of ``pending`` an engine wrote without reporting them (rank JSONs and the ``shared``
+    files placed from another checkpoint aside), checksummed."""
     out: dict[str, FileRecord] = {}
     for root, _, names in os.walk(pending):
         for name in names:
             file = Path(root) / name
             rel = file.relative_to(pending).as_posix()
+            if rel in shared:
+                continue
             if file.is_file() and not file.is_symlink() and not (name.startswith("rank_") and name.endswith(".json")):
                 out[rel] = {"size": file.stat().st_size, "crc32": file_crc32(file)}
     return out
 
 
-#: a vote carries a rank's file records while they fit in its slot (see DistContext.vote); a rank with
-#: more files says so, and the coordinator reads them from the rank's JSON
-VOTE_RECORDS_LIMIT = 768
-
-
-def vote_report(records: dict[str, FileRecord], rank_json: str, rank_json_record: FileRecord) -> dict[str, Any]:
-    """What a rank votes with when its part is written: its files' records and its JSON's own."""
+def vote_report(
+    records: dict[str, FileRecord], rank_json: str, rank_json_record: FileRecord, *, frozen: Any = None
+) -> dict[str, Any]:
+    """What a rank votes with when its part is written: its files' records, its JSON's own, and
+    (``save_frozen="once"``) its part of the frozen-group summary."""
     report: dict[str, Any] = {"files": {**records, rank_json: rank_json_record}}
-    if len(json.dumps(report)) > VOTE_RECORDS_LIMIT:
-        report = {"files": {rank_json: rank_json_record}, "more": rank_json}
+    if frozen is not None:
+        report["frozen"] = frozen
     return report
 
 
-def voted_records(pending: Path, votes: list[Any]) -> dict[str, dict[str, int]]:
-    """The file records of every rank, from the votes (and, for a rank whose records did not fit,
-    from its JSON in ``pending``, which must match the record it voted for it; one that is not here,
-    in an object store's staging, is marked ``"more"`` for the storage to read)."""
+def voted_records(votes: list[Any]) -> dict[str, dict[str, int]]:
+    """The file records of every rank, from the votes."""
     known: dict[str, dict[str, int]] = {}
     for vote in votes:
         report = vote.get("report") if isinstance(vote, dict) else None
-        if not isinstance(report, dict):
-            continue
-        known.update(report.get("files", {}))
-        more = report.get("more")
-        if isinstance(more, str):
-            file = pending / more
-            expected = known.get(more, {})
-            if not file.is_file():  # on another host's staging disk: the store's copy is read (describe_files)
-                known[more] = {**expected, "more": 1}
-                continue
-            if file.stat().st_size != expected.get("size") or file_crc32(file) != expected.get("crc32"):
-                raise CheckpointCorruptError(f"{file}: not the file its rank wrote (size or CRC32 differs)")
-            known.update(LocalStorage.read_json(file).get("files", {}))
+        if isinstance(report, dict):
+            known.update(report.get("files", {}))
     return known
 
 
@@ -185,6 +183,8 @@ def checkpoint_record(
     }
     if job.finite_checked:
         meta["finite"] = {"checked": list(job.finite_checked), "ok": True}
+    if job.frozen_summary:
+        meta["frozen"] = job.frozen_summary
     return meta
 
 
@@ -308,14 +308,46 @@ class SavingMixin(ManagerCore):
         # an async save makes its directory on the writer thread: a few syscalls less of stall
         pending = None if async_save else self._new_pending(self._dist, name, step)
         job = SaveJob(step, name, pending, state, dict(ctx.metrics), started)
+        if self.config.save_frozen == "once" and getattr(self._engine, "places_groups", False):
+            job.frozen = frozen_keys(ctx, state.tensors)
         job.final = ctx.final or step == self.config.final_step
         job.hf_configs = self._hf_configs.capture(ctx.models())  # references only: serialized at commit
         job.timings["gather"] = time.perf_counter() - started
         return job
 
     def _new_pending(self, dist: DistContext, name: str, step: int) -> Path:
-        return Path(
-            dist.on_coordinator(lambda: str(self._storage.new_pending(name)), f"step {step}: create pending directory")
+        def create() -> str:
+            self._set_aside_superseded(name)
+            return str(self._storage.new_pending(name))
+
+        return Path(dist.on_coordinator(create, f"step {step}: create pending directory"))
+
+    def _set_aside_superseded(self, name: str) -> None:
+        """Rank 0: a checkpoint named ``name`` that this save supersedes (a run went back before it)
+        is moved aside (``<name>.superseded``), so the new line's save takes its name and neither
+        replaces the other; it stays listed (as superseded) and loadable. A checkpoint on the line
+        this save continues, or one that cannot be judged (damaged), keeps its name: the save is
+        committed as ``<name>-v2``."""
+        try:
+            there = self._storage.info_at(self._storage.location_of(name))
+        except (CheckpointCorruptError, OSError):
+            return  # the usual case: no checkpoint has this name
+        parent = self._save_parent()
+        own, line = there.lineage, parent.lineage if parent is not None else None
+        if own is None or line is None or own.seq in line:
+            return
+        try:
+            aside = self._storage.set_aside(name)
+        except (OSError, UnsafeCheckpointError) as exc:  # the save goes on under name-v2
+            log.warning("could not set superseded checkpoint %s aside (%s); saving under another name", name, exc)
+            return
+        log.warning(
+            "moved superseded checkpoint %s (step %d) to %s: this save, on the line that went back to %s, "
+            "takes its name; it stays loadable by path",
+            there.location,
+            there.step,
+            self._storage.location_of(aside),
+            parent.name if parent is not None else "an older checkpoint",
         )
 
     def _engine_context(self, dist: DistContext, step: int) -> EngineContext:
@@ -351,12 +383,22 @@ class SavingMixin(ManagerCore):
             job.pending_dir = self._new_pending(io, job.name, job.step)  # every rank, or none, gets it
         groups = finite_groups(self.config.check_finite, self.config.check_finite_optimizer)
         state = job.engine_state
-        finite = (  # beside the write, once the staging copies it reads are complete
-            FiniteCheck(state.tensors, groups, wait=state.ready) if groups else None
-        )
+        finite: FiniteCheck | None = None
         ctx = self._engine_context(io, job.step)
         ctx.open_output = functools.partial(self._storage.open_output, job.pending)
+        plan: FrozenPlan | None = None
         try:
+            if job.frozen:
+                plan = self._frozen.plan(
+                    job.frozen, state.tensors, self._storage, job.pending, ctx, live=job.frozen_live
+                )
+                ctx.timings["frozen_check"] = plan.seconds
+            if groups:  # beside the write, once the staging copies it reads are complete; a shared
+                # frozen group was checked when it was written (and is unchanged since)
+                tensors = state.tensors
+                if plan is not None and plan.shared:
+                    tensors = {k: t for k, t in tensors.items() if k not in plan.keys}
+                finite = FiniteCheck(tensors, groups, wait=state.ready)
             with io.phase(f"step {job.step}: write"):
                 written = self._engine.save(state, job.pending, ctx)
             if finite is not None:
@@ -364,12 +406,20 @@ class SavingMixin(ManagerCore):
                 if bad:
                     raise NonFiniteStateError(job.step, bad, len(bad))
                 job.finite_checked = groups
-            records = dict(written) if written is not None else _own_records(job.pending)
+            shared = plan.base.files if plan is not None and plan.base is not None else {}
+            records = dict(written) if written is not None else _own_records(job.pending, shared)
+            if plan is not None:
+                self._frozen.wrote(plan, ctx, records, state.tensors, job.pending, self._storage)
             rank_json = {**job.state.rank_json, "files": records}
+            if plan is not None and plan.rank_record:
+                rank_json["frozen"] = plan.rank_record
             own = job.pending / rank_file(io.rank)
             self._storage.write_json(own, rank_json)
             # what the coordinator records of this rank's files, its JSON included (read back: it is small)
-            report = vote_report(records, rank_file(io.rank), {"size": own.stat().st_size, "crc32": file_crc32(own)})
+            report = vote_report(
+                records, rank_file(io.rank), {"size": own.stat().st_size, "crc32": file_crc32(own)},
+                frozen=plan.record if plan is not None else None,
+            )
             self._storage.upload_part(job.pending, io.rank, list(records))  # object stores
         except BaseException as exc:
             if finite is not None:
@@ -384,9 +434,17 @@ class SavingMixin(ManagerCore):
         job.timings.update(ctx.timings)
         try:
             # collective commit: rank 0 commits only once every rank has written its part
-            votes = io.vote(failure, f"step {job.step}: all ranks written", report)
+            phase = f"step {job.step}: all ranks written"
+            votes = io.vote(failure, phase, report)
             job.timings["vote"] = time.perf_counter() - t1
-            final = io.on_coordinator(lambda: self._commit(job, votes, failure), f"step {job.step}: commit")
+            answer = io.on_coordinator(lambda: self._commit(job, votes, failure), f"step {job.step}: commit")
+            if "more" in answer:  # a vote did not fit its slot: every rank votes again, in larger ones
+                t_vote = time.perf_counter()
+                votes = io.vote(failure, phase, report, slot=int(answer["more"]))
+                job.timings["vote"] += time.perf_counter() - t_vote
+                answer = io.on_coordinator(lambda: self._commit(job, votes, failure), f"step {job.step}: commit")
+            final = str(answer["path"])
+            job.frozen_summary = dict(answer.get("frozen") or {})
         except PostCommitError:
             with self._lock:  # it is committed: the policy must not save this step again
                 self._last_saved_step, self._last_saved_known = job.step, True
@@ -408,6 +466,8 @@ class SavingMixin(ManagerCore):
         with self._lock:
             if self._last_saved_step is None or job.step >= self._last_saved_step:
                 self._last_saved_step, self._last_saved_known = job.step, True
+        if plan is not None:
+            self._frozen.committed(plan, str(final), basename(final), self._storage)
         seconds = time.perf_counter() - job.started
         nbytes = job.nbytes
         log.info(
@@ -426,18 +486,28 @@ class SavingMixin(ManagerCore):
             stall_seconds=job.timings.get("stall", seconds),
             committed=True,
             timings=dict(job.timings),
+            damaged=dict(job.damaged),
+            frozen=dict(job.frozen_summary),
         )
 
-    def _commit(self, job: SaveJob, votes: list[Any] | None, failure: BaseException | None) -> str:
+    def _commit(self, job: SaveJob, votes: list[Any] | None, failure: BaseException | None) -> dict[str, Any]:
         """Rank 0: judge the vote, describe the pending directory in checkpoint.json (the file records
-        the ranks voted with), rename it into place, move pointers."""
+        the ranks voted with), rename it into place, move pointers. Returns ``{"path": ...}`` (and
+        the frozen-group summary), or ``{"more": bytes}`` when a vote did not fit its slot: then the
+        ranks vote again in slots that large, and nothing is done yet."""
         assert votes is not None  # the coordinator's
         phase = f"step {job.step}: all ranks written"
+        larger = max((int(v["more"]) for v in votes if isinstance(v, dict) and "more" in v), default=0)
+        if larger:
+            return {"more": larger + VOTE_SLOT}
         error = vote_outcome(votes, phase)
         if error is not None:
             if failure is not None:
                 raise error from failure
             raise error
+        parts = [v["report"].get("frozen") for v in votes if isinstance(v.get("report"), dict)]
+        if any(part is not None for part in parts):
+            job.frozen_summary = summarize(parts)
         pending = job.pending
         self._storage.write_json(pending / STATE_JSON, job.state.global_json)
         self._hf_configs.write(pending, job.hf_configs, self._storage.write_json)
@@ -445,7 +515,7 @@ class SavingMixin(ManagerCore):
         if export_consolidated(self.config, pending, final=job.final):  # inside: committed with the rest
             job.timings["export"] = time.perf_counter() - t_export
         t_files = time.perf_counter()
-        files = self._storage.describe_files(pending, voted_records(pending, votes))
+        files = self._storage.describe_files(pending, voted_records(votes))
         parent, lineage = self._lineage()
         record = getattr(self._engine, "record", None)
         meta = checkpoint_record(
@@ -465,29 +535,44 @@ class SavingMixin(ManagerCore):
         job.timings["rename"] = time.perf_counter() - t_rename
         final_name = basename(final)
         try:
-            self._storage.write_pointer(LATEST_POINTER, {"name": final_name, "step": job.step})
+            # the pointer records the lineage too: the line survives a damaged checkpoint.json of the head
+            self._storage.write_pointer(
+                LATEST_POINTER, {"name": final_name, "step": job.step, "lineage": lineage.to_json()}
+            )
         except Exception as exc:  # committed already: say so, rather than "the save failed"
             raise PostCommitError(str(final), f"moving the {LATEST_POINTER!r} pointer", exc) from exc
         self._parent, self._parent_known = info_from_meta(Path(final_name), meta), True
         t_prune = time.perf_counter()
-        if self._retain(final_name):
+        if self._retain(final_name, job):
             job.timings["prune"] = time.perf_counter() - t_prune
-        return str(final)
+        return {"path": str(final), "frozen": job.frozen_summary or None}
 
     def _lineage(self) -> tuple[CheckpointInfo | None, Lineage]:
         """Rank 0, at commit: the save's parent and lineage (numbered after every save on disk)."""
         infos = self.list_checkpoints()
-        parent = self._parent if self._parent_known else (infos[-1] if infos else None)
-        return parent, next_lineage(parent, infos)
+        parent = self._save_parent(infos)
+        return parent, next_lineage(parent, infos, pointer=self._storage.read_pointer(LATEST_POINTER))
 
-    def _retain(self, committed: str) -> bool:
-        """``best`` pointer, then retention: only now that the new checkpoint is durable, never fatal."""
+    def _save_parent(self, infos: list[CheckpointInfo] | None = None) -> CheckpointInfo | None:
+        """What the next save descends from: the checkpoint this run loaded or last saved, else the
+        newest of the directory's current line (the newest listed may be off it, see order_checkpoints)."""
+        if self._parent_known:
+            return self._parent
+        line = [i for i in (self.list_checkpoints() if infos is None else infos) if not i.superseded]
+        return line[-1] if line else None
+
+    def _retain(self, committed: str, job: SaveJob) -> bool:
+        """``best`` pointer, then retention: only now that the new checkpoint is durable, never fatal.
+        What the pass found damaged (and kept) goes into the save's result and its event."""
         if not self._pruner.active:
             return False
         if not self._holds_writer_lock():  # writer_lock=False: another process may be the writer
             return False
         try:
-            self._pruner.after_commit(protected={committed, *filter(None, [self._resumed_from])})
+            plan = self._pruner.after_commit(
+                protected={committed, *filter(None, [self._resumed_from])}, written=committed
+            )
+            job.damaged = dict(plan.damaged)
         except Exception as exc:  # the save itself succeeded: report, and try again after the next one
             log.warning(
                 "retention after committing %s failed (retried after the next save): %r", committed, exc

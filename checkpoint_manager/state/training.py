@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from checkpoint_manager.core.codec import (
@@ -57,6 +58,7 @@ __all__ = [
     "PER_RANK_PARTS",
     "GatheredState",
     "StateLoader",
+    "frozen_keys",
     "gather_state",
     "load_optimizers_in_place",
     "per_rank_state",
@@ -170,6 +172,33 @@ def _gather_state(ctx: SaveContext) -> GatheredState:
         rank_json["dataloader"] = encode(dl.state_dict(), path="dataloader")
     train_state = ctx.train_state.state_dict() if ctx.train_state is not None else None
     return GatheredState(tensors, global_json, rank_json, train_state, objects)
+
+
+def frozen_keys(ctx: SaveContext, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
+    """The keys of ``tensors`` (a gathered state) that hold model parameters not requiring grad.
+
+    Found by memory, not by name: a model state dict's tensors are views of the parameters (a
+    DTensor's local shard of this rank's), so a key is frozen when its tensor is one of a frozen
+    parameter's, whatever wrappers (FSDP, ``torch.compile``, PEFT) do to the names. Empty tensors
+    hold nothing to share and are left out.
+    """
+    out: set[str] = set()
+    for part, model in zip(model_keys(len(ctx.models())), ctx.models(), strict=True):
+        frozen = {_identity(p) for p in model.parameters() if not p.requires_grad}
+        frozen.discard(None)
+        if not frozen:
+            continue
+        prefix = f"{part}."
+        out.update(k for k, t in tensors.items() if k.startswith(prefix) and _identity(t) in frozen)
+    return frozenset(out)
+
+
+def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Where a tensor's local bytes are (address, shape, strides, dtype, device); None when it has none."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if local.numel() == 0 or local.device.type == "meta":
+        return None
+    return (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype, local.device)
 
 
 def read_rank_json(

@@ -11,12 +11,16 @@ the command line do to a root goes through this protocol: no caller asks which k
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar, runtime_checkable
+
+from checkpoint_manager.core.layout import POINTER_LIMIT
+from checkpoint_manager.core.safe_io import parse_json
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
@@ -34,6 +38,7 @@ __all__ = [
     "json_bytes",
     "parent_url",
     "parse_pointer",
+    "set_aside_names",
 ]
 
 _T = TypeVar("_T")
@@ -62,12 +67,19 @@ def is_deleting(entry: str) -> bool:
     return deleted_name(entry) is not None
 
 
+def set_aside_names(name: str) -> Iterator[str]:
+    """The names :meth:`Storage.set_aside` tries for checkpoint ``name``, in order."""
+    yield f"{name}.superseded"
+    for n in itertools.count(2):
+        yield f"{name}.superseded-{n}"
+
+
 def parse_pointer(raw: bytes) -> dict[str, Any] | None:
     """A ``latest`` / ``best`` pointer's JSON, or None when it is not one: no JSON object, or no
     checkpoint name in it (a name is one entry of the save directory: no ``/``, not ``.`` or ``..``)."""
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except ValueError:  # UnicodeDecodeError is one
+        data = parse_json(raw, "pointer", limit=POINTER_LIMIT, error=ValueError)
+    except ValueError:
         return None
     name = data.get("name") if isinstance(data, dict) else None
     if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
@@ -242,6 +254,14 @@ class Storage(Protocol):
         """Make this rank's files (relative to ``pending``) durable in the store, before the vote."""
         ...
 
+    def share_files(self, source: str, pending: Path, files: Mapping[str, Mapping[str, int]]) -> str | None:
+        """Place ``files`` (relative paths, with their ``{size, crc32}`` records) of the committed
+        checkpoint at ``source`` into the save ``pending`` under the same names, as cheaply as the
+        store can while each checkpoint stays whole: deleting either checkpoint later must leave the
+        other's files intact. Returns how (``"link"``, ``"reflink"``, ``"copy"``: a server-side copy),
+        or None with nothing placed (the save then writes them itself)."""
+        ...
+
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
         """``{relative path: {size, crc32}}`` of every file of the save (every rank's) but the marker."""
         ...
@@ -265,6 +285,11 @@ class Storage(Protocol):
     def link_pointers(self, targets: Mapping[str, str | None]) -> None:
         """Point each symlink (``latest_checkpoint``, ...) at its checkpoint's name, or remove it for None;
         for people browsing. A store without symlinks does nothing."""
+        ...
+
+    def set_aside(self, name: str) -> str:
+        """Give committed checkpoint ``name`` the first free name ``<name>.superseded``,
+        ``<name>.superseded-2``, ... (it stays committed and listed at every moment); returns it."""
         ...
 
     def hide(self, name: str) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import re
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from checkpoint_manager.core.integrity import check, verify
 from checkpoint_manager.core.layout import (
+    LATEST_POINTER,
     PENDING_DIR,
     POINTER_LIMIT,
     CheckpointInfo,
@@ -29,15 +29,21 @@ from checkpoint_manager.core.layout import (
     read_checkpoint_json,
     scan_checkpoints,
 )
-from checkpoint_manager.core.safe_io import read_small
+from checkpoint_manager.core.safe_io import inside, read_json, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, PostCommitError, UnsafeCheckpointError
-from checkpoint_manager.storage.base import deleting_name, is_deleting, json_bytes, parse_pointer
+from checkpoint_manager.storage.base import (
+    deleting_name,
+    is_deleting,
+    json_bytes,
+    parse_pointer,
+    set_aside_names,
+)
 from checkpoint_manager.storage.lock import WriterLock
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
 
-__all__ = ["LocalStorage", "fsync_dir", "update_symlink"]
+__all__ = ["FileId", "LocalStorage", "file_table", "freed_size", "fsync_dir", "share_file", "update_symlink"]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -150,6 +156,45 @@ def replace_via_aside(path: Path, write: Callable[[Path], object]) -> None:
         unmark_in_flight(tmp)
 
 
+# what link() raises where the file system cannot link this file (another device, no hard links, too many)
+_NO_LINK = frozenset(
+    {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES, errno.ENOSYS}
+)
+_FICLONE = 0x40049409  # ioctl(dst, FICLONE, src): Linux's whole-file reflink (btrfs, XFS, bcachefs)
+
+
+def share_file(src: Path, dst: Path) -> str | None:
+    """Make ``dst`` hold ``src``'s bytes without copying them: a hard link (``"link"``), else a
+    reflink (``"reflink"``), else None (nothing left at ``dst``). Deleting either name later never
+    touches the other's bytes: a link only drops one name of the file, a clone is a file of its own."""
+    try:
+        os.link(src, dst)
+        return "link"
+    except OSError as exc:
+        if exc.errno not in _NO_LINK:
+            raise
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    src_fd = os.open(src, os.O_RDONLY)
+    try:
+        dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fcntl.ioctl(dst_fd, _FICLONE, src_fd)
+        except OSError:
+            os.close(dst_fd)
+            dst_fd = -1
+            dst.unlink()
+            return None
+        finally:
+            if dst_fd >= 0:
+                os.close(dst_fd)
+    finally:
+        os.close(src_fd)
+    return "reflink"
+
+
 def tree_size(path: Path) -> int:
     """Bytes of the regular files below ``path``, or of the file ``path`` (links are not followed):
     what a checkpoint occupies, before block rounding."""
@@ -163,6 +208,34 @@ def tree_size(path: Path) -> int:
                 if stat.S_ISREG(st.st_mode):
                     total += st.st_size
     return total
+
+
+#: a regular file of a checkpoint: ((device, inode), its number of names, its size)
+FileId = tuple[tuple[int, int], int, int]
+
+
+def file_table(path: Path) -> list[FileId]:
+    """The regular files below ``path``, for :func:`freed_size` (taken before a deletion)."""
+    out: list[FileId] = []
+    for dirpath, _dirs, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                if stat.S_ISREG(st.st_mode):
+                    out.append(((st.st_dev, st.st_ino), st.st_nlink, st.st_size))
+    return out
+
+
+def freed_size(tables: list[list[FileId]]) -> int:
+    """Bytes that deleting the checkpoints of ``tables`` frees: each file once, and only a file none
+    of whose names lies outside them (a frozen file hard-linked into a kept checkpoint frees nothing)."""
+    here: dict[tuple[int, int], int] = {}
+    files: dict[tuple[int, int], tuple[int, int]] = {}
+    for table in tables:
+        for ident, links, size in table:
+            here[ident] = here.get(ident, 0) + 1
+            files[ident] = (links, size)
+    return sum(size for ident, (links, size) in files.items() if here[ident] >= links)
 
 
 class LocalStorage:
@@ -217,7 +290,7 @@ class LocalStorage:
 
     # -- discovery --------------------------------------------------------------------------------
     def scan(self) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
-        return scan_checkpoints(self.root, self.list_names())
+        return scan_checkpoints(self.root, self.list_names(), pointer=self.read_pointer(LATEST_POINTER))
 
     def info_at(self, location: str) -> CheckpointInfo:
         path = Path(location)
@@ -267,6 +340,34 @@ class LocalStorage:
     def upload_part(self, pending: Path, rank: int, files: list[str]) -> None:
         return None
 
+    def share_files(self, source: str, pending: Path, files: Mapping[str, Mapping[str, int]]) -> str | None:
+        """Place ``files`` of the committed checkpoint at ``source`` in ``pending`` under the same
+        names, sharing their bytes: hard links, else reflinks (copy-on-write clones). Returns how
+        (``"link"`` or ``"reflink"``), or None, with nothing placed, where neither works or a file is
+        not the regular file of its recorded size (then the save writes them)."""
+        placed: list[Path] = []
+        kinds: set[str] = set()
+        try:
+            for rel, record in files.items():
+                src = inside(source, rel)
+                st = os.lstat(src)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != record.get("size"):
+                    raise FileNotFoundError(errno.ENOENT, "not the file it was", str(src))
+                dst = pending / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                kind = share_file(src, dst)
+                if kind is None:
+                    raise FileNotFoundError(errno.ENOTSUP, "cannot share", str(src))
+                placed.append(dst)
+                kinds.add(kind)
+        except OSError as exc:
+            log.info("not sharing %s of %s (%s): they are written again", sorted(files), source, exc)
+            for dst in placed:
+                with contextlib.suppress(OSError):
+                    dst.unlink()
+            return None
+        return "reflink" if "reflink" in kinds else "link"
+
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
         from checkpoint_manager.core.integrity import describe_files
 
@@ -287,6 +388,17 @@ class LocalStorage:
 
     def delete_checkpoint(self, name: str) -> None:
         self.purge(self.hide(name))
+
+    def set_aside(self, name: str) -> str:
+        """One rename, to a name nothing holds (a rename onto an empty directory would replace it)."""
+        for candidate in set_aside_names(name):
+            if os.path.lexists(self.root / candidate):
+                continue
+            os.rename(self.root / name, self.root / candidate)
+            if self.fsync:
+                fsync_dir(self.root)
+            return candidate
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def hide(self, name: str) -> str:
         """Rename checkpoint ``name`` into ``.pending`` (one step): it leaves the listing at once."""
@@ -381,8 +493,8 @@ class LocalStorage:
 
     @staticmethod
     def read_json(path: Path) -> Any:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
+        """A JSON file this storage wrote (bounded, regular: it may have been replaced since)."""
+        return read_json(path)
 
     # -- commit -----------------------------------------------------------------------------------
     def commit(self, pending: Path, name: str) -> Path:

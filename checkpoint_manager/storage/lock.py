@@ -38,7 +38,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from checkpoint_manager.core.safe_io import UnsafeFileError, read_small
+from checkpoint_manager.core.safe_io import UnsafeFileError, parse_json, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError
 
 if TYPE_CHECKING:
@@ -157,8 +157,8 @@ def _current_owner() -> LockOwner:
 def _parse_owner(raw: bytes) -> LockOwner | None:
     """The owner a lock file names, or None unless every field has the type and range we write."""
     try:
-        data: Any = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
+        data: Any = parse_json(raw, "lock file", limit=_LOCK_FILE_LIMIT, error=ValueError)
+    except ValueError:
         return None
     if not isinstance(data, dict):
         return None
@@ -616,7 +616,7 @@ class ObjectWriterLock:
             return None, 0.0
         owner = _parse_owner(bytes(raw))
         try:
-            beat = float(json.loads(bytes(raw).decode("utf-8")).get("heartbeat_unix"))
+            beat = float(parse_json(bytes(raw), self.url, limit=_LOCK_FILE_LIMIT, error=ValueError).get("heartbeat_unix"))
         except (ValueError, TypeError, AttributeError):
             beat = owner.started_unix if owner is not None else 0.0
         return owner, time.time() - beat

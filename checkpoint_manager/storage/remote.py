@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import logging
 import re
 import shutil
@@ -34,6 +33,7 @@ from checkpoint_manager.core.checksum import crc32
 from checkpoint_manager.core.integrity import describe_files, verify
 from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
+    LATEST_POINTER,
     METADATA_FILE,
     PENDING_DIR,
     CheckpointInfo,
@@ -42,8 +42,9 @@ from checkpoint_manager.core.layout import (
     parse_checkpoint_json,
     rank_file,
 )
+from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
-from checkpoint_manager.storage.base import json_bytes, parse_pointer
+from checkpoint_manager.storage.base import json_bytes, parse_pointer, set_aside_names
 from checkpoint_manager.storage.local import (
     LocalStorage,
     in_flight_names,
@@ -69,7 +70,7 @@ CACHE_DIR = ".cache"
 #: multipart part size of a streamed file: large parts mean few requests; memory holds about one part
 PART_BYTES = 64 << 20
 # what a save of ours puts under a checkpoint prefix: only prefixes made of these are ever swept
-_OURS = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank_\d+\.json|state\.json|hf/.+)$")
+_OURS = re.compile(r"^(\.metadata|__\d+_(\d+|frozen)\.distcp|rank_\d+\.json|state\.json|hf/.+)$")
 _RANK_JSON = re.compile(r"^rank_\d+\.json$")
 _CACHE_STALE_S = 3600.0  # a download this old belongs to no running load
 _TRANSFERS = 8  # files moved at once (each big one is itself a concurrent multipart transfer)
@@ -252,7 +253,7 @@ class _ObjectRoot:
                 good.append(info)
                 current[name] = (stamp, info)
         self._scan_cache = current
-        return order_checkpoints(good), bad
+        return order_checkpoints(good, pointer=self.read_pointer(LATEST_POINTER)), bad
 
     def read_pointer(self, kind: str) -> dict[str, Any] | None:
         try:
@@ -450,10 +451,32 @@ class FsspecStorage(_ObjectRoot):
             p.relative_to(pending).as_posix() for p in pending.rglob("*") if p.is_file()
         )
 
+    def share_files(self, source: str, pending: Path, files: Mapping[str, Mapping[str, int]]) -> str | None:
+        """A server-side copy of each file (``fs.copy``: S3's CopyObject, no byte through this
+        process), checked for its recorded size; None, with nothing left, where the store cannot."""
+        src, dst = self._key_of_location(source), self.remote_dir(pending)
+        done: list[str] = []
+        try:
+            for rel in files:
+                self._call(f"copy {source}/{rel}", self.fs.copy, f"{src}/{rel}", f"{dst}/{rel}")
+                done.append(rel)
+                self.fs.invalidate_cache(dst)
+                size = self._call(f"look at {dst}/{rel}", self.fs.size, f"{dst}/{rel}")
+                if size != files[rel].get("size"):
+                    raise FileNotFoundError(f"{source}/{rel}: {size} bytes, {files[rel].get('size')} recorded")
+        except Exception as exc:  # a store without copies, a refused one, the source gone: write them
+            log.info("not sharing %s of %s (%s): they are written again", sorted(files), source, exc)
+            for rel in done:
+                with contextlib.suppress(Exception):
+                    self._call(f"delete {dst}/{rel}", self.fs.rm_file, f"{dst}/{rel}")
+            return None
+        self._uploaded.setdefault(str(pending), set()).update(done)
+        return "copy"
+
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
         """Every rank's files as the store lists them (sizes), CRC32s from the ranks' votes (``known``;
-        a rank JSON is read only for a rank whose records did not fit its vote); the small files this
-        process still holds (state, export) are described from the local copy."""
+        a rank JSON is read only where they are missing); the small files this process still holds
+        (state, export) are described from the local copy."""
         remote = self.remote_dir(pending)
         self.fs.invalidate_cache(remote)
         try:
@@ -463,11 +486,10 @@ class FsspecStorage(_ObjectRoot):
         sizes = {str(p)[len(remote) + 1 :]: int(i.get("size") or 0) for p, i in listing.items()}
         known = dict(known)
         for rel in sizes:
-            told = known.get(rel)
-            if _RANK_JSON.match(rel) and not (pending / rel).is_file() and (told is None or told.get("more")):
-                # a rank on another host that did not vote its records (they did not fit its vote)
+            if _RANK_JSON.match(rel) and not (pending / rel).is_file() and rel not in known:
+                # a rank on another host whose records did not come with the vote
                 raw = self._call(f"read {rel}", self.fs.cat_file, f"{remote}/{rel}")
-                known.update(json.loads(bytes(raw).decode("utf-8")).get("files", {}))
+                known.update(parse_json(bytes(raw), f"{remote}/{rel}").get("files", {}))
         out = describe_files(pending, known)
         for rel, size in sizes.items():
             if rel in out or rel == CHECKPOINT_JSON or not rel:
@@ -526,6 +548,23 @@ class FsspecStorage(_ObjectRoot):
     def delete_checkpoint(self, name: str) -> None:
         """Marker first (the checkpoint leaves the listing at once), then the rest."""
         self.purge(self.hide(name))
+
+    def set_aside(self, name: str) -> str:
+        """Copy every object to the first free prefix, the marker last (the copy is committed whole or
+        not at all), then unlist and delete the original: one of the two is listed at every moment."""
+        self.fs.invalidate_cache(self.root)
+        entries = self._call(f"list {self.url}", self.fs.ls, self.root, detail=False)
+        taken = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
+        candidate = next(n for n in set_aside_names(name) if n not in taken)
+        src, dst = self.key(name), self.key(candidate)
+        self.fs.invalidate_cache(src)
+        rels = [str(p)[len(src) + 1 :] for p in self._call(f"list {self.location_of(name)}", self.fs.find, src)]
+        data = [r for r in rels if r and r != CHECKPOINT_JSON]
+        self._transfer("copy", self.fs.copy, [(f"{src}/{r}", f"{dst}/{r}") for r in data])
+        self._call(f"copy {self.location_of(name)}/{CHECKPOINT_JSON}", self.fs.copy,
+                   f"{src}/{CHECKPOINT_JSON}", f"{dst}/{CHECKPOINT_JSON}")
+        self.delete_checkpoint(name)
+        return candidate
 
     def hide(self, name: str) -> str:
         """Delete the marker: the prefix is then pending (unlisted); returns ``name`` for :meth:`purge`."""

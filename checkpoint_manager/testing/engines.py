@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -35,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from checkpoint_manager.config import CheckpointConfig
-from checkpoint_manager.engine.base import Engine, EngineContext, EngineState
+from checkpoint_manager.engine.base import Engine, EngineContext, EngineState, GroupBase
 from checkpoint_manager.errors import CheckpointError
 from checkpoint_manager.testing._common import (
     ConformanceError,
@@ -460,6 +461,47 @@ def check_independent_saves(make_engine: MakeEngine, work: Path) -> None:
         _assert_loaded(loaded, expected, f"the save of step {step} into {name!r}")
 
 
+def check_groups(make_engine: MakeEngine, work: Path) -> None:
+    """An engine with ``places_groups`` (``save_frozen="once"``): the group goes into files that
+    ``ctx.group_files`` names; a later save given them (``ctx.group_base``, hard-linked into its
+    directory) references them or writes new files, never writes into them (the first checkpoint
+    stays as it was), and loads whole from its own directory once the first one is deleted."""
+    engine = make_engine()
+    if not getattr(engine, "places_groups", False):
+        return
+    state = _state(seed=13, shapes=False)
+    group = frozenset(k for i, k in enumerate(sorted(state.tensors)) if i % 2)
+    first = _ctx(1)
+    first.group = group
+    records = call("save(state, 'one', ctx) with ctx.group", lambda: engine.save(state, _fresh(work / "one"), first))
+    files = list(first.group_files)
+    if not files or not all((work / "one" / f).is_file() for f in files):
+        raise ConformanceError(f"save with a group named group files {files!r}: they must exist in its directory")
+    known = dict(records or {})
+    base = {f: known.get(f) or {"size": (work / "one" / f).stat().st_size} for f in files}
+    _scribble({k: t for k, t in state.tensors.items() if k not in group})  # a step: the group stays
+    expected = _expected(state)
+    placed = _fresh(work / "two")
+    for f in files:
+        (placed / f).parent.mkdir(parents=True, exist_ok=True)
+        os.link(work / "one" / f, placed / f)
+    before = tree(work / "one")
+    second = _ctx(2)
+    second.group = group
+    second.group_base = GroupBase(str(work / "one"), base)
+    call("save(state, 'two', ctx) with ctx.group_base", lambda: engine.save(state, placed, second))
+    change = tree_change(before, tree(work / "one"))
+    if change:
+        raise ConformanceError(f"a save given the group's files wrote into them (they are another checkpoint's): {change}")
+    shutil.rmtree(work / "one")
+    _assert_loaded(_load(make_engine, placed, step=2), expected, "a save that shares its group, the first deleted")
+
+
+def _fresh(directory: Path) -> Path:
+    directory.mkdir(parents=True)
+    return directory
+
+
 def _expect_checkpoint_error(make_engine: MakeEngine, directory: Path, situation: str, saved: Mapping[str, torch.Tensor]) -> None:
     engine = make_engine()
     ctx = _ctx(1, _meta(engine, directory) if directory.exists() else {})
@@ -532,6 +574,7 @@ ENGINE_CHECKS: dict[str, EngineCheck] = {
     "stage_snapshot": check_stage_snapshot,
     "warm_up": check_warm_up,
     "independent_saves": check_independent_saves,
+    "groups": check_groups,
     "foreign_directory": check_foreign_directory,
     "no_pickle": check_no_pickle,
 }

@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import WriteResult
 
-from checkpoint_manager.engine.base import EngineContext, EngineState, FileRecord, TensorInfo
+from checkpoint_manager.engine.base import EngineContext, EngineState, FileRecord, GroupBase, TensorInfo
 from checkpoint_manager.engine.dcp.chunk_index import INDEX_FILE, ChunkIndex
 from checkpoint_manager.engine.dcp.direct_io import reserve_write_buffers, staging_gate
 from checkpoint_manager.engine.dcp.io import check_data_files, read_dcp_metadata
@@ -36,8 +38,14 @@ from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache
 from checkpoint_manager.engine.dcp.planner import load_tensors as dcp_load
 from checkpoint_manager.engine.dcp.planner import save_tensors as dcp_save
 from checkpoint_manager.engine.dcp.reader import CheckpointReader
-from checkpoint_manager.engine.dcp.writer import WRITER_ID, CheckpointWriter, chunk_for_bytes, prime_layout
-from checkpoint_manager.engine.staging import StagingBuffers, StagingGate
+from checkpoint_manager.engine.dcp.writer import (
+    GROUP_FILE,
+    WRITER_ID,
+    CheckpointWriter,
+    chunk_for_bytes,
+    prime_layout,
+)
+from checkpoint_manager.engine.staging import StagingBuffers, StagingGate, local_tensor
 from checkpoint_manager.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -95,16 +103,75 @@ class _Staged(EngineState):
     gate: StagingGate | None = None
 
 
+class _GroupLayouts:
+    """Where the records of the group files this engine wrote lie (their DCP write results), by file
+    and the file's (size, CRC-32): a later save references a file only through its own layout."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, tuple[tuple[int, int], list[WriteResult]]] = {}
+
+    def offer(self, base: GroupBase | None) -> dict[MetadataIndex, WriteResult] | None:
+        """The write results describing ``base``'s files, or None when one is not a file we wrote."""
+        if base is None or not base.files:
+            return None
+        out: dict[MetadataIndex, WriteResult] = {}
+        for name, record in base.files.items():
+            known = self._files.get(name)
+            if known is None or known[0] != (record.get("size"), record.get("crc32")):
+                return None
+            out.update((wr.index, wr) for wr in known[1])
+        return out
+
+    def learn(self, metadata: Metadata, ctx: EngineContext) -> None:
+        """Keep the layout of this rank's group file in a checkpoint being loaded (by its record in
+        ``checkpoint.json``), as if this engine had written it."""
+        name = f"__{ctx.rank}_{GROUP_FILE}{DEFAULT_SUFFIX}"
+        files = ctx.meta.get("files")
+        record = files.get(name) if isinstance(files, Mapping) else None
+        storage = metadata.storage_data
+        if not isinstance(record, Mapping) or not isinstance(storage, dict):
+            return
+        size, crc = record.get("size"), record.get("crc32")
+        if not isinstance(size, int) or not isinstance(crc, int):
+            return
+        results = [
+            WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
+            for index, info in storage.items()
+            if getattr(info, "relative_path", None) == name
+        ]
+        if results:
+            self._files = {name: ((size, crc), results)}
+
+    def saved(self, writer: CheckpointWriter, tensors: Mapping[str, torch.Tensor], ctx: EngineContext) -> None:
+        """Report this save's group file to the lifecycle (``ctx.group_files``, ``group_crcs``) and,
+        when it was written, keep its layout."""
+        name = writer.group_file
+        assert name is not None
+        ctx.group_files[:] = [name]
+        if writer.group_reused:
+            return
+        record = writer.checksums[name]
+        self._files = {name: ((record["size"], record["crc32"]), list(writer.group_results))}
+        for key, (crc, nbytes) in writer.group_crcs.items():
+            tensor = tensors.get(key)
+            if crc >= 0 and tensor is not None and nbytes == local_tensor(tensor).nbytes:
+                ctx.group_crcs[key] = crc
+
+
 class DCPEngine:
     """The built-in engine (``engine="dcp"``); see the module docstring."""
 
     name: ClassVar[str] = "dcp"
+    #: a tensor group (``save_frozen="once"``) goes into a file of its own per rank, which later
+    #: checkpoints reference from their ``.metadata`` (see the engine protocol)
+    places_groups: ClassVar[bool] = True
 
     def __init__(self, config: CheckpointConfig | None = None) -> None:
         self.config = config
         self.staging = StagingBuffers()  # reused host copies for async saves
         self.plans = SavePlanCache()  # the last save's plan and layout, reused while the structure holds
         self.ranks = RankPlans()  # the same for a save of several ranks (see multirank)
+        self._groups = _GroupLayouts()  # the layout of the group file last written
 
     # -- save -------------------------------------------------------------------------------------
     def record(self) -> dict[str, Any]:
@@ -145,19 +212,29 @@ class DCPEngine:
         self.staging.stop_preparing()
 
     def stage(self, state: EngineState, ctx: EngineContext) -> EngineState:
-        """Copy the tensors into the reused host buffers; with ``async_overlap`` (local files) the
-        write starts (``ctx.start_save``) while the large buffers are still being copied."""
+        """Copy the tensors into the reused host buffers (those of ``ctx.group`` pass through: see
+        the engine protocol); with ``async_overlap`` (local files) the write starts
+        (``ctx.start_save``) while the large buffers are still being copied."""
         records = object_records(state.objects.items(), state.tensors)
+        tensors = state.tensors
+        group = ctx.group
+        copied = {k: t for k, t in tensors.items() if k not in group} if group else tensors
+
+        def whole(staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            """The staged copies with the group's live tensors, in the state's order (the plan's)."""
+            return {k: staged.get(k, t) for k, t in tensors.items()} if group else staged
+
         overlap = ctx.start_save is not None and not ctx.streams and bool(self.config and self.config.async_overlap)
         if not overlap:
-            return _Staged(self.staging.stage(state.tensors), state.objects, records=records)
+            return _Staged(whole(self.staging.stage(copied)), state.objects, records=records)
         start_save = ctx.start_save
         assert start_save is not None
 
         def start_writer(staged: dict[str, torch.Tensor], gate: StagingGate) -> None:
-            start_save(_Staged(staged, state.objects, ready=gate.wait_all, records=records, gate=gate))
+            start_save(_Staged(whole(staged), state.objects, ready=gate.wait_all, records=records, gate=gate))
 
-        return _Staged(self.staging.stage(state.tensors, start_writer=start_writer), state.objects, records=records)
+        staged = self.staging.stage(copied, start_writer=start_writer)
+        return _Staged(whole(staged), state.objects, records=records)
 
     def save(self, state: EngineState, directory: Path, ctx: EngineContext) -> Mapping[str, FileRecord]:
         if isinstance(state, _Staged):
@@ -166,9 +243,14 @@ class DCPEngine:
             records, gate = object_records(state.objects.items(), state.tensors), None
         writer = self._writer(directory, ctx)
         writer.objects = records  # the non-tensor entries plain DCP loads (dcp_objects)
+        if ctx.group:
+            writer.group = ctx.group
+            writer.group_reuse = self._groups.offer(ctx.group_base)
         try:
             with staging_gate(gate), quiet_single_process():  # writers wait for each staging buffer
-                if ctx.world_size > 1 and type(writer) is CheckpointWriter:
+                # several ranks: each plans and writes alone (multirank); a tensor group in files of its
+                # own (save_frozen="once") or a streamed upload goes through dcp.save
+                if ctx.world_size > 1 and type(writer) is CheckpointWriter and not ctx.group:
                     written = save_ranks(self.ranks, state.tensors, directory, ctx, writer, records)
                     if written is not None:
                         return written
@@ -185,6 +267,8 @@ class DCPEngine:
             raise own_failure(exc, ctx.rank) from exc
         finally:
             ctx.timings["fsync"] = writer.fsync_seconds
+        if writer.group_file is not None:
+            self._groups.saved(writer, state.tensors, ctx)
         return writer.checksums
 
     def _writer(self, directory: Path, ctx: EngineContext) -> CheckpointWriter:
@@ -211,6 +295,7 @@ class DCPEngine:
         metadata = read_dcp_metadata(directory, meta=dict(ctx.meta), level=level)
         check_data_files(metadata, directory)  # before targets are allocated from the sizes it claims
         ctx.extra[_METADATA] = (directory, metadata)
+        self._groups.learn(metadata, ctx)  # a resumed run's first save may share this rank's group file
         tensor_meta = TensorStorageMetadata
         entries = [(k, m) for k, m in metadata.state_dict_metadata.items() if type(m) is tensor_meta]
         # a TensorInfo per entry, built without a Python call per entry (tens of thousands of small tensors)

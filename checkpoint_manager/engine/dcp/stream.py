@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 import torch
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
 from checkpoint_manager.core.checksum import crc32, crc32_combine
 from checkpoint_manager.engine.dcp.envelope import envelope_for
-from checkpoint_manager.engine.dcp.writer import CheckpointWriter
+from checkpoint_manager.engine.dcp.writer import CheckpointWriter, note_crc
 
 __all__ = ["OpenOutput", "Retry", "StreamingWriter"]
 
@@ -69,7 +68,35 @@ class StreamingWriter(CheckpointWriter):
         self.retry = retry
         self.chunk_bytes = chunk_bytes
 
-    def _write_file(self, file_name: str, plan: SavePlan, planner: SavePlanner) -> tuple[list[WriteResult], int, int]:
+    def _write_file(
+        self,
+        file_name: str,
+        plan: SavePlan,
+        planner: SavePlanner,
+        *,
+        objects: bool,
+        crcs: dict[str, tuple[int, int]] | None = None,
+    ) -> list[WriteResult]:
+        """File ``file_name`` streamed whole, restarted from its first byte on a transient failure."""
+
+        def attempt() -> tuple[list[WriteResult], int, int]:
+            if crcs is not None:
+                crcs.clear()  # a restarted file checksums its records again
+            return self._stream(file_name, plan, planner, objects=objects, crcs=crcs)
+
+        results, size, crc = self.retry(attempt, f"write {file_name}")
+        self.checksums[file_name] = {"size": size, "crc32": crc}
+        return results
+
+    def _stream(
+        self,
+        file_name: str,
+        plan: SavePlan,
+        planner: SavePlanner,
+        *,
+        objects: bool,
+        crcs: dict[str, tuple[int, int]] | None,
+    ) -> tuple[list[WriteResult], int, int]:
         results: list[WriteResult] = []
         file_crc = 0
         position = 0
@@ -103,6 +130,8 @@ class StreamingWriter(CheckpointWriter):
                     file_crc = crc32_combine(file_crc, crc32(env.prefix), len(env.prefix))
                     file_crc = crc32_combine(file_crc, data_crc, env.nbytes)
                     file_crc = crc32_combine(file_crc, crc32(suffix), len(suffix))
+                    if crcs is not None:
+                        note_crc(crcs, item.index.fqn, data_crc, env.nbytes)
                     del body
                 results.append(
                     WriteResult(
@@ -111,17 +140,8 @@ class StreamingWriter(CheckpointWriter):
                         storage_data=_StorageInfo(file_name, offset, position - offset),
                     )
                 )
-            tail = self._object_records(file_name, position)  # the coordinator's non-tensor entries
+            tail = self._object_records(file_name, position) if objects else b""  # the coordinator's entries
             if tail:
                 put(tail)
                 file_crc = crc32_combine(file_crc, crc32(tail), len(tail))
         return results, position, file_crc
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        storage_plan: _StoragePrefix = plan.storage_data
-        file_name = f"{storage_plan.prefix}0{DEFAULT_SUFFIX}"
-        results, size, crc = self.retry(lambda: self._write_file(file_name, plan, planner), f"write {file_name}")
-        self.checksums[file_name] = {"size": size, "crc32": crc}
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut

@@ -6,7 +6,9 @@ stay plain DCP that ``torch.distributed.checkpoint.load`` reads.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import io
 import math
 import os
@@ -41,10 +43,21 @@ from checkpoint_manager.engine.dcp.envelope import Envelope, envelope_for
 from checkpoint_manager.engine.dcp.io import METADATA_FILE, paused_gc
 from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache, _PlanEntry, frozen
 
-__all__ = ["WRITER_ID", "CheckpointWriter", "chunk_for_bytes", "object_paths", "prime_layout", "record_layout"]
+__all__ = [
+    "GROUP_FILE",
+    "WRITER_ID",
+    "CheckpointWriter",
+    "chunk_for_bytes",
+    "note_crc",
+    "object_paths",
+    "prime_layout",
+    "record_layout",
+]
 
 
 WRITER_ID = "checkpoint-manager-direct/1"
+#: what names a rank's file of a tensor group (the frozen parameters): ``__<rank>_frozen.distcp``
+GROUP_FILE = "frozen"
 
 
 class CheckpointWriter(FileSystemWriter):
@@ -71,6 +84,16 @@ class CheckpointWriter(FileSystemWriter):
         self.objects: dict[str, bytes] = {}
         self._objects_written: list[tuple[str, _StorageInfo]] = []
         self._coordinator = True
+        #: a tensor group kept in a file of its own (``GROUP_FILE``): its keys, and the write results of
+        #: an earlier file of it to reference instead of writing it (the engine's ``group_base``)
+        self.group: frozenset[str] = frozenset()
+        self.group_reuse: dict[MetadataIndex, WriteResult] | None = None
+        #: after the write: the group's file (None: the plan put no group item on this rank), whether
+        #: it was referenced rather than written, its records' results, and each key's (CRC-32, bytes)
+        self.group_file: str | None = None
+        self.group_reused = False
+        self.group_results: list[WriteResult] = []
+        self.group_crcs: dict[str, tuple[int, int]] = {}
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
@@ -162,29 +185,85 @@ class CheckpointWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         with paused_gc():  # one WriteResult per tensor: see paused_gc
-            return self._write_plan(plan, planner)
+            results = self._write_grouped(plan, planner) if self.group else self._write_plan(plan, planner)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
 
-    def _write_plan(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+    def split_group(self, plan: SavePlan) -> tuple[SavePlan, SavePlan, list[WriteResult] | None]:
+        """``plan`` as (the items of the main file, the group's items, the group's results to reuse:
+        None when they must be written). An offer is taken only when it describes exactly the group's
+        items of this plan, in a file of this rank."""
+        group: list[WriteItem] = []
+        main: list[WriteItem] = []
+        for item in plan.items:
+            (group if item.type != WriteItemType.BYTE_IO and item.index.fqn in self.group else main).append(item)
+        offered = self.group_reuse
+        reused: list[WriteResult] | None = None
+        if group and offered is not None and len(offered) == len(group):
+            name = self.group_file_name(plan)
+            reused = []
+            for item in group:
+                wr = offered.get(item.index)
+                if wr is None or wr.storage_data.relative_path != name:
+                    reused = None
+                    break
+                reused.append(wr)
+        return dataclasses.replace(plan, items=main), dataclasses.replace(plan, items=group), reused
+
+    @staticmethod
+    def group_file_name(plan: SavePlan) -> str:
+        """The group's file of this rank: ``__<rank>_frozen.distcp`` beside the rank's ``__<rank>_0.distcp``."""
         storage_plan: _StoragePrefix = plan.storage_data
-        file_name = f"{storage_plan.prefix}0{DEFAULT_SUFFIX}"
+        return f"{storage_plan.prefix}{GROUP_FILE}{DEFAULT_SUFFIX}"
+
+    def _write_grouped(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """The main file as always (no cached layout: that describes a plan's only file), and the
+        group's items in a file of their own, or the results of the file that holds them already."""
+        main, group, reused = self.split_group(plan)
+        storage_plan: _StoragePrefix = plan.storage_data
+        results = self._write_file(f"{storage_plan.prefix}0{DEFAULT_SUFFIX}", main, planner, objects=True)
+        if group.items:
+            name = self.group_file_name(plan)
+            self.group_file = name
+            if reused is not None:
+                self.group_reused = True
+                self.group_results = reused
+            else:
+                crcs: dict[str, tuple[int, int]] = {}
+                # a file of this name placed here shares its bytes with other checkpoints: replace it
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(Path(os.fspath(self.path)) / name)
+                self.group_results = self._write_file(name, group, planner, objects=False, crcs=crcs)
+                self.group_crcs = crcs
+            results = [*results, *self.group_results]
+        return results
+
+    def _write_file(
+        self,
+        file_name: str,
+        plan: SavePlan,
+        planner: SavePlanner,
+        *,
+        objects: bool,
+        crcs: dict[str, tuple[int, int]] | None = None,
+    ) -> list[WriteResult]:
+        """The items of ``plan`` (then, with ``objects``, the coordinator's object records) in file
+        ``file_name``; its size and CRC-32 go into ``checksums``. A cached plan whose records are all
+        small gets the layout recorded for its later saves (see ``_write_plan``)."""
         path = Path(os.fspath(self.path)) / file_name
-        chunk = _chunk_for(plan, self.chunk_bytes)
-        out = AlignedFileWriter(path, direct=self.direct, fsync=self.sync_files, chunk_bytes=chunk)
+        out = AlignedFileWriter(path, direct=self.direct, fsync=self.sync_files, chunk_bytes=_chunk_for(plan, self.chunk_bytes))
         try:
-            # A cached plan's structure (shapes, dtypes, order) fixes every small record's offset and
-            # length, so the last save's write results (all small records) describe this file too.
             entry = planner.cached_plan() if isinstance(planner, FastSavePlanner) else None
-            layout = entry.layout if entry is not None and plan.items is entry.items else None
-            if layout is not None and layout[0] != file_name:
-                layout = None
-            flat = planner.plain_tensors() if isinstance(planner, FastSavePlanner) else None
-            records = _records(entry) if entry is not None and layout is not None and flat is not None else None
+            records = self._cached_records(file_name, plan, planner, entry)
             if records is not None:
-                assert flat is not None and layout is not None
+                assert entry is not None and entry.layout is not None
+                flat = planner.plain_tensors() if isinstance(planner, FastSavePlanner) else None
+                assert flat is not None
                 _write_small_records(out, flat.values(), records)
-                if out.position != layout[1]:  # cannot happen for the same structure: never misdescribe
-                    raise RuntimeError(f"{path}: the cached layout ends at {layout[1]}, this file at {out.position}")
-                results = layout[2]
+                if out.position != entry.layout[1]:  # cannot happen for the same structure: never misdescribe
+                    raise RuntimeError(f"{path}: the cached layout ends at {entry.layout[1]}, this file at {out.position}")
+                results: list[WriteResult] = cast(list[WriteResult], entry.layout[2])
                 self._entry = entry
             else:
                 gate = out.gate
@@ -193,13 +272,14 @@ class CheckpointWriter(FileSystemWriter):
                     _write_items(plan, planner, placed, _SmallRecords(placed, dry=True), file_name)
                     out.write_ahead(placed.ahead())
                     gate.wait_all()  # the CRCs below would slow the staging copy down: they wait for it
-                results, all_small = _write_items(plan, planner, out, _SmallRecords(out), file_name)
+                small = _SmallRecords(out, crcs=crcs)
+                results, all_small = _write_items(plan, planner, out, small, file_name, crcs=crcs)
                 if entry is not None and all_small and plan.items is entry.items:
                     entry.storage_md = {wr.index: wr.storage_data for wr in results}
-                    results = _Results(entry.storage_md)  # what later saves return: see _Results
+                    results = cast(list[WriteResult], _Results(entry.storage_md))  # what later saves return
                     entry.layout = (file_name, out.position, results)
                     self._entry = entry
-            tail = self._object_records(file_name, out.position)
+            tail = self._object_records(file_name, out.position) if objects else b""
             if tail:
                 out.write_bytes(tail)
             size = out.close()
@@ -209,9 +289,24 @@ class CheckpointWriter(FileSystemWriter):
             out.abort()
             raise
         self.checksums[file_name] = {"size": size, "crc32": out.crc}
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(cast(list[WriteResult], results))  # a list, or a _Results that acts as one
-        return fut
+        return results  # a list, or a _Results that acts as one
+
+    @staticmethod
+    def _cached_records(
+        file_name: str, plan: SavePlan, planner: SavePlanner, entry: _PlanEntry | None
+    ) -> list[tuple[bytes, bytes, bytes, bytes, int]] | None:
+        """The record envelopes of a cached plan's all-small layout, when this file is the one it
+        describes: its structure (shapes, dtypes, order) fixes every record's offset and length, so
+        the last save's write results describe this file too. None: write it record by record."""
+        if entry is None or entry.layout is None or plan.items is not entry.items or entry.layout[0] != file_name:
+            return None
+        if not isinstance(planner, FastSavePlanner) or planner.plain_tensors() is None:
+            return None
+        return _records(entry)
+
+    def _write_plan(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        storage_plan: _StoragePrefix = plan.storage_data
+        return self._write_file(f"{storage_plan.prefix}0{DEFAULT_SUFFIX}", plan, planner, objects=True)
 
 
 class _Results(Sequence[WriteResult]):
@@ -273,10 +368,17 @@ class _Layout:
 
 
 def _write_items(
-    plan: SavePlan, planner: SavePlanner, out: AlignedFileWriter | _Layout, small: _SmallRecords, file_name: str
+    plan: SavePlan,
+    planner: SavePlanner,
+    out: AlignedFileWriter | _Layout,
+    small: _SmallRecords,
+    file_name: str,
+    *,
+    crcs: dict[str, tuple[int, int]] | None = None,
 ) -> tuple[list[WriteResult], bool]:
     """Every item of ``plan`` as a torch.save record in ``out``, in order; their DCP write results,
-    and whether every record was a small one (then a cached plan's layout is fixed: see below)."""
+    and whether every record was a small one (then a cached plan's layout is fixed: see below).
+    ``crcs``: filled with each tensor key's (data CRC-32, bytes), for keys of one record only."""
     results: list[WriteResult] = []
     all_small = True
     # plain tensors straight from the planner's state (what its resolve_data returns for them)
@@ -301,7 +403,7 @@ def _write_items(
                 tensor = tensor.cpu().contiguous()
             nbytes = tensor.nbytes
             if nbytes <= _SMALL_RECORD:
-                offset, length = small.add(tensor, nbytes)
+                offset, length = small.add(tensor, nbytes, item.index.fqn)
             else:
                 all_small = False
                 small.flush()
@@ -311,6 +413,8 @@ def _write_items(
                 data_crc = out.write_tensor(tensor)
                 out.write_bytes(env.render_suffix(data_crc))
                 length = out.position - offset
+                if crcs is not None:
+                    note_crc(crcs, item.index.fqn, data_crc, nbytes)
         results.append(
             frozen(
                 WriteResult,
@@ -323,6 +427,11 @@ def _write_items(
         )
     small.flush()
     return results, all_small
+
+
+def note_crc(crcs: dict[str, tuple[int, int]], key: str, crc: int, nbytes: int) -> None:
+    """Record ``key``'s data CRC-32; a key with several records (chunks) gets none (-1)."""
+    crcs[key] = (crc, nbytes) if key not in crcs else (-1, -1)
 
 
 # Records of tensors up to this size are assembled in memory and written in batches: per record,
@@ -338,17 +447,20 @@ class _SmallRecords:
     suffix with the data CRC32); only the number of calls per record changes.
     """
 
-    def __init__(self, out: AlignedFileWriter | _Layout, *, dry: bool = False) -> None:
+    def __init__(
+        self, out: AlignedFileWriter | _Layout, *, dry: bool = False, crcs: dict[str, tuple[int, int]] | None = None
+    ) -> None:
         self._out = out
         self._dry = dry  # only place the records (a layout pass): no bytes, no CRCs
+        self._crcs = crcs  # each key's data CRC-32, when asked (see _write_items)
         self._parts: list[bytes] = []
         self._pending = 0
         self._base = 0  # where the queued records start: the writer's position when the queue began
         # (shape, dtype) -> (prefix, suffix pieces around the CRC fields, record bytes besides the data)
         self._envelopes: dict[tuple[torch.Size, torch.dtype], tuple[bytes, list[bytes], int]] = {}
 
-    def add(self, tensor: torch.Tensor, nbytes: int) -> tuple[int, int]:
-        """Queue ``tensor``'s record; returns its (offset, length) in the file."""
+    def add(self, tensor: torch.Tensor, nbytes: int, fqn: str = "") -> tuple[int, int]:
+        """Queue ``tensor``'s record (of state key ``fqn``); returns its (offset, length) in the file."""
         key = (tensor.shape, tensor.dtype)
         env = self._envelopes.get(key)
         if env is None:
@@ -361,7 +473,10 @@ class _SmallRecords:
             self._pending += overhead + nbytes
             return offset, overhead + nbytes
         raw = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
-        crc = crc32(raw).to_bytes(4, "little")
+        value = crc32(raw)
+        if self._crcs is not None:
+            note_crc(self._crcs, fqn, value, nbytes)
+        crc = value.to_bytes(4, "little")
         if not self._parts:  # others write only after a flush: the position is current until then
             self._base = self._out.position
         offset = self._base + self._pending

@@ -163,8 +163,10 @@ def test_open_output_is_used_when_the_lifecycle_offers_it(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("dtypes", "message"),
     [
-        ("{not json", r"JSONDecodeError"),
-        ('{"model.c128": ["no_such_dtype", [2, 3]]}', r"AttributeError"),
+        ("{not json", r"ValueError: .*dtypes metadata: not valid JSON"),
+        ("[" * 300 + "]" * 300, r"ValueError: .*dtypes metadata: not valid JSON \(nested deeper than 256 levels\)"),
+        ('{"model.c128": ["no_such_dtype", [2, 3]]}', r"ValueError: 'model\.c128' is not a no_such_dtype\[2, 3\]"),
+        ('{"model.c128": ["_dynamo", [2, 3]]}', r"ValueError: 'model\.c128' is not a _dynamo\[2, 3\]"),  # never getattr(torch)
         ('{"model.c128": ["complex64", [2, 3]]}', r"'model\.c128' is not a complex64\[2, 3\] stored as bytes"),
         ('{"model.emb.weight": ["float32", [10, 6]]}', r"'model\.emb\.weight' is not a float32\[10, 6\] stored as bytes"),
     ],

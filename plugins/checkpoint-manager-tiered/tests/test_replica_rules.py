@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from cm_tiered.replicas import NodeTopology, ReplicaStore, decide
 
+from checkpoint_manager.core.checksum import crc32
+
 
 def topology(nnodes: int, per_node: int, rank: int = 0) -> NodeTopology:
     nodes = tuple(r // per_node for r in range(nnodes * per_node))
@@ -84,17 +86,17 @@ def _store_with(tmp_path: Path, steps: list[int], unmarked: list[int]) -> Replic
         share.mkdir(parents=True)
         (share / "x").write_bytes(b"x")
         if step in steps:
-            store.write_marker(f"step_{step:08d}", {"step": step})
+            store.write_marker(f"step_{step:08d}", {"step": step, "manifests": {"0": {"x": {"size": 1, "crc32": crc32(b"x")}}}})
     return store
 
 
-def test_store_retention_and_a_new_line(tmp_path: Path) -> None:
+def test_store_retention_and_a_resume(tmp_path: Path) -> None:
     store = _store_with(tmp_path, [3, 4, 5], [2, 6])
     store.prune(2)  # the newest 2 committed; unfinished ones stay (one may be being placed now)
     assert store.names() == ["step_00000002", "step_00000004", "step_00000005", "step_00000006"]
-    store.drop_newer_than(4)  # a run resumed from step 4: step 5 is of an abandoned line, 2 and 6 unfinished
-    assert store.names() == ["step_00000004"]
-    assert json.loads((tmp_path / ".replicas" / "step_00000004" / "committed.json").read_text()) == {"step": 4}
+    store.drop_unfinished()  # a run resumed: 2 and 6 never finished their replication, and never will
+    assert store.names() == ["step_00000004", "step_00000005"]
+    assert json.loads((tmp_path / ".replicas" / "step_00000004" / "committed.json").read_text())["step"] == 4
 
 
 @pytest.mark.parametrize("value", [True, -1])

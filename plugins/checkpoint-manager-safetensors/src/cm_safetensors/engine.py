@@ -37,6 +37,7 @@ from checkpoint_manager import (
     EngineState,
     FileRecord,
     TensorInfo,
+    parse_json,
 )
 from cm_safetensors.config import SafetensorsConfig
 
@@ -45,6 +46,8 @@ __all__ = ["FORMAT", "SafetensorsEngine"]
 #: written into each file's safetensors metadata (``{"format": FORMAT}``)
 FORMAT = "cm-safetensors"
 #: how a safetensors header names each dtype it can hold
+#: torch's dtypes by name: a dtype name read from a file is looked up here, never with getattr(torch, ...)
+_TORCH_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
@@ -98,10 +101,10 @@ class SafetensorsEngine:
                 for key in f.keys():  # noqa: SIM118 - a safe_open handle is not a mapping
                     part = f.get_slice(key)
                     index[key] = TensorInfo(tuple(part.get_shape()), _DTYPES[part.get_dtype()])
-                raw = json.loads((f.metadata() or {}).get("dtypes", "{}"))
+                raw = parse_json((f.metadata() or {}).get("dtypes", "{}"), f"{file}: dtypes metadata", error=ValueError)
                 for key, (name, shape) in raw.items():
-                    dtype = getattr(torch, name)
-                    if not isinstance(dtype, torch.dtype) or index[key] != TensorInfo((torch.Size(shape).numel() * dtype.itemsize,), torch.uint8):
+                    dtype = _TORCH_DTYPES.get(name) if isinstance(name, str) else None
+                    if dtype is None or index[key] != TensorInfo((torch.Size(shape).numel() * dtype.itemsize,), torch.uint8):
                         raise ValueError(f"{key!r} is not a {name}{shape} stored as bytes")
                     index[key] = TensorInfo(tuple(shape), dtype)
                 return index

@@ -30,6 +30,7 @@ SHARED_FIELDS = frozenset(
     {
         "async_save",
         "async_when_busy",
+        "save_frozen",
         "name_template",
         "fsync",
         "direct_io",
@@ -38,6 +39,7 @@ SHARED_FIELDS = frozenset(
         "save_at_steps",
         "final_step",
         "background_deletion",
+        "delete_superseded",
         "pointer_symlinks",
         "writer_lock",
         "lock_stale_after_s",

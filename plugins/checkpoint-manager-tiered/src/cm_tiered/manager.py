@@ -70,6 +70,7 @@ class _Candidate:
     step: int
     tier: str
     location: str
+    superseded: bool = False
 
 
 class TieredCheckpointManager(FinalizeOnExit):
@@ -95,6 +96,7 @@ class TieredCheckpointManager(FinalizeOnExit):
                     config.local_keep_last,
                     config.collective_timeout_s,
                     fsync=config.fsync,
+                    verify=config.verify_on_load,
                 )
                 self.local.add_callback(_Committed(self._committed))
         except BaseException:
@@ -249,10 +251,10 @@ class TieredCheckpointManager(FinalizeOnExit):
         result = self._load(ctx)
         rep = self._replicator
         if rep is not None:
-            # the run goes on from this step: the local steps above it (a line this run abandons) and
-            # unfinished replications are never resumed from again
+            # unfinished replications are never finished now; steps above this one stay (the next
+            # save supersedes them, by the lineage the local tier records, and retention keeps them)
             if rep.topo.local_rank == 0:  # one rank per node looks after the node's store
-                rep.store.drop_newer_than(result.step)
+                rep.store.drop_unfinished()
             rep.ctl.barrier("replicas: store after the resume")
         return result
 
@@ -300,14 +302,19 @@ class TieredCheckpointManager(FinalizeOnExit):
         ) from damaged[0]
 
     def _candidates(self, ctx: LoadContext) -> list[_Candidate]:
-        """What a resume may load, best first: newest step, local before durable at the same step."""
+        """What a resume may load, best first: newest step, local before durable at the same step.
+
+        Each tier's superseded checkpoints (a line a run abandoned by going back) are never resumed
+        from; a pinned step takes the current line's first, as the default manager does.
+        """
         step = ctx.step if ctx.step is not None else self.config.load_step
         if step is None and self.config.load_mode == "never":
             return []
         found = [
-            _Candidate(info.step, name, info.location)
+            _Candidate(info.step, name, info.location, info.superseded)
             for name, tier in self._listed.items()
             for info in tier.list_checkpoints()
+            if step is not None or not info.superseded
         ]
         if step is not None:
             found = [c for c in found if c.step == step]
@@ -316,7 +323,7 @@ class TieredCheckpointManager(FinalizeOnExit):
                     f"no committed checkpoint at step {step} in either tier; saved steps: "
                     f"{self.list_checkpoints()}"
                 )
-        found.sort(key=lambda c: (-c.step, c.tier != "local"))
+        found.sort(key=lambda c: (-c.step, c.superseded, c.tier != "local"))
         if not found and self.config.load_mode == "required" and self.config.initial_load_path is None:
             raise CheckpointNotFoundError(
                 f"load_mode='required' but neither {self.config.local_dir} nor {self.config.save_dir} "

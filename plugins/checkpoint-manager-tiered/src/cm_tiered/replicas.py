@@ -45,15 +45,31 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from checkpoint_manager import CheckpointError, DefaultCheckpointManager
+from checkpoint_manager import (
+    CheckpointCorruptError,
+    CheckpointError,
+    DefaultCheckpointManager,
+    KeepLast,
+    Pruner,
+)
 from checkpoint_manager.core.checksum import crc32
 from checkpoint_manager.core.dist import DistContext
-from checkpoint_manager.core.layout import CHECKPOINT_JSON, seal_checkpoint_json
+from checkpoint_manager.core.layout import (
+    CHECKPOINT_JSON,
+    CheckpointInfo,
+    order_checkpoints,
+    seal_checkpoint_json,
+)
+from checkpoint_manager.core.safe_io import read_json
+from checkpoint_manager.storage.base import set_aside_names
+
+if TYPE_CHECKING:
+    from checkpoint_manager.core.integrity import VerifyLevel
 
 __all__ = [
     "NodeLocalManager",
@@ -196,9 +212,8 @@ class ReplicaStore:
 
     def marker(self, name: str) -> dict[str, Any] | None:
         try:
-            with open(self.root / name / MARKER, "rb") as f:
-                data = json.loads(f.read().decode("utf-8"))
-        except (OSError, ValueError):
+            data = read_json(self.root / name / MARKER)
+        except (OSError, CheckpointError):
             return None
         return data if isinstance(data, dict) else None
 
@@ -233,38 +248,105 @@ class ReplicaStore:
             out[name] = shares
         return out
 
-    def remove(self, name: str) -> None:
-        path = self.root / name
-        if not path.exists():
-            return
+    def drop_unfinished(self) -> None:
+        """Remove steps without a marker: a replication that never finished is never finished now."""
+        for name in self.names():
+            if self.marker(name) is None:
+                doomed = self.hide(name)
+                self.purge(doomed)
+
+    def set_aside(self, name: str) -> str | None:
+        """Move a committed step named ``name`` to the first free ``<name>.superseded...`` before a new
+        replication takes its name (the local tier set its checkpoint aside the same way), so neither
+        replaces the other; None when the store holds no committed step by that name."""
+        if self.marker(name) is None:
+            return None
+        for candidate in set_aside_names(name):
+            if not os.path.lexists(self.root / candidate):
+                os.rename(self.root / name, self.root / candidate)
+                return candidate
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def prune(self, keep: int, *, verify: VerifyLevel = "sizes") -> None:
+        """Keep the newest ``keep`` committed steps of the current line by the library's retention
+        (:class:`~checkpoint_manager.Pruner`: what it keeps is checked first, superseded steps stay).
+        Unfinished ones are left alone: one may be the replication this node's other ranks are placing
+        now (they go at the next resume)."""
+        Pruner(self, KeepLast(keep), owns_pointers=False, verify=verify).prune()
+
+    # -- what the library's Pruner needs of a store (checkpoint_manager.Prunable) -------------------
+    @property
+    def url(self) -> str:
+        return str(self.root)
+
+    is_local = True
+
+    def scan(self) -> tuple[list[CheckpointInfo], list[tuple[str, str]]]:
+        """The committed steps this node holds, in save order (the lineage the local tier recorded)."""
+        good: list[CheckpointInfo] = []
+        bad: list[tuple[str, str]] = []
+        for name in self.names():
+            marker = self.marker(name)
+            if marker is None:
+                continue  # unfinished: not a checkpoint, and not retention's to delete
+            step = marker.get("step")
+            if isinstance(step, bool) or not isinstance(step, int):
+                bad.append((name, f"{self.root / name / MARKER}: 'step' missing or not an integer"))
+                continue
+            meta = {"lineage": marker.get("lineage"), "manifests": marker.get("manifests")}
+            good.append(CheckpointInfo(name=name, path=self.root / name, step=step, created=0.0, meta=meta))
+        return order_checkpoints(good), bad
+
+    def read_pointer(self, kind: str) -> dict[str, Any] | None:
+        return None  # the store keeps no pointers
+
+    def check_info(self, info: CheckpointInfo, level: VerifyLevel) -> None:
+        problems = self._problems(info.path, level)
+        if problems:
+            raise CheckpointCorruptError("; ".join(problems))
+
+    def verify(self, location: str, level: VerifyLevel) -> list[str]:
+        return self._problems(Path(location), level)
+
+    def _problems(self, step_dir: Path, level: VerifyLevel) -> list[str]:
+        """The shares this node holds of a step, against the marker's manifests (sizes; ``full``: CRC32s)."""
+        marker = self.marker(step_dir.name)
+        manifests = marker.get("manifests") if marker is not None else None
+        if not isinstance(manifests, dict):
+            return [f"{step_dir / MARKER}: missing, or without manifests"]
+        held = [e for e in sorted(step_dir.iterdir()) if e.name.startswith("rank_") and e.is_dir()]
+        if not held:
+            return [f"{step_dir}: holds no share"]
+        problems: list[str] = []
+        for share in held:
+            manifest = manifests.get(str(int(share.name[5:])))
+            if not isinstance(manifest, dict):
+                problems.append(f"{share}: not in {MARKER}'s manifests")
+                continue
+            for rel, entry in sorted(manifest.items()):
+                file = share / rel
+                try:
+                    size = file.stat().st_size
+                except OSError:
+                    problems.append(f"{file}: missing (listed in {MARKER})")
+                    continue
+                if size != int(entry["size"]):
+                    problems.append(f"{file}: size {size} bytes, {MARKER} records {entry['size']} (truncated or altered)")
+                elif level == "full" and file_crc(file) != int(entry["crc32"]):
+                    problems.append(f"{file}: CRC32 does not match {MARKER} (corrupted)")
+        return problems
+
+    def hide(self, name: str) -> str:
+        """Out of sight in one rename: a step is never half-listed."""
         doomed = self.root / f".{name}.deleting.{uuid.uuid4().hex[:8]}"
-        try:
-            os.rename(path, doomed)  # out of sight first: never half-listed
-        except FileNotFoundError:
-            return
-        shutil.rmtree(doomed, ignore_errors=True)
+        os.rename(self.root / name, doomed)
+        return str(doomed)
 
-    def drop_newer_than(self, step: int) -> None:
-        """Remove every step above ``step``: written by a run this one went back before."""
-        for name in self.names():
-            marker = self.marker(name)
-            newer = marker is not None and int(marker["step"]) > step
-            if newer or marker is None:  # an unfinished replication is never finished now
-                self.remove(name)
+    def purge(self, hidden: str) -> None:
+        shutil.rmtree(hidden, ignore_errors=True)
 
-    def prune(self, keep: int) -> None:
-        """Keep the newest ``keep`` committed steps. Unfinished ones are left alone: one may be the
-        replication this node's other ranks are placing now (they go at the next resume)."""
-        marked = []
-        for name in self.names():
-            marker = self.marker(name)
-            if marker is not None:
-                marked.append((int(marker["step"]), name))
-        marked.sort()
-        for _step, name in marked[:-keep]:
-            self.remove(name)
-        for leftover in self.root.glob(".*.deleting.*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+    def unfinished_deletions(self) -> list[str]:
+        return sorted(str(p) for p in self.root.glob(".*.deleting.*"))
 
 
 # ---- bytes over gloo -----------------------------------------------------------------------------
@@ -504,9 +586,17 @@ class Replicator:
     """Runs the replication of each committed local checkpoint on a background thread, in order."""
 
     def __init__(
-        self, local: NodeLocalManager, local_dir: str, k: int, keep: int, timeout_s: float, *, fsync: bool = True
+        self,
+        local: NodeLocalManager,
+        local_dir: str,
+        k: int,
+        keep: int,
+        timeout_s: float,
+        *,
+        fsync: bool = True,
+        verify: VerifyLevel = "sizes",
     ) -> None:
-        self.local, self.k, self.keep, self.fsync = local, k, keep, fsync
+        self.local, self.k, self.keep, self.fsync, self.verify = local, k, keep, fsync, verify
         self.store = ReplicaStore(local_dir, fsync=fsync)
         self.local_dir = Path(local_dir)
         self.ctl = DistContext(timeout_s)  # the training thread's collectives (decisions, resume)
@@ -574,12 +664,16 @@ class Replicator:
         written = Path(committed_path) if on_coord_node else pending
         failure: BaseException | None = None
         manifest: dict[str, dict[str, int]] = {}
+        lineage: Any = None
         try:
+            if topo.local_rank == 0:  # before any rank of the node places a share (the gather below)
+                aside = self.store.set_aside(name)
+                if aside is not None:
+                    log.warning("replicas: moved the committed step %s aside to %s: a new line reuses its name", name, aside)
             if written is None or not written.is_dir():
                 raise ReplicationError(f"rank {rank}: the local files of step {step} are gone ({written})")
             rank_json = written / f"rank_{rank:05d}.json"
-            with open(rank_json, "rb") as f:
-                known = json.loads(f.read().decode("utf-8")).get("files", {})
+            known = read_json(rank_json).get("files", {})
             mine = sorted({*known, rank_json.name})
         except BaseException as exc:
             failure, mine, known = exc, [], {}
@@ -615,7 +709,7 @@ class Replicator:
         ok = failure is None and all(m is not None for m in manifests)
         if ok and rank == 0:  # the whole checkpoint's files map, sealed into rank 0's share
             try:
-                self._write_full_checkpoint_json(
+                lineage = self._write_full_checkpoint_json(
                     Path(committed_path), self.store.share(name, 0), manifests, fsync=self.fsync
                 )
                 manifests[0] = manifest_of(self.store.share(name, 0), manifests[0])
@@ -623,8 +717,11 @@ class Replicator:
                 failure, ok = exc, False
         ok = io.all_ok(ok, f"replicas step {step}: shares placed")
         marks.append(("agree", time.perf_counter()))
-        if ok:
-            manifests[0] = io.broadcast_json(manifests[0], f"replicas step {step}: manifest of rank 0")
+        if ok:  # rank 0's manifest, and the lineage the local tier recorded (the marker orders steps by it)
+            head = io.broadcast_json(
+                {"manifest": manifests[0], "lineage": lineage}, f"replicas step {step}: manifest of rank 0"
+            )
+            manifests[0], lineage = head["manifest"], head["lineage"]
             try:
                 for i in range(1, self.k + 1):
                     dst = topo.peers(rank, self.k)[i - 1]
@@ -655,11 +752,12 @@ class Replicator:
                     "nodes": list(topo.nodes),
                     "local_ranks": list(topo.local_ranks),
                     "manifests": {str(r): m for r, m in enumerate(manifests)},
+                    "lineage": lineage,
                 },
             )
             if not on_coord_node and written is not None:
                 shutil.rmtree(written, ignore_errors=True)  # its files were moved into the store
-            self.store.prune(self.keep)
+            self.store.prune(self.keep, verify=self.verify)
         marks.append(("commit", time.perf_counter()))
         stats.seconds = time.perf_counter() - t0
         stats.phases = {b[0]: b[1] - a[1] for a, b in itertools.pairwise(marks)}
@@ -692,10 +790,10 @@ class Replicator:
     @staticmethod
     def _write_full_checkpoint_json(
         committed: Path, share0: Path, manifests: list[dict[str, dict[str, int]]], *, fsync: bool
-    ) -> None:
-        """Rank 0's ``checkpoint.json`` lists what rank 0's node holds; the replica's lists every rank's files."""
-        with open(committed / CHECKPOINT_JSON, "rb") as f:
-            meta = json.loads(f.read().decode("utf-8"))
+    ) -> Any:
+        """Rank 0's ``checkpoint.json`` lists what rank 0's node holds; the replica's lists every rank's
+        files. Returns the checkpoint's recorded lineage (None without one)."""
+        meta = read_json(committed / CHECKPOINT_JSON)
         files: dict[str, dict[str, int]] = {}
         for m in manifests:
             files.update({k: v for k, v in m.items() if k != CHECKPOINT_JSON})
@@ -706,6 +804,7 @@ class Replicator:
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
+        return meta.get("lineage")
 
 
 # ---- resume: agree on a step, pull what is missing, assemble -------------------------------------
@@ -738,7 +837,7 @@ def decide(
         for name, shares in report["holdings"].items():
             holdings.setdefault(name, {})[node] = {int(r): sizes for r, sizes in shares.items()}
     why: list[str] = []
-    for name, marker in sorted(markers.items(), key=lambda kv: -int(kv[1]["step"])):
+    for name, marker in _newest_first(markers, pinned=step is not None):
         if name in skip:
             continue
         if step is not None and int(marker["step"]) != step:
@@ -764,6 +863,19 @@ def decide(
             continue
         return LocalPick(int(marker["step"]), name, marker, holders), why
     return None, why
+
+
+def _newest_first(markers: dict[str, dict[str, Any]], *, pinned: bool) -> list[tuple[str, dict[str, Any]]]:
+    """Committed steps, the newest save first, by the lineage the local tier recorded (by step without
+    one): the current line's only, as auto-resume takes them; a pinned step may also be a superseded one."""
+    infos = [
+        CheckpointInfo(name=n, path=Path(n), step=int(m["step"]), created=0.0, meta={"lineage": m.get("lineage")})
+        for n, m in markers.items()
+    ]
+    ordered = order_checkpoints(infos)
+    line = [i for i in reversed(ordered) if not i.superseded]
+    off = [i for i in reversed(ordered) if i.superseded] if pinned else []
+    return [(i.name, markers[i.name]) for i in line + off]
 
 
 def _moves(pick: LocalPick, topo: NodeTopology) -> list[tuple[int, int, int]]:

@@ -13,7 +13,6 @@ this engine does not reshard: a checkpoint loads at the world size that saved it
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -38,6 +37,7 @@ from checkpoint_manager import (
     EngineState,
     FileRecord,
     TensorInfo,
+    read_json,
 )
 from cm_torch_checkpointing.config import TorchCheckpointingConfig
 
@@ -48,6 +48,8 @@ FORMAT = "cm-torch-checkpointing"
 _ITEM, _RAW = "tensors", "dtypes"
 _FILE = re.compile(r"tensors_(\d+)\.safetensors")
 #: safetensors' dtype names: what the library's safetensors layout can store, and how a header names it
+#: torch's dtypes by name: a dtype name read from a file is looked up here, never with getattr(torch, ...)
+_TORCH_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
@@ -188,15 +190,18 @@ def _raw_index(file: Path, index: Mapping[str, TensorInfo]) -> dict[str, TensorI
     if not file.is_file():
         return {}
     try:
-        raw = {key: (tuple(shape), getattr(torch, name)) for key, (name, shape) in json.loads(file.read_bytes()).items()}
-        for key, (shape, dtype) in raw.items():
-            if not isinstance(dtype, torch.dtype) or key not in index or index[key].dtype != torch.uint8:
+        raw = {key: (tuple(shape), name) for key, (name, shape) in read_json(file, error=ValueError).items()}
+        for key, (shape, name) in raw.items():
+            if not isinstance(name, str) or name not in _TORCH_DTYPES:
+                raise ValueError(f"{key!r} names no torch dtype ({name!r})")
+            dtype = _TORCH_DTYPES[name]
+            if key not in index or index[key].dtype != torch.uint8:
                 raise ValueError(f"{key!r} is not a tensor stored as bytes")
             if index[key].shape != (torch.Size(shape).numel() * dtype.itemsize,):
                 raise ValueError(f"{key!r} holds {index[key].shape[0]} bytes, not a {dtype}{list(shape)}")
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointCorruptError(f"{file}: damaged ({type(exc).__name__}: {exc})") from exc
-    return {key: TensorInfo(shape, dtype) for key, (shape, dtype) in raw.items()}
+    return {key: TensorInfo(shape, _TORCH_DTYPES[name]) for key, (shape, name) in raw.items()}
 
 
 def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
