@@ -172,6 +172,10 @@ def load_damaged(out: Path) -> None:
 def main() -> int:
     action, out = sys.argv[1], Path(sys.argv[2])
     count_collectives()
+    if os.environ.get("CM_TEST_VOTE_SLOT"):  # votes larger than their slot: gathered a second time
+        from checkpoint_manager.core.dist import DistContext
+
+        DistContext.vote.__kwdefaults__["slot"] = int(os.environ["CM_TEST_VOTE_SLOT"])
     dist.init_process_group(
         "gloo", init_method=f"file://{os.environ['CM_TEST_STORE']}", rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=120),

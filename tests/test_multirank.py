@@ -322,12 +322,12 @@ def test_a_damaged_chunk_index_is_refused_by_name(tmp_path: Path) -> None:
 # -- real jobs ------------------------------------------------------------------------------------
 
 
-def _run(out: Path, world: int, args: list[str], timeout: float = 240.0) -> None:
+def _run(out: Path, world: int, args: list[str], timeout: float = 240.0, **extra_env: str) -> None:
     store = out / f"store_{args[0]}_{world}"
     procs = []
     for rank in range(world):
         env = child_env()
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), CM_TEST_STORE=str(store), OMP_NUM_THREADS="1")
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), CM_TEST_STORE=str(store), OMP_NUM_THREADS="1", **extra_env)
         log = open(out / f"{args[0]}_{world}_rank{rank}.log", "wb")  # noqa: SIM115 - closed below
         procs.append((subprocess.Popen([sys.executable, str(CHILD), args[0], str(out), *args[1:]], env=env,
                                        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True), log))
@@ -411,3 +411,20 @@ def test_ranks_holding_different_tensors_save_through_dcp(tmp_path: Path) -> Non
         saved = load_file(str(tmp_path / f"saved_{step}.safetensors"))
         saved["extra.only1.shadow"] = torch.arange(6, dtype=torch.float32) * 10
         assert _equal(saved, _plain_dcp_load(path, saved)) == [], step
+
+
+@pytest.mark.timeout(600)
+def test_votes_larger_than_their_slot_are_gathered_again(tmp_path: Path) -> None:
+    """With 64-byte vote slots no rank's records fit: rank 0 asks (in the commit's broadcast) for
+    slots as large as the largest vote, every rank votes again, and the checkpoint is complete."""
+    _run(tmp_path, 2, ["save", "fsdp"], CM_TEST_VOTE_SLOT="64")
+    counts = json.loads((tmp_path / "counts.json").read_text())
+    reused = [name for name, _ in counts[1]]
+    assert reused == ["broadcast", "broadcast", "all_reduce", "gather", "broadcast", "gather", "broadcast"]
+    slots = [payload for name, payload in counts[1] if name == "gather"]
+    assert slots[0] == 64 and slots[1] > 64
+    for step, path in enumerate(sorted((tmp_path / "ckpt").glob("step_*")), start=1):
+        saved = load_file(str(tmp_path / f"saved_{step}.safetensors"))
+        assert _equal(saved, _plain_dcp_load(path, saved)) == [], step
+        meta = json.loads((path / "checkpoint.json").read_text())
+        assert {"rank_00000.json", "rank_00001.json", "__0_0.distcp", "__1_0.distcp"} <= set(meta["files"])
