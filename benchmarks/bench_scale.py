@@ -257,7 +257,8 @@ class Scenario:
     mappings: dict[str, Any] = field(default_factory=dict)
     reports: list[bytes] = field(default_factory=list)  # each rank's chunk report (a first save's gather)
     ends: list[int] = field(default_factory=list)  # each rank's file size
-    merged: Any = None  # the coordinator's merge (what a save with the plan reused writes from)
+    merged: Any = None  # the coordinator's merge of a first save
+    written: Any = None  # the files of the last save, kept open (what a save with the plan reused copies)
 
     @property
     def world(self) -> int:
@@ -373,11 +374,18 @@ def run_save(sc: Scenario, steps: dict[str, Measured], wire: dict[str, int], *, 
         with measure(steps["merge"]):
             sc.merged = ChunkTable.merge(sc.table, sc.reports).without_duplicate_empties()
     with measure(steps[f"metadata_{tag}"]):
-        write_metadata(
-            pending / ".metadata", sc.merged, planner_data=sc.mappings,
+        sources = (sc.merged, sc.merged) if first else sc.written
+        _, _, written_metadata = write_metadata(
+            pending / ".metadata", sources[0], planner_data=sc.mappings,
             storage_meta=StorageMeta(checkpoint_id=pending, save_id="bench"),
         )
-        write_index(pending / INDEX_FILE, sc.merged)
+        _, _, written_index = write_index(pending / INDEX_FILE, sources[1])
+        if sc.written is not None:
+            for file in sc.written:
+                file.close()
+        sc.written = (written_metadata, written_index)
+        if first:
+            sc.merged = None  # the coordinator keeps the files, not the merge
     # the data files (sparse: their sizes are what matters) and every rank's JSON, as the ranks write
     # them, and the votes they send (their file records)
     slots = []
@@ -572,7 +580,7 @@ def measure_ranks(
     }
     # what the coordinator holds: the steps' own rise, and (first save) the ranks' reports it received
     out["coordinator_peak_mib"] = {
-        "reused": (max(steps[s].peak_bytes for s in REUSED_STEPS) + _table_bytes(sc.merged)) / 2**20,
+        "reused": max(steps[s].peak_bytes for s in REUSED_STEPS) / 2**20,
         "first": (max(steps[s].peak_bytes for s in FIRST_STEPS) + inputs_bytes) / 2**20,
     }
     out["per_rank_s"] = (_median(steps["rank_plan_reused"]) or 0.0) + (_median(steps["rank_share_reused"]) or 0.0)
@@ -583,14 +591,6 @@ def measure_ranks(
     out["load_plan_peak_mib"] = steps["load_plan_same"].peak_bytes / 2**20
     shutil.rmtree(root, ignore_errors=True)
     return out
-
-
-def _table_bytes(table: Any) -> int:
-    """The bytes of the merge a coordinator keeps for saves that reuse the plan."""
-    if table is None:
-        return 0
-    return sum(t.numel() * t.element_size() for t in (table.key, table.rank, table.position, table.length,
-                                                      table.offsets, table.sizes))
 
 
 def exponents(rows: list[dict[str, Any]]) -> dict[str, float | None]:

@@ -125,7 +125,7 @@ def test_metadata_from_columns_equals_dcps_global_plan(tmp_path: Path, mesh: Any
     table = ChunkTable.merge(keys, reports).without_duplicate_empties()
     objects = [("optim.param_groups.0.lr", _StorageInfo(data_file(0), 999, 17))]
     planner_data = {k: (k,) for k in keys.fqns} | {"optim.param_groups.0.lr": ("optim.param_groups.0.lr",)}
-    size, crc = write_metadata(tmp_path / ".metadata", table, planner_data=planner_data, objects=objects, fsync=False)
+    size, crc, _ = write_metadata(tmp_path / ".metadata", table, planner_data=planner_data, objects=objects, fsync=False)
     raw = (tmp_path / ".metadata").read_bytes()
     assert len(raw) == size and crc == __import__("zlib").crc32(raw)
     ours = pickle.loads(raw)
@@ -156,6 +156,46 @@ def test_metadata_from_columns_equals_dcps_global_plan(tmp_path: Path, mesh: Any
     for rank in range(len(reports)):  # the restricted reader takes it too (it checks every record's file)
         (tmp_path / data_file(rank)).write_bytes(b"")
     read_dcp_metadata(tmp_path)
+
+
+def test_a_save_of_the_same_plan_copies_the_last_files_but_its_own_entries(tmp_path: Path) -> None:
+    """``.metadata`` written from the last one (its tensor parts copied, even once it is deleted) is
+    byte for byte what a fresh write of the same plan gives, with this save's object entries and
+    ``storage_meta``; the chunk index is the same file; a changed file is not reused."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    keys, _, reports = _job((2, 3), (Replicate(), Shard(0)))
+    table = ChunkTable.merge(keys, reports).without_duplicate_empties()
+    planner_data = {k: (k,) for k in keys.fqns} | {"o.lr": ("o.lr",), "o.step": ("o.step",)}
+    first = [("o.lr", _StorageInfo(data_file(0), 100, 17))]
+    (tmp_path / "a").mkdir()
+    _, _, previous = write_metadata(tmp_path / "a" / ".metadata", table, planner_data=planner_data, objects=first,
+                                    storage_meta=StorageMeta(checkpoint_id="a", save_id="1"), fsync=False)
+    _, _, previous_index = write_index(tmp_path / "a" / INDEX_FILE, table, fsync=False)
+    (tmp_path / "a" / ".metadata").unlink()  # retention removed the last checkpoint: the open file stays
+    assert previous.intact() and previous_index.intact()
+    later = [("o.lr", _StorageInfo(data_file(0), 100, 19)), ("o.step", _StorageInfo(data_file(0), 119, 12))]
+    meta = StorageMeta(checkpoint_id="b", save_id="2")
+    for name, source, index_source in (("copied", previous, previous_index), ("fresh", table, table)):
+        (tmp_path / name).mkdir()
+        size, crc, _ = write_metadata(tmp_path / name / ".metadata", source, planner_data=planner_data,
+                                      objects=later, storage_meta=meta, fsync=False)
+        raw = (tmp_path / name / ".metadata").read_bytes()
+        assert (size, crc) == (len(raw), __import__("zlib").crc32(raw))
+        size, crc, _ = write_index(tmp_path / name / INDEX_FILE, index_source, fsync=False)
+        raw = (tmp_path / name / INDEX_FILE).read_bytes()
+        assert (size, crc) == (len(raw), __import__("zlib").crc32(raw))
+    assert (tmp_path / "copied" / ".metadata").read_bytes() == (tmp_path / "fresh" / ".metadata").read_bytes()
+    assert (tmp_path / "copied" / INDEX_FILE).read_bytes() == (tmp_path / "fresh" / INDEX_FILE).read_bytes()
+    loaded = pickle.loads((tmp_path / "copied" / ".metadata").read_bytes())
+    assert loaded.storage_data[MetadataIndex("o.step")] == later[1][1] and loaded.storage_meta == meta
+    assert "o.step" in loaded.state_dict_metadata and loaded.planner_data["o.step"] == ("o.step",)
+    with open(tmp_path / "copied" / INDEX_FILE, "ab") as f:  # changed after it was written: not reused
+        f.write(b"x")
+    _, _, kept = write_index(tmp_path / "again", table, fsync=False)
+    with open(tmp_path / "again", "ab") as f:
+        f.write(b"x")
+    assert not kept.intact()
 
 
 def test_every_chunk_is_written_by_exactly_one_rank() -> None:

@@ -33,10 +33,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.tensor import DTensor
 
-from checkpoint_manager.core.checksum import crc32
 from checkpoint_manager.core.safe_io import open_regular
 from checkpoint_manager.engine.base import TensorInfo
-from checkpoint_manager.engine.dcp.chunks import ChunkTable, data_file
+from checkpoint_manager.engine.dcp.chunks import ChunkTable, Sink, WrittenMetadata, data_file
 from checkpoint_manager.engine.dcp.shards import shard_chunk
 from checkpoint_manager.errors import CheckpointCorruptError
 
@@ -73,9 +72,29 @@ def _ordered_dim(table: ChunkTable) -> list[int]:
     return out
 
 
-def write_index(path: Path, table: ChunkTable, *, fsync: bool = True) -> tuple[int, int]:
+def write_index(path: Path, table: ChunkTable | WrittenMetadata, *, fsync: bool = True) -> tuple[int, int, WrittenMetadata]:
     """Write the chunk index of ``table`` to ``path`` (through a temporary and a rename); returns its
-    size and CRC-32."""
+    size, its CRC-32 and the file kept open: the next save of the same plan passes it as ``table``,
+    and the file is copied (in the kernel where it can), not written again."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        sink = Sink(f)
+        sink.begin()
+        if isinstance(table, WrittenMetadata):
+            sink.copy(table.fd, *table.segments[0])
+        else:
+            _write_columns(sink, table)
+        sink.end()
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return sink.size, sink.crc, WrittenMetadata.of(path, [(0, sink.size, sink.crc)])
+
+
+def _write_columns(sink: Sink, table: ChunkTable) -> None:
+    """The index as a safetensors file of 1-d int64/int32 columns. As the format requires, the
+    columns lie back to back, the int64 ones first (so each starts aligned to its element)."""
     keys = table.keys
     ordered = _ordered_dim(table)
     header = {
@@ -87,24 +106,16 @@ def write_index(path: Path, table: ChunkTable, *, fsync: bool = True) -> tuple[i
             for k, (fqn, size, props) in enumerate(zip(keys.fqns, keys.sizes, keys.properties, strict=True))
         ]),
     }
+    dims = torch.int64 if keys.wide else torch.int32
     columns: dict[str, torch.Tensor] = {
         "starts": table.starts.contiguous(),
-        "rank": table.rank.to(torch.int32),
         "position": table.position.contiguous(),
         "length": table.length.contiguous(),
+        "rank": table.rank.to(torch.int32),
     }
     for d in range(keys.ndim):
-        columns[f"offset{d}"] = table.offsets[:, d].to(torch.int64)
-        columns[f"size{d}"] = table.sizes[:, d].to(torch.int64)
-    return _write_safetensors(path, columns, header, fsync=fsync)
-
-
-def _write_safetensors(
-    path: Path, columns: dict[str, torch.Tensor], header: dict[str, str], *, fsync: bool
-) -> tuple[int, int]:
-    """A safetensors file of 1-d int64/int32 ``columns``, written through a temporary and a rename;
-    returns its size and CRC-32. As the format requires, the columns lie back to back, the int64
-    ones first (so each starts aligned to its element)."""
+        columns[f"offset{d}"] = table.offsets[:, d].to(dims)
+        columns[f"size{d}"] = table.sizes[:, d].to(dims)
     entries: dict[str, Any] = {"__metadata__": header}
     columns = dict(sorted(columns.items(), key=lambda kv: -kv[1].element_size()))
     offset = 0
@@ -115,20 +126,11 @@ def _write_safetensors(
         offset = end
     raw = json.dumps(entries, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
-    tmp = path.with_name(path.name + ".tmp")
-    crc = 0
-    size = 0
-    with open(tmp, "wb") as f:
-        pieces: list[bytes | memoryview] = [struct.pack("<Q", len(raw)), raw]
-        pieces += [_bytes(col.contiguous()) for col in columns.values()]
-        for piece in pieces:
-            f.write(piece)
-            crc, size = crc32(piece, crc), size + len(piece)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return size, crc
+    sink.write(struct.pack("<Q", len(raw)))
+    sink.write(raw)
+    for col in columns.values():
+        data = col.contiguous()  # held while its bytes are written (the view does not keep it alive)
+        sink.write(_bytes(data))
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -236,8 +238,8 @@ class ChunkIndex:
             if ends is None:  # only the pages the searches touch are read
                 first = _first_end_after(self._columns[f"offset{d}"], self._columns[f"size{d}"], a, b, lo)
             else:
-                first = a + int(torch.searchsorted(ends, torch.tensor([lo]), right=True)[0])
-            last = a + int(torch.searchsorted(starts, torch.tensor([hi]))[0])
+                first = a + int(torch.searchsorted(ends, torch.tensor([lo], dtype=ends.dtype), right=True)[0])
+            last = a + int(torch.searchsorted(starts, torch.tensor([hi], dtype=starts.dtype))[0])
             a, b = first, max(first, last)
         if b <= a:
             return range(0)

@@ -18,6 +18,7 @@ of integers (tensor, rank, offsets, sizes, where it lies in its rank's file):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import io
@@ -25,7 +26,7 @@ import math
 import os
 import pickle
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -40,10 +41,19 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 
-from checkpoint_manager.core.checksum import crc32
+from checkpoint_manager.core.checksum import crc32, crc32_combine
 from checkpoint_manager.errors import CheckpointError
 
-__all__ = ["ChunkTable", "KeyTable", "data_file", "encode_report", "report_size", "write_metadata"]
+__all__ = [
+    "ChunkTable",
+    "KeyTable",
+    "Sink",
+    "WrittenMetadata",
+    "data_file",
+    "encode_report",
+    "report_size",
+    "write_metadata",
+]
 
 # A report: magic, rows, dims per row, whether dims are int64 (else int32); then the rows' (position,
 # length) as int64, then their (key, offsets..., sizes...) as int32 or int64.
@@ -474,72 +484,176 @@ def _fill(template: _Template, columns: dict[str, torch.Tensor]) -> _Rows:
     return out
 
 
-class _Sink:
-    """Writes to a file, counting bytes and keeping the CRC-32."""
+class Sink:
+    """Writes to a file, counting bytes and keeping the CRC-32 of the file and of the current segment."""
 
     def __init__(self, f: BinaryIO) -> None:
         self.f = f
         self.size = 0
         self.crc = 0
+        self._start = 0
+        self._segment_crc = 0
+        self.segments: list[tuple[int, int, int]] = []  # (start, end, CRC-32) of each static segment
 
     def write(self, data: bytes | memoryview) -> None:
         self.f.write(data)
         self.crc = crc32(data, self.crc)
+        self._segment_crc = crc32(data, self._segment_crc)
         self.size += len(data)
 
+    def begin(self) -> None:
+        self._start, self._segment_crc = self.size, 0
+
+    def end(self) -> None:
+        self.segments.append((self._start, self.size, self._segment_crc))
+
+    def copy(self, fd: int, start: int, end: int, crc: int) -> None:
+        """Append bytes ``start:end`` of the file open at ``fd`` (CRC-32 ``crc``): in the kernel where
+        it can (a reflink on file systems that share blocks), else through a buffer."""
+        self.f.flush()
+        out = self.f.fileno()
+        pos, n = start, end - start
+        try:
+            while n:
+                done = os.copy_file_range(fd, out, n, pos)
+                if done <= 0:
+                    raise OSError("copy_file_range copied nothing")
+                pos, n = pos + done, n - done
+        except OSError:  # another file system, an old kernel: the bytes left go through user space
+            while n:
+                piece = os.pread(fd, min(n, 8 << 20), pos)
+                if not piece:
+                    raise CheckpointError(f"the previous .metadata ends early (at byte {pos}): it changed") from None
+                os.write(out, piece)
+                pos, n = pos + len(piece), n - len(piece)
+        os.lseek(out, 0, os.SEEK_END)
+        self.f.seek(0, os.SEEK_END)
+        self.crc = crc32_combine(self.crc, crc, end - start)
+        self.size += end - start
+
+
+@dataclass
+class WrittenMetadata:
+    """A file this process wrote, kept open (it may be renamed or deleted meanwhile): its parts that
+    do not change while the plan holds, for the next save to copy. For ``.metadata``, everything but
+    the non-tensor entries and ``storage_meta``; for the chunk index, the whole file."""
+
+    fd: int
+    stat: tuple[int, int, int]  # (inode, size, mtime_ns) as written: anything else means it changed
+    segments: list[tuple[int, int, int]]
+
+    def intact(self) -> bool:
+        try:
+            st = os.fstat(self.fd)
+        except OSError:
+            return False
+        return (st.st_ino, st.st_size, st.st_mtime_ns) == self.stat
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+    @classmethod
+    def of(cls, path: Path, segments: list[tuple[int, int, int]]) -> WrittenMetadata:
+        """``path`` (just written, its ``segments`` as (start, end, CRC-32)), opened to be kept."""
+        fd = os.open(path, os.O_RDONLY)
+        st = os.fstat(fd)
+        return cls(fd, (st.st_ino, st.st_size, st.st_mtime_ns), segments)
 
 
 def write_metadata(
     path: Path,
-    table: ChunkTable,
+    table: ChunkTable | WrittenMetadata,
     *,
     planner_data: dict[str, Any],
     objects: Sequence[tuple[str, _StorageInfo]] = (),
     storage_meta: StorageMeta | None = None,
     fsync: bool = True,
-) -> tuple[int, int]:
+) -> tuple[int, int, WrittenMetadata]:
     """Write DCP's ``.metadata`` for ``table`` to ``path`` (through ``<path>.tmp`` and a rename, as
-    DCP does); returns its size and CRC-32.
+    DCP does); returns its size, its CRC-32, and the file kept open for :func:`write_metadata` of
+    the next save, which may pass it as ``table``: then its unchanged parts are copied (in the
+    kernel where the file system can) and only the per-save entries are written.
 
     ``planner_data`` maps each tensor key to its path in the saved state dict (DCP's flattening),
     ``objects`` are the non-tensor entries (key, record) the coordinator wrote as bytes.
     """
-    keys = table.keys
-    files = [data_file(r) for r in range(table.ranks)]
-    memo = _Memo(keys.fqns, files)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        sink = _Sink(f)
-        sink.write(memo.prefix)
-        sink.write(memo.get("Metadata") + _EMPTY_TUPLE + _NEWOBJ + _EMPTY_DICT + _MARK)
-        sink.write(_string("state_dict_metadata") + _EMPTY_DICT)
-        _write_tensors(sink, table, memo)
-        if objects:
-            sink.write(_MARK)
-            for key, _ in objects:
-                sink.write(_string(key) + _body(BytesStorageMetadata()))
-            sink.write(_SETITEMS)
-        sink.write(_string("planner_data") + _EMPTY_DICT)
-        for lo in range(0, len(keys.fqns), _BATCH):
-            part = []
-            for k in range(lo, min(lo + _BATCH, len(keys.fqns))):
-                part.append(_long_get(memo.fqns + k) + _body(tuple(planner_data[keys.fqns[k]])))
-            sink.write(_MARK + b"".join(part) + _SETITEMS)
-        extra = {key: planner_data[key] for key, _ in objects if key in planner_data}
-        if extra:
-            sink.write(_MARK + b"".join(_body(k) + _body(tuple(v)) for k, v in extra.items()) + _SETITEMS)
-        sink.write(_string("storage_data") + _EMPTY_DICT)
-        _write_storage(sink, table, memo)
-        if objects:
-            sink.write(_MARK + b"".join(_body(MetadataIndex(k)) + _body(info) for k, info in objects) + _SETITEMS)
-        sink.write(_string("storage_meta") + _body(storage_meta))
-        sink.write(_string("version") + _body(CURRENT_DCP_VERSION))
-        sink.write(_SETITEMS + _BUILD + _STOP)
+        sink = Sink(f)
+        static = _static_parts(table, planner_data) if isinstance(table, ChunkTable) else None
+        dynamic = (
+            _objects_entries(objects),
+            _objects_paths(objects, planner_data),
+            _objects_records(objects),
+            _string("storage_meta") + _body(storage_meta) + _string("version") + _body(CURRENT_DCP_VERSION)
+            + _SETITEMS + _BUILD + _STOP,
+        )
+        for i in range(3):
+            if static is not None:
+                sink.begin()
+                static[i](sink)
+                sink.end()
+            else:
+                assert isinstance(table, WrittenMetadata)
+                start = sink.size
+                sink.copy(table.fd, *table.segments[i])
+                sink.segments.append((start, sink.size, table.segments[i][2]))
+            sink.write(dynamic[i])
+        sink.write(dynamic[3])
         f.flush()
         if fsync:
             os.fsync(f.fileno())
     os.replace(tmp, path)
-    return sink.size, sink.crc
+    return sink.size, sink.crc, WrittenMetadata.of(path, sink.segments)
+
+
+def _static_parts(table: ChunkTable, planner_data: dict[str, Any]) -> list[Callable[[Sink], None]]:
+    """The three parts of the pickle that depend on the plan alone, each ending where a dict's
+    per-save entries (the non-tensor ones) go: up to the end of the tensors' entries in
+    ``state_dict_metadata``, ``planner_data``'s, ``storage_data``'s."""
+    keys = table.keys
+    memo = _Memo(keys.fqns, [data_file(r) for r in range(table.ranks)])
+
+    def entries(sink: Sink) -> None:
+        sink.write(memo.prefix)
+        sink.write(memo.get("Metadata") + _EMPTY_TUPLE + _NEWOBJ + _EMPTY_DICT + _MARK)
+        sink.write(_string("state_dict_metadata") + _EMPTY_DICT)
+        _write_tensors(sink, table, memo)
+
+    def paths(sink: Sink) -> None:
+        sink.write(_string("planner_data") + _EMPTY_DICT)
+        for lo in range(0, len(keys.fqns), _BATCH):
+            part = [
+                _long_get(memo.fqns + k) + _body(tuple(planner_data[keys.fqns[k]]))
+                for k in range(lo, min(lo + _BATCH, len(keys.fqns)))
+            ]
+            sink.write(_MARK + b"".join(part) + _SETITEMS)
+
+    def records(sink: Sink) -> None:
+        sink.write(_string("storage_data") + _EMPTY_DICT)
+        _write_storage(sink, table, memo)
+
+    return [entries, paths, records]
+
+
+def _objects_entries(objects: Sequence[tuple[str, _StorageInfo]]) -> bytes:
+    if not objects:
+        return b""
+    return _MARK + b"".join(_string(key) + _body(BytesStorageMetadata()) for key, _ in objects) + _SETITEMS
+
+
+def _objects_paths(objects: Sequence[tuple[str, _StorageInfo]], planner_data: dict[str, Any]) -> bytes:
+    extra = {key: planner_data[key] for key, _ in objects if key in planner_data}
+    if not extra:
+        return b""
+    return _MARK + b"".join(_body(k) + _body(tuple(v)) for k, v in extra.items()) + _SETITEMS
+
+
+def _objects_records(objects: Sequence[tuple[str, _StorageInfo]]) -> bytes:
+    if not objects:
+        return b""
+    return _MARK + b"".join(_body(MetadataIndex(k)) + _body(info) for k, info in objects) + _SETITEMS
 
 
 def _blocks(table: ChunkTable) -> Iterator[tuple[int, int, int, int]]:
@@ -561,7 +675,7 @@ def _by_ndim(table: ChunkTable, lo: int, hi: int) -> dict[int, torch.Tensor]:
     return {int(n): (ndims == n).nonzero().squeeze(1) for n in torch.unique(ndims).tolist()}
 
 
-def _write_tensors(sink: _Sink, table: ChunkTable, memo: _Memo) -> None:
+def _write_tensors(sink: Sink, table: ChunkTable, memo: _Memo) -> None:
     """state_dict_metadata's tensor entries: each a TensorStorageMetadata with its chunk list."""
     keys = table.keys
     templates: dict[int, _Template] = {}
@@ -607,7 +721,7 @@ def _write_tensors(sink: _Sink, table: ChunkTable, memo: _Memo) -> None:
     sink.write(_SETITEMS)
 
 
-def _write_storage(sink: _Sink, table: ChunkTable, memo: _Memo) -> None:
+def _write_storage(sink: Sink, table: ChunkTable, memo: _Memo) -> None:
     """storage_data's tensor entries: a MetadataIndex and its _StorageInfo per chunk, written by
     groups of equal dimensions (a dict's order is not its content)."""
     keys = table.keys

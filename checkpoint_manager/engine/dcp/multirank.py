@@ -43,6 +43,7 @@ from checkpoint_manager.engine.dcp.chunk_index import INDEX_FILE, write_index
 from checkpoint_manager.engine.dcp.chunks import (
     ChunkTable,
     KeyTable,
+    WrittenMetadata,
     encode_report,
     report_size,
     write_metadata,
@@ -163,7 +164,15 @@ class RankPlans:
     mappings: dict[str, Any] = field(default_factory=dict)
     layout: list[tuple[int, int]] | None = None  # (position, length) of each item in the last file
     generation: int = -1  # the merge the last layout belongs to (the same on every rank)
-    merged: ChunkTable | None = None  # the coordinator's: that merge
+    #: the coordinator's: the .metadata and chunk index of that merge, kept open to be copied
+    written: tuple[WrittenMetadata, WrittenMetadata] | None = None
+
+    def forget(self) -> None:
+        """Drop the coordinator's files of the last merge (the next save merges again)."""
+        if self.written is not None:
+            for file in self.written:
+                file.close()
+        self.written = None
 
 
 def plan_rank(plans: RankPlans, tensors: Mapping[str, torch.Tensor], planner: FastSavePlanner, rank: int,
@@ -271,7 +280,10 @@ def save_ranks(
         except BaseException as exc:  # shared with every rank first, raised below
             failure = exc
     # unchanged since the last merge: the same items at the same places (and the coordinator kept it)
-    same = hit and layout is not None and layout == plans.layout and (not coordinator or plans.merged is not None)
+    same = (
+        hit and layout is not None and layout == plans.layout
+        and (not coordinator or (plans.written is not None and all(w.intact() for w in plans.written)))
+    )
     t1 = time.perf_counter()
     digest = keys.digest if keys is not None else 0
     size = report_size(keys, len(plans.items)) if keys is not None else 0
@@ -282,36 +294,43 @@ def save_ranks(
         raise CheckpointError("another rank failed to write its part of the checkpoint (its own error names it)")
     if not (outcome.eligible and outcome.digests_agree):
         plans.signature = plans.keys = None
-        plans.layout, plans.merged, plans.generation = None, None, -1
+        plans.layout, plans.generation = None, -1
+        plans.forget()
         ctx.timings["exchange"] = time.perf_counter() - t1
         return None
     assert keys is not None and layout is not None
     low, high = outcome.generations
     reuse = outcome.same and low == high  # the same on every rank: all of them know the outcome
-    table = plans.merged if reuse else None
     reports: list[torch.Tensor] | None = None
     if not reuse:
         reports = _gather_reports(rank_report(plans, layout), outcome.report_bytes, rank, world, group)
         plans.generation = high + 1
-        plans.merged = None
     plans.layout = layout
     ctx.timings["exchange"] = time.perf_counter() - t1
     records = dict(writer.checksums)
     if coordinator:
         t2 = time.perf_counter()
-        if table is None:
+        sources: tuple[ChunkTable | WrittenMetadata, ChunkTable | WrittenMetadata]
+        if reuse:
+            assert plans.written is not None
+            sources = plans.written
+        else:
             assert reports is not None
+            plans.forget()
             table = ChunkTable.merge(keys, reports).without_duplicate_empties()
             del reports
+            sources = (table, table)
         objects_written = writer.objects_written
         planner_data = {**plans.mappings, **object_paths(objects_written, plans.mappings)}
-        size_, crc = write_metadata(
-            directory / METADATA_FILE, table, planner_data=planner_data, objects=objects_written,
+        size_, crc, metadata_file = write_metadata(
+            directory / METADATA_FILE, sources[0], planner_data=planner_data, objects=objects_written,
             storage_meta=writer.storage_meta(), fsync=writer.sync_files,
         )
-        plans.merged = table
         records[METADATA_FILE] = {"size": size_, "crc32": crc}
-        size_, crc = write_index(directory / INDEX_FILE, table, fsync=writer.sync_files)
+        size_, crc, index_file = write_index(directory / INDEX_FILE, sources[1], fsync=writer.sync_files)
         records[INDEX_FILE] = {"size": size_, "crc32": crc}
+        if reuse:
+            plans.forget()
+        plans.written = (metadata_file, index_file)
         ctx.timings["metadata"] = time.perf_counter() - t2
     return records
