@@ -372,7 +372,7 @@ def run_save(sc: Scenario, steps: dict[str, Measured], wire: dict[str, int], *, 
     if first:
         wire["reports_up"] = max(len(r) for r in sc.reports)
         with measure(steps["merge"]):
-            sc.merged = ChunkTable.merge(sc.table, sc.reports).without_duplicate_empties()
+            sc.merged = ChunkTable.merge(sc.table, sc.reports)
     with measure(steps[f"metadata_{tag}"]):
         sources = (sc.merged, sc.merged) if first else sc.written
         _, _, written_metadata = write_metadata(

@@ -122,7 +122,7 @@ MESHES = [((4,), (Shard(0),)), ((8,), (Shard(0),)), ((2, 3), (Replicate(), Shard
 @pytest.mark.parametrize(("mesh", "placements"), MESHES)
 def test_metadata_from_columns_equals_dcps_global_plan(tmp_path: Path, mesh: Any, placements: Any) -> None:
     keys, plans, reports = _job(mesh, placements)
-    table = ChunkTable.merge(keys, reports).without_duplicate_empties()
+    table = ChunkTable.merge(keys, reports)
     objects = [("optim.param_groups.0.lr", _StorageInfo(data_file(0), 999, 17))]
     planner_data = {k: (k,) for k in keys.fqns} | {"optim.param_groups.0.lr": ("optim.param_groups.0.lr",)}
     size, crc, _ = write_metadata(tmp_path / ".metadata", table, planner_data=planner_data, objects=objects, fsync=False)
@@ -165,7 +165,7 @@ def test_a_save_of_the_same_plan_copies_the_last_files_but_its_own_entries(tmp_p
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     keys, _, reports = _job((2, 3), (Replicate(), Shard(0)))
-    table = ChunkTable.merge(keys, reports).without_duplicate_empties()
+    table = ChunkTable.merge(keys, reports)
     planner_data = {k: (k,) for k in keys.fqns} | {"o.lr": ("o.lr",), "o.step": ("o.step",)}
     first = [("o.lr", _StorageInfo(data_file(0), 100, 17))]
     (tmp_path / "a").mkdir()
@@ -288,7 +288,7 @@ def test_chunk_index_gives_a_rank_exactly_the_chunks_its_shard_overlaps(
     """At any world size of a load, each rank's part of the metadata holds every saved chunk that
     overlaps its shard (and no other), with the records ``.metadata`` gives them."""
     keys, _, reports = _job(mesh, placements)
-    table = ChunkTable.merge(keys, reports).without_duplicate_empties()
+    table = ChunkTable.merge(keys, reports)
     write_metadata(tmp_path / ".metadata", table, planner_data={k: (k,) for k in keys.fqns}, fsync=False)
     write_index(tmp_path / INDEX_FILE, table, fsync=False)
     full = pickle.loads((tmp_path / ".metadata").read_bytes())

@@ -56,19 +56,20 @@ def _ordered_dim(table: ChunkTable) -> list[int]:
     """Per tensor, a dimension along which its chunks' starts and ends never decrease in row order
     (then a binary search finds those that overlap a range), or -1."""
     keys = table.keys
-    out = [-1] * len(keys.fqns)
-    starts = table.starts.tolist()
-    for k, size in enumerate(keys.sizes):
-        a, b = starts[k], starts[k + 1]
-        if b - a <= 1:
-            out[k] = 0 if size else -1
-            continue
-        for d in range(len(size)):
-            lo = table.offsets[a:b, d].to(torch.int64)
-            hi = lo + table.sizes[a:b, d].to(torch.int64)
-            if bool((lo[1:] >= lo[:-1]).all()) and bool((hi[1:] >= hi[:-1]).all()):
+    nkeys = len(keys.fqns)
+    ndims = [len(s) for s in keys.sizes]
+    out = [-1] * nkeys
+    if not table.chunks:
+        return [0 if n else -1 for n in ndims]
+    same_key = table.key[1:] == table.key[:-1]  # row i+1 follows row i of the same tensor
+    for d in range(keys.ndim):
+        lo = table.offsets[:, d].to(torch.int64)
+        hi = lo + table.sizes[:, d].to(torch.int64)
+        falls = same_key & ((lo[1:] < lo[:-1]) | (hi[1:] < hi[:-1]))
+        unordered = set(table.key[1:][falls].tolist())
+        for k in range(nkeys):
+            if out[k] < 0 and d < ndims[k] and k not in unordered:
                 out[k] = d
-                break
     return out
 
 

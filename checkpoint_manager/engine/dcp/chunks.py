@@ -163,7 +163,7 @@ class ChunkTable:
     keys: KeyTable
     ranks: int
     key: torch.Tensor  # int64 [C]
-    rank: torch.Tensor  # int64 [C]
+    rank: torch.Tensor  # int32 [C]
     position: torch.Tensor  # int64 [C]
     length: torch.Tensor  # int64 [C]
     offsets: torch.Tensor  # [C, D]
@@ -183,114 +183,105 @@ class ChunkTable:
     @classmethod
     def merge(cls, keys: KeyTable, reports: Sequence[bytes | torch.Tensor]) -> ChunkTable:
         """The rows of every rank's report (``reports[r]`` from rank ``r``: its bytes, or a uint8
-        tensor that starts with them), checked: see :meth:`check`."""
-        placed_parts, dims_parts, rank_parts = [], [], []
+        tensor that starts with them), checked (see :func:`_check`), repeats of an empty chunk
+        dropped but the first (ranks past a small tensor's end all hold the same empty shard: DCP
+        keeps one of them)."""
+        placed_parts, dims_parts, counts = [], [], []
         for r, raw in enumerate(reports):
-            view = raw if isinstance(raw, torch.Tensor) else torch.frombuffer(bytearray(raw) or bytearray(1), dtype=torch.uint8)[: len(raw)]
+            view = raw if isinstance(raw, torch.Tensor) else torch.frombuffer(
+                bytearray(raw) or bytearray(1), dtype=torch.uint8
+            )[: len(raw)]
             part_placed, part_dims = _decode_report(view, keys, r)
             placed_parts.append(part_placed)
             dims_parts.append(part_dims)
-            rank_parts.append(torch.full((part_placed.shape[0],), r, dtype=torch.int64))
+            counts.append(part_placed.shape[0])
         d = keys.ndim
         placed = torch.cat(placed_parts) if placed_parts else torch.zeros((0, 2), dtype=torch.int64)
         dims = torch.cat(dims_parts) if dims_parts else torch.zeros((0, 1 + 2 * d), dtype=torch.int32)
-        rank = torch.cat(rank_parts) if rank_parts else torch.zeros(0, dtype=torch.int64)
-        del placed_parts, dims_parts, rank_parts
-        key = dims[:, 0].to(torch.int64)
-        if key.numel() and (int(key.min()) < 0 or int(key.max()) >= len(keys.fqns)):
+        del placed_parts, dims_parts
+        rank = torch.repeat_interleave(torch.arange(len(reports), dtype=torch.int32), torch.tensor(counts, dtype=torch.int64))
+        column = dims[:, 0]
+        if column.numel() and (int(column.min()) < 0 or int(column.max()) >= len(keys.fqns)):
             raise CheckpointError("a rank's chunk report names a tensor this state does not hold")
-        order = torch.argsort(key, stable=True)
-        table = cls(
-            keys,
-            len(reports),
-            key[order],
-            rank[order],
-            placed[order, 0].contiguous(),
-            placed[order, 1].contiguous(),
-            dims[order, 1 : 1 + d].contiguous(),
-            dims[order, 1 + d :].contiguous(),
-        )
-        table.check()
-        return table
-
-    def check(self) -> None:
-        """Raise :class:`CheckpointError` unless each tensor's chunks lie inside it, differ in their
-        offsets (empty chunks aside) and together hold exactly its elements.
-
-        The chunks come from DTensor shardings (products of ``torch.chunk`` intervals, one per mesh
-        coordinate), which are disjoint by construction: two ranks writing the same chunk, or a
-        chunk nobody wrote, is what can go wrong, and these three checks see both.
-        """
-        keys, d = self.keys, self.keys.ndim
-        if not self.chunks:
-            if any(math.prod(s) for s in keys.sizes):
-                raise CheckpointError("no rank reported a chunk")
-            return
-        glob = torch.tensor(
-            [list(s) + [1] * (d - len(s)) for s in keys.sizes], dtype=torch.int64
-        ).reshape(len(keys.sizes), d)
-        ndims = torch.tensor([len(s) for s in keys.sizes], dtype=torch.int64)
-        offsets, sizes = self.offsets.to(torch.int64), self.sizes.to(torch.int64)
-        row_glob = glob[self.key]
-        # the dims past a tensor's own are padding: zero offsets, zero sizes
-        past = torch.arange(d).unsqueeze(0) >= ndims[self.key].unsqueeze(1)
-        if bool((offsets.masked_select(past) != 0).any()) or bool((sizes.masked_select(past) != 0).any()):
-            raise CheckpointError("a rank's chunk report has dimensions its tensor lacks")
-        sizes_v = sizes.masked_fill(past, 1)
-        if bool((offsets < 0).any()) or bool((sizes_v < 0).any()) or bool((offsets + sizes_v > row_glob).any()):
-            bad = int(((offsets < 0) | (offsets + sizes_v > row_glob)).any(1).nonzero()[0, 0])
-            raise CheckpointError(f"a chunk of {keys.fqns[int(self.key[bad])]!r} lies outside it")
-        if bool((self.position < 0).any()) or bool((self.length < 0).any()):
-            raise CheckpointError("a rank's chunk report places a record before its file's start")
-        volume = sizes_v.prod(1)
-        per_key = torch.zeros(len(keys.sizes), dtype=torch.int64).index_add_(0, self.key, volume)
-        want = torch.tensor([math.prod(s) for s in keys.sizes], dtype=torch.int64)
-        wrong = (per_key != want).nonzero()
-        if wrong.numel():
-            k = int(wrong[0, 0])
-            raise CheckpointError(
-                f"the chunks of {keys.fqns[k]!r} hold {int(per_key[k])} of its {int(want[k])} elements "
-                "(a chunk written by no rank, or by two)"
-            )
-        # no two non-empty chunks of a tensor at one offset (two equal empty ones are DCP's duplicates)
-        nonempty = (volume > 0).nonzero().squeeze(1)
-        if nonempty.numel() > 1:
-            rows = torch.cat([self.key[nonempty].unsqueeze(1), offsets[nonempty]], 1)
-            if not _increasing(rows):  # the usual rank order is; else sort to find equal rows
-                ordered = rows[_lexsort(rows)]
-                same = (ordered[1:] == ordered[:-1]).all(1)
-                if bool(same.any()):
-                    k = int(ordered[int(same.nonzero()[0, 0]), 0])
-                    raise CheckpointError(f"two ranks wrote the same chunk of {keys.fqns[k]!r}")
-
-    def without_duplicate_empties(self) -> ChunkTable:
-        """This table less the repeats of an empty chunk at one offset (ranks past a small tensor's
-        end all hold the same empty shard): DCP keeps one of them, the first."""
-        if not self.chunks:
-            return self
-        volume = self.sizes.to(torch.int64).masked_fill(self._past(), 1).prod(1)
-        empty = (volume == 0).nonzero().squeeze(1)
-        if empty.numel() < 2:
-            return self
-        rows = torch.cat([self.key[empty].unsqueeze(1), self.offsets[empty].to(torch.int64)], 1)
-        order = _lexsort(rows)
-        ordered = rows[order]
-        repeat = torch.zeros(empty.numel(), dtype=torch.bool)
-        repeat[1:] = (ordered[1:] == ordered[:-1]).all(1)
-        if not bool(repeat.any()):
-            return self
-        drop = torch.zeros(self.chunks, dtype=torch.bool)
-        # of equal rows, _lexsort keeps the input (rank) order: the first stays
-        drop[empty[order[repeat]]] = True
-        keep = (~drop).nonzero().squeeze(1)
-        return ChunkTable(
-            self.keys, self.ranks, self.key[keep], self.rank[keep], self.position[keep], self.length[keep],
-            self.offsets[keep], self.sizes[keep],
+        order = torch.argsort(column, stable=True)  # each tensor's rows, in rank order
+        dims, placed, rank = dims[order], placed[order], rank[order]
+        del order, column
+        key = dims[:, 0].to(torch.int64)
+        offsets, sizes = dims[:, 1 : 1 + d], dims[:, 1 + d :]
+        keep = _check(keys, key, offsets, sizes, placed)
+        if keep is not None:
+            key, rank, placed, offsets, sizes = key[keep], rank[keep], placed[keep], offsets[keep], sizes[keep]
+        return cls(
+            keys, len(reports), key, rank, placed[:, 0].contiguous(), placed[:, 1].contiguous(),
+            offsets.contiguous(), sizes.contiguous(),
         )
 
-    def _past(self) -> torch.Tensor:
-        ndims = torch.tensor([len(s) for s in self.keys.sizes], dtype=torch.int64)
-        return torch.arange(self.keys.ndim).unsqueeze(0) >= ndims[self.key].unsqueeze(1)
+
+def _check(
+    keys: KeyTable, key: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor, placed: torch.Tensor
+) -> torch.Tensor | None:
+    """Raise :class:`CheckpointError` unless each tensor's chunks lie inside it, differ in their
+    offsets (empty chunks aside) and together hold exactly its elements; the rows to keep (the
+    repeats of an empty chunk dropped), or None to keep all.
+
+    The chunks come from DTensor shardings (products of ``torch.chunk`` intervals, one per mesh
+    coordinate), which are disjoint by construction: two ranks writing the same chunk, or a chunk
+    nobody wrote, is what can go wrong, and these checks see both.
+    """
+    d, count = keys.ndim, key.numel()
+    if not count:
+        if any(math.prod(s) for s in keys.sizes):
+            raise CheckpointError("no rank reported a chunk")
+        return None
+    glob = torch.tensor([list(s) + [1] * (d - len(s)) for s in keys.sizes], dtype=torch.int64).reshape(-1, d)
+    ndims = torch.tensor([len(s) for s in keys.sizes], dtype=torch.int64)
+    past = torch.arange(d).unsqueeze(0) >= ndims[key].unsqueeze(1)  # padding: the dims a tensor lacks
+    offsets64, sizes64 = offsets.to(torch.int64), sizes.to(torch.int64)
+    if bool(((offsets64 != 0) & past).any()) or bool(((sizes64 != 0) & past).any()):
+        raise CheckpointError("a rank's chunk report has dimensions its tensor lacks")
+    sizes64.masked_fill_(past, 1)
+    outside = (offsets64 < 0) | (sizes64 < 0) | (offsets64 + sizes64 > glob[key])
+    if bool(outside.any()):
+        bad = int(outside.any(1).nonzero()[0, 0])
+        raise CheckpointError(f"a chunk of {keys.fqns[int(key[bad])]!r} lies outside it")
+    del outside
+    if bool((placed < 0).any()):
+        raise CheckpointError("a rank's chunk report places a record before its file's start")
+    volume = sizes64.prod(1)
+    del sizes64
+    per_key = torch.zeros(len(keys.sizes), dtype=torch.int64).index_add_(0, key, volume)
+    want = torch.tensor([math.prod(s) for s in keys.sizes], dtype=torch.int64)
+    wrong = (per_key != want).nonzero()
+    if wrong.numel():
+        k = int(wrong[0, 0])
+        raise CheckpointError(
+            f"the chunks of {keys.fqns[k]!r} hold {int(per_key[k])} of its {int(want[k])} elements "
+            "(a chunk written by no rank, or by two)"
+        )
+    # no two non-empty chunks of a tensor at one offset
+    nonempty = (volume > 0).nonzero().squeeze(1)
+    if nonempty.numel() > 1:
+        rows = torch.cat([key[nonempty].unsqueeze(1), offsets64[nonempty]], 1)
+        if not _increasing(rows):  # the usual rank order is; else sort to find equal rows
+            ordered = rows[_lexsort(rows)]
+            same = (ordered[1:] == ordered[:-1]).all(1)
+            if bool(same.any()):
+                k = int(ordered[int(same.nonzero()[0, 0]), 0])
+                raise CheckpointError(f"two ranks wrote the same chunk of {keys.fqns[k]!r}")
+    # empty chunks at one offset: the first (in rank order) stays
+    empty = (volume == 0).nonzero().squeeze(1)
+    if empty.numel() < 2:
+        return None
+    rows = torch.cat([key[empty].unsqueeze(1), offsets64[empty]], 1)
+    order = _lexsort(rows)  # stable: equal rows stay in rank order
+    ordered = rows[order]
+    repeat = torch.zeros(empty.numel(), dtype=torch.bool)
+    repeat[1:] = (ordered[1:] == ordered[:-1]).all(1)
+    if not bool(repeat.any()):
+        return None
+    drop = torch.zeros(count, dtype=torch.bool)
+    drop[empty[order[repeat]]] = True
+    return (~drop).nonzero().squeeze(1)
 
 
 def _increasing(rows: torch.Tensor) -> bool:
@@ -679,46 +670,68 @@ def _write_tensors(sink: Sink, table: ChunkTable, memo: _Memo) -> None:
     """state_dict_metadata's tensor entries: each a TensorStorageMetadata with its chunk list."""
     keys = table.keys
     templates: dict[int, _Template] = {}
-    props: dict[int, bytes] = {}
+    heads: dict[tuple[int, torch.Size], bytes] = {}  # per (properties, size): the entry's opcodes before its chunks
     starts = table.starts.tolist()
-    sink.write(_MARK)
+    ndims = [len(size) for size in keys.sizes]
+    out = _Batched(sink)
+    out.add(_MARK)
     batch = 0
     for k0, k1, lo, hi in _blocks(table):
-        filled: dict[int, tuple[_Rows, list[int]]] = {}
+        filled: dict[int, _Rows] = {}
         for ndim, rows in _by_ndim(table, lo, hi).items():
             t = templates.get(ndim)
             if t is None:
                 t = templates[ndim] = _chunk_template(memo, ndim, keys.wide)
-            cols = {"offsets": table.offsets[lo:hi][rows, :ndim], "sizes": table.sizes[lo:hi][rows, :ndim]}
-            at = torch.full((hi - lo,), -1, dtype=torch.int64)  # each block row's place in its group
-            at[rows] = torch.arange(rows.numel())
-            filled[ndim] = (_fill(t, cols), at.tolist())
+            filled[ndim] = _fill(t, {"offsets": table.offsets[lo:hi][rows, :ndim], "sizes": table.sizes[lo:hi][rows, :ndim]})
+        placed = dict.fromkeys(filled, 0)  # rows of each group written so far: a key's rows are the next ones
         for k in range(k0, k1):
             if batch == _BATCH:
-                sink.write(_SETITEMS + _MARK)
+                out.add(_SETITEMS + _MARK)
                 batch = 0
             batch += 1
             size, p = keys.sizes[k], keys.properties[k]
-            body = props.get(id(p))
-            if body is None:
-                body = props[id(p)] = _body(p)
-            sink.write(
-                _long_get(memo.fqns + k)
-                + memo.get("TensorStorageMetadata") + _EMPTY_TUPLE + _NEWOBJ + _EMPTY_DICT + _MARK
-                + memo.get("properties") + body
-                + memo.get("size") + _body(torch.Size(size))
-                + memo.get("chunks") + _EMPTY_LIST
-            )
-            a, b = starts[k] - lo, starts[k + 1] - lo
-            if b > a:
-                rows_k, at_k = filled[len(size)]
-                first = at_k[a]
-                for c in range(0, b - a, _BATCH):
-                    sink.write(_MARK)
-                    sink.write(rows_k.view(first + c, first + min(b - a, c + _BATCH)))
-                    sink.write(_APPENDS)
-            sink.write(_SETITEMS + _BUILD)
-    sink.write(_SETITEMS)
+            head = heads.get((id(p), size))
+            if head is None:
+                head = heads[id(p), size] = (
+                    memo.get("TensorStorageMetadata") + _EMPTY_TUPLE + _NEWOBJ + _EMPTY_DICT + _MARK
+                    + memo.get("properties") + _body(p)
+                    + memo.get("size") + _body(torch.Size(size))
+                    + memo.get("chunks") + _EMPTY_LIST
+                )
+            out.add(_long_get(memo.fqns + k) + head)
+            n = starts[k + 1] - starts[k]
+            if n:
+                rows_k, first = filled[ndims[k]], placed[ndims[k]]
+                placed[ndims[k]] = first + n
+                for c in range(0, n, _BATCH):
+                    out.add(_MARK)
+                    out.add(rows_k.view(first + c, first + min(n, c + _BATCH)))
+                    out.add(_APPENDS)
+            out.add(_SETITEMS + _BUILD)
+    out.add(_SETITEMS)
+    out.flush()
+
+
+class _Batched:
+    """Pieces for a sink, joined into writes of a few MiB (a write per piece cost more than the bytes)."""
+
+    LIMIT = 4 << 20
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.parts: list[bytes | memoryview] = []
+        self.size = 0
+
+    def add(self, piece: bytes | memoryview) -> None:
+        self.parts.append(piece)
+        self.size += len(piece)
+        if self.size >= self.LIMIT:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.parts:
+            self.sink.write(b"".join(self.parts))
+            self.parts, self.size = [], 0
 
 
 def _write_storage(sink: Sink, table: ChunkTable, memo: _Memo) -> None:

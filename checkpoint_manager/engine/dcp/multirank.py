@@ -317,7 +317,7 @@ def save_ranks(
         else:
             assert reports is not None
             plans.forget()
-            table = ChunkTable.merge(keys, reports).without_duplicate_empties()
+            table = ChunkTable.merge(keys, reports)
             del reports
             sources = (table, table)
         objects_written = writer.objects_written
