@@ -110,3 +110,45 @@ def test_fast_save_planner_plans_dtensors_as_dcp_does() -> None:
     ref = DefaultSavePlanner()
     ref.set_up_planner(flat, None, False)
     assert fast.create_local_plan().items == ref.create_local_plan().items
+
+
+@pytest.mark.usefixtures("fake_world")
+def test_fast_load_planner_plans_dtensor_targets_as_dcp_does() -> None:
+    """Targets sharded over 16 ranks (rank 11 here), reading chunks that 4 or 6 ranks saved."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from checkpoint_manager.engine.dcp.planner import FastLoadPlanner
+
+    meshes = [init_device_mesh("cpu", (16,)), init_device_mesh("cpu", (4, 4), mesh_dim_names=("rep", "shard"))]
+    targets = {
+        "model.w": _dtensor(meshes[0], (40, 3), [Shard(0)], requires_grad=False),
+        "model.v": _dtensor(meshes[1], (13, 6), [Shard(0), Shard(1)], requires_grad=False),
+        "model.b": _dtensor(meshes[1], (9,), [Replicate(), Shard(0)], requires_grad=False),
+        "optim.state.w.step": torch.tensor(2.0),
+    }
+    entries: dict[str, Any] = {}
+    for key, t in targets.items():
+        shape = tuple(t.shape)
+        saved = (6,) if len(shape) == 1 else (4,) if key == "model.w" else (2, 3)
+        placements = [Shard(0)] if len(saved) == 1 else [Shard(0), Shard(1)]
+        chunks = []
+        if shape:
+            for coord in itertools.product(*(range(m) for m in saved)):
+                chunk = shard_chunk(shape, saved, coord, placements)
+                assert chunk is not None
+                chunks.append(ChunkStorageMetadata(offsets=chunk[1], sizes=chunk[0]))
+        else:
+            chunks = [ChunkStorageMetadata(offsets=torch.Size([]), sizes=torch.Size([]))]
+        entries[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), chunks)
+    metadata = Metadata(entries)
+    ours, theirs = FastLoadPlanner(), DefaultLoadPlanner()
+    ours.set_up_planner(nest(dict(targets)), metadata, False)
+    theirs.set_up_planner(dict(targets), metadata, False)
+    items = ours.create_local_plan().items
+    assert items == theirs.create_local_plan().items and items
