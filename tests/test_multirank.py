@@ -411,6 +411,15 @@ def test_saves_of_a_job_load_with_plain_dcp_and_at_half_the_ranks(tmp_path: Path
     loaded = load_file(str(tmp_path / f"loaded_ws{world // 2}.safetensors"))
     assert _equal(load_file(str(tmp_path / "saved_4.safetensors")), loaded) == []
     assert json.loads((tmp_path / f"loaded_ws{world // 2}.json").read_text()) == {"step": 4}
+    # loads read the chunk index, not .metadata: "sizes" checks its size, "full" its CRC-32 too
+    from checkpoint_manager.core.integrity import verify
+
+    flipped = checkpoints[-2] / ".metadata"
+    raw = bytearray(flipped.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    flipped.write_bytes(bytes(raw))
+    assert verify(checkpoints[-2], "sizes") == []
+    assert [p.split(":")[0] for p in verify(checkpoints[-2], "full")] == [str(flipped)]
     # rank 0 alone checks every file of a load; its verdict reaches every rank, before any is read
     data = checkpoints[-1] / "__1_0.distcp"
     with open(data, "r+b") as f:

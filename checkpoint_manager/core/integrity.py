@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from checkpoint_manager.core.checksum import crc32
 from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
+    CHUNK_INDEX,
     METADATA_FILE,
     STATE_JSON,
     file_record_problems,
@@ -160,7 +162,7 @@ def _problems(root: Path, meta: dict[str, Any], level: VerifyLevel) -> list[str]
                 problems.append(
                     f"{file}: size {size} bytes, {CHECKPOINT_JSON} records {desc['size']} (truncated or altered)"
                 )
-            elif (level == "full" or read_whole(rel)) and "crc32" in desc:
+            elif (level == "full" or read_whole(rel, files)) and "crc32" in desc:
                 crc = _fd_crc32(fd)
                 if crc != desc["crc32"]:
                     problems.append(
@@ -171,11 +173,15 @@ def _problems(root: Path, meta: dict[str, Any], level: VerifyLevel) -> list[str]
     return problems
 
 
-def read_whole(rel: str) -> bool:
-    """Whether a load reads file ``rel`` whole (its JSON state, the DCP metadata): ``sizes`` checks
-    its CRC32 too, since a same-size flip there would otherwise reach the decoder; these files are
-    small next to the tensor data, which ``sizes`` only stats."""
-    return rel in (METADATA_FILE, STATE_JSON) or _RANK_JSON.fullmatch(rel) is not None
+def read_whole(rel: str, files: Mapping[str, Any] = {}) -> bool:
+    """Whether a load reads file ``rel`` of a checkpoint of ``files`` whole (its JSON state, the DCP
+    metadata): ``sizes`` checks its CRC32 too, since a same-size flip there would otherwise reach
+    the decoder; these files are small next to the tensor data, which ``sizes`` only stats. A
+    checkpoint with a chunk index is loaded from the index (a few pages of it per rank), not from
+    its ``.metadata``, which plain DCP reads (and our tools check as they read it)."""
+    if rel == METADATA_FILE:
+        return CHUNK_INDEX not in files
+    return rel == STATE_JSON or _RANK_JSON.fullmatch(rel) is not None
 
 
 def read_recorded(root: Path, rel: str, meta: dict[str, Any], level: VerifyLevel, *, limit: int) -> bytes:

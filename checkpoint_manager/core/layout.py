@@ -27,6 +27,7 @@ from checkpoint_manager.errors import CheckpointCorruptError, CheckpointVersionE
 
 __all__ = [
     "CHECKPOINT_JSON",
+    "CHUNK_INDEX",
     "FORMAT_VERSION",
     "LATEST_POINTER",
     "METADATA_FILE",
@@ -51,6 +52,8 @@ CHECKPOINT_JSON = "checkpoint.json"
 STATE_JSON = "state.json"
 #: DCP's index of a checkpoint's tensors (plain ``dcp.save`` output has it too)
 METADATA_FILE = ".metadata"
+#: where each chunk of a checkpoint of several ranks lies, for loads (the DCP engine's, beside ``.metadata``)
+CHUNK_INDEX = ".chunks.safetensors"
 #: a pointer is a name and a few numbers
 POINTER_LIMIT = 64 * 1024
 #: where pending saves (and checkpoints being deleted) live, inside a save directory

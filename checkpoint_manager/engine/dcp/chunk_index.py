@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.tensor import DTensor
 
+from checkpoint_manager.core.layout import CHUNK_INDEX
 from checkpoint_manager.core.safe_io import open_regular
 from checkpoint_manager.engine.base import TensorInfo
 from checkpoint_manager.engine.dcp.chunks import ChunkTable, Sink, WrittenMetadata, data_file
@@ -41,7 +42,7 @@ from checkpoint_manager.errors import CheckpointCorruptError
 
 __all__ = ["INDEX_FILE", "ChunkIndex", "write_index"]
 
-INDEX_FILE = ".chunks.safetensors"
+INDEX_FILE = CHUNK_INDEX
 _FORMAT = "checkpoint-manager-chunk-index"
 _VERSION = "1"
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
