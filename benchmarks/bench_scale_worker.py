@@ -30,6 +30,14 @@ from checkpoint_manager import (
 warnings.filterwarnings("ignore")
 
 
+class Norm(nn.Module):
+    """A norm's one weight, named as Llama's (``...layernorm.weight``)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+
 class Block(nn.Module):
     def __init__(self, hidden: int, inter: int, kv: int) -> None:
         super().__init__()
@@ -42,14 +50,14 @@ class Block(nn.Module):
         self.mlp.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.mlp.up_proj = nn.Linear(hidden, inter, bias=False)
         self.mlp.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.input_layernorm = nn.Parameter(torch.ones(hidden))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(hidden))
+        self.input_layernorm = Norm(hidden)
+        self.post_attention_layernorm = Norm(hidden)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         a = self.self_attn
-        x = h * self.input_layernorm
+        x = h * self.input_layernorm.weight
         h = h + a.o_proj(a.q_proj(x) + a.v_proj(x).repeat(1, 1, a.q_proj.out_features // a.v_proj.out_features))
-        x = h * self.post_attention_layernorm
+        x = h * self.post_attention_layernorm.weight
         m = self.mlp
         return h + m.down_proj(torch.nn.functional.silu(m.gate_proj(x)) * m.up_proj(x))  # type: ignore[no-any-return]
 
@@ -62,14 +70,14 @@ class TinyLlama(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(vocab, hidden)
         self.model.layers = nn.ModuleList(Block(hidden, inter, kv) for _ in range(layers))
-        self.model.norm = nn.Parameter(torch.ones(hidden))
+        self.model.norm = Norm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(ids)
         for layer in self.model.layers:
             h = layer(h)
-        return self.lm_head(h * self.model.norm)  # type: ignore[no-any-return]
+        return self.lm_head(h * self.model.norm.weight)  # type: ignore[no-any-return]
 
 
 def main(job: Path) -> int:
