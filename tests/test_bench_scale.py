@@ -19,7 +19,7 @@ from conftest import ROOT, run_python
 if str(ROOT) not in sys.path:  # benchmarks/ is a top-level folder of the checkout, not installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_scale import fit_exponent  # noqa: E402
+from benchmarks.bench_scale import fit_exponent
 
 HEADLINE = (
     "coordinator_s.reused",
