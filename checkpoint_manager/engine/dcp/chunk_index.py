@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.tensor import DTensor
 
 from checkpoint_manager.core.layout import CHUNK_INDEX
-from checkpoint_manager.core.safe_io import open_regular
+from checkpoint_manager.core.safe_io import open_regular, parse_json
 from checkpoint_manager.engine.base import TensorInfo
 from checkpoint_manager.engine.dcp.chunks import ChunkTable, Sink, WrittenMetadata, data_file
 from checkpoint_manager.engine.dcp.shards import shard_chunk
@@ -157,10 +157,7 @@ class ChunkIndex:
             (length,) = struct.unpack("<Q", head)
             if length > min(_MAX_HEADER, size - 8):
                 raise self._bad(f"header length {length} is impossible")
-            try:
-                header = json.loads(os.pread(fd, length, 8).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise self._bad(f"header is not JSON ({exc})") from exc
+            header = parse_json(os.pread(fd, length, 8), self.path, limit=_MAX_HEADER)
             self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if size else None  # writes never reach the file
         finally:
             os.close(fd)
@@ -171,13 +168,13 @@ class ChunkIndex:
             raise self._bad("not a chunk index of this format")
         try:
             self.ranks = int(meta["ranks"])
-            rows = json.loads(meta["keys"])
+            rows = parse_json(str(meta["keys"]), self.path, limit=_MAX_HEADER)
             self.fqns = [str(r[0]) for r in rows]
             self.sizes = [torch.Size(int(d) for d in r[1]) for r in rows]
             self.dtypes = [_DTYPES[r[2]] for r in rows]
             self.ordered = [int(r[3]) for r in rows]
-        except (KeyError, TypeError, ValueError, IndexError, json.JSONDecodeError) as exc:
-            raise self._bad(f"its key table is malformed ({exc!r})") from exc
+        except (KeyError, TypeError, ValueError, IndexError, CheckpointCorruptError) as exc:
+            raise self._bad(f"its key table is malformed ({exc})") from exc
         self.at = {fqn: k for k, fqn in enumerate(self.fqns)}
         if self.ranks < 1 or len(self.at) != len(self.fqns) or any(
             min(s, default=0) < 0 or not -1 <= d < max(len(s), 1) for s, d in zip(self.sizes, self.ordered, strict=True)

@@ -359,7 +359,7 @@ class _Memo:
         "properties", "size", "chunks",
     )
 
-    def __init__(self, fqns: Sequence[str], files: Sequence[str]) -> None:
+    def __init__(self, fqns: Sequence[str], files: Sequence[str], sizes: Sequence[torch.Size] = ()) -> None:
         out = [_PROTO]
         self.at: dict[Any, int] = {}
         for module, name in self.GLOBALS:
@@ -374,6 +374,12 @@ class _Memo:
         self.fqns = self.files + len(files)
         for f in fqns:
             out += [_string(f), _MEMOIZE, _POP]
+        self.sizes = self.fqns + len(fqns)  # the chunks' sizes, one per run of equal ones
+        for size in sizes:
+            out += [_body(size), _MEMOIZE, _POP]
+        #: each chunk's offsets are memoized as they are written (the chunk section's i-th at ``chunks + i``)
+        #: and referred to by their storage record's index
+        self.chunks = self.sizes + len(sizes)
         self.prefix = b"".join(out)
 
     def get(self, what: str) -> bytes:
@@ -402,31 +408,29 @@ class _Template:
 
 
 def _chunk_template(memo: _Memo, ndim: int, wide: bool) -> _Template:
-    """A ChunkStorageMetadata: offsets and sizes."""
+    """A ChunkStorageMetadata: its offsets (memoized: its storage record's index refers to them) and
+    its sizes (a reference to the memoized Size its run of chunks shares)."""
     out = bytearray(memo.get("ChunkStorageMetadata") + _EMPTY_TUPLE + _NEWOBJ + _EMPTY_DICT + _MARK)
-    fields: dict[str, list[tuple[int, int]]] = {"offsets": [], "sizes": []}
     width = 8 if wide else 4
-    for name in ("offsets", "sizes"):
-        out += memo.get(name)
-        head, holes, tail = _size_template(memo, ndim, wide)
-        fields[name] = [(len(out) + h, width) for h in holes]
-        out += head + tail
-    out += _SETITEMS + _BUILD
+    out += memo.get("offsets")
+    head, holes, tail = _size_template(memo, ndim, wide)
+    fields: dict[str, list[tuple[int, int]]] = {"offsets": [(len(out) + h, width) for h in holes]}
+    out += head + tail + _MEMOIZE
+    out += memo.get("sizes") + b"j"
+    fields["sizes_ref"] = [(len(out), 4)]
+    out += bytes(4) + _SETITEMS + _BUILD
     return _Template(bytes(out), fields)
 
 
-def _storage_template(memo: _Memo, ndim: int, wide: bool) -> _Template:
-    """A MetadataIndex (fqn, offset, index) and its _StorageInfo (file, position, length)."""
+def _storage_template(memo: _Memo) -> _Template:
+    """A MetadataIndex (fqn, offset: its chunk's offsets, by reference, index) and its _StorageInfo
+    (file, position, length)."""
     out = bytearray(memo.get("MetadataIndex") + _EMPTY_TUPLE + _NEWOBJ + _EMPTY_DICT + _MARK)
     fields: dict[str, list[tuple[int, int]]] = {}
-    width = 8 if wide else 4
-    out += memo.get("fqn") + b"j"
-    fields["fqn"] = [(len(out), 4)]
-    out += bytes(4)
-    out += memo.get("offset")
-    head, holes, tail = _size_template(memo, ndim, wide)
-    fields["offsets"] = [(len(out) + h, width) for h in holes]
-    out += head + tail
+    for name, key in (("fqn", "fqn"), ("offset", "offsets_ref")):
+        out += memo.get(name) + b"j"
+        fields[key] = [(len(out), 4)]
+        out += bytes(4)
     out += memo.get("index") + b"J"
     fields["index"] = [(len(out), 4)]
     out += bytes(4) + _SETITEMS + _BUILD
@@ -604,13 +608,14 @@ def _static_parts(table: ChunkTable, planner_data: dict[str, Any]) -> list[Calla
     per-save entries (the non-tensor ones) go: up to the end of the tensors' entries in
     ``state_dict_metadata``, ``planner_data``'s, ``storage_data``'s."""
     keys = table.keys
-    memo = _Memo(keys.fqns, [data_file(r) for r in range(table.ranks)])
+    runs, shared = _size_runs(table)
+    memo = _Memo(keys.fqns, [data_file(r) for r in range(table.ranks)], shared)
 
     def entries(sink: Sink) -> None:
         sink.write(memo.prefix)
         sink.write(memo.get("Metadata") + _EMPTY_TUPLE + _NEWOBJ + _EMPTY_DICT + _MARK)
         sink.write(_string("state_dict_metadata") + _EMPTY_DICT)
-        _write_tensors(sink, table, memo)
+        _write_tensors(sink, table, memo, runs)
 
     def paths(sink: Sink) -> None:
         sink.write(_string("planner_data") + _EMPTY_DICT)
@@ -626,6 +631,24 @@ def _static_parts(table: ChunkTable, planner_data: dict[str, Any]) -> list[Calla
         _write_storage(sink, table, memo)
 
     return [entries, paths, records]
+
+
+def _size_runs(table: ChunkTable) -> tuple[torch.Tensor, list[torch.Size]]:
+    """Each row's run of equal sizes (consecutive rows of one tensor whose chunks have the same
+    sizes: FSDP2's full shards, then the short last one), and each run's sizes."""
+    count = table.chunks
+    if not count:
+        return torch.zeros(0, dtype=torch.int64), []
+    change = torch.ones(count, dtype=torch.bool)
+    change[1:] = (table.key[1:] != table.key[:-1]) | (table.sizes[1:] != table.sizes[:-1]).any(1)
+    runs = torch.cumsum(change, 0) - 1
+    firsts = change.nonzero().squeeze(1)
+    ndims = [len(s) for s in table.keys.sizes]
+    shared = [
+        torch.Size(row[: ndims[k]])
+        for k, row in zip(table.key[firsts].tolist(), table.sizes[firsts].tolist(), strict=True)
+    ]
+    return runs, shared
 
 
 def _objects_entries(objects: Sequence[tuple[str, _StorageInfo]]) -> bytes:
@@ -666,7 +689,7 @@ def _by_ndim(table: ChunkTable, lo: int, hi: int) -> dict[int, torch.Tensor]:
     return {int(n): (ndims == n).nonzero().squeeze(1) for n in torch.unique(ndims).tolist()}
 
 
-def _write_tensors(sink: Sink, table: ChunkTable, memo: _Memo) -> None:
+def _write_tensors(sink: Sink, table: ChunkTable, memo: _Memo, runs: torch.Tensor) -> None:
     """state_dict_metadata's tensor entries: each a TensorStorageMetadata with its chunk list."""
     keys = table.keys
     templates: dict[int, _Template] = {}
@@ -682,7 +705,10 @@ def _write_tensors(sink: Sink, table: ChunkTable, memo: _Memo) -> None:
             t = templates.get(ndim)
             if t is None:
                 t = templates[ndim] = _chunk_template(memo, ndim, keys.wide)
-            filled[ndim] = _fill(t, {"offsets": table.offsets[lo:hi][rows, :ndim], "sizes": table.sizes[lo:hi][rows, :ndim]})
+            filled[ndim] = _fill(t, {
+                "offsets": table.offsets[lo:hi][rows, :ndim],
+                "sizes_ref": memo.sizes + runs[lo:hi][rows],
+            })
         placed = dict.fromkeys(filled, 0)  # rows of each group written so far: a key's rows are the next ones
         for k in range(k0, k1):
             if batch == _BATCH:
@@ -735,29 +761,22 @@ class _Batched:
 
 
 def _write_storage(sink: Sink, table: ChunkTable, memo: _Memo) -> None:
-    """storage_data's tensor entries: a MetadataIndex and its _StorageInfo per chunk, written by
-    groups of equal dimensions (a dict's order is not its content)."""
-    keys = table.keys
-    templates: dict[int, _Template] = {}
+    """storage_data's tensor entries: a MetadataIndex and its _StorageInfo per chunk (its offsets a
+    reference to the chunk's, memoized in the chunk section)."""
+    template = _storage_template(memo)
     for _, _, lo, hi in _blocks(table):
         if hi == lo:
             continue
         key = table.key[lo:hi]
-        hint = torch.arange(lo, hi) - table.starts[key]  # a chunk's place among its tensor's chunks
-        for ndim, rows in _by_ndim(table, lo, hi).items():
-            t = templates.get(ndim)
-            if t is None:
-                t = templates[ndim] = _storage_template(memo, ndim, keys.wide)
-            filled = _fill(t, {
-                "fqn": memo.fqns + key[rows],
-                "offsets": table.offsets[lo:hi][rows, :ndim],
-                "index": hint[rows],
-                "file": memo.files + table.rank[lo:hi][rows],
-                "position": table.position[lo:hi][rows],
-                "length": table.length[lo:hi][rows],
-            })
-            n = rows.numel()
-            for c in range(0, n, _BATCH):
-                sink.write(_MARK)
-                sink.write(filled.view(c, min(n, c + _BATCH)))
-                sink.write(_SETITEMS)
+        filled = _fill(template, {
+            "fqn": memo.fqns + key,
+            "offsets_ref": memo.chunks + torch.arange(lo, hi),
+            "index": torch.arange(lo, hi) - table.starts[key],  # a chunk's place among its tensor's chunks
+            "file": memo.files + table.rank[lo:hi],
+            "position": table.position[lo:hi],
+            "length": table.length[lo:hi],
+        })
+        for c in range(0, hi - lo, _BATCH):
+            sink.write(_MARK)
+            sink.write(filled.view(c, min(hi - lo, c + _BATCH)))
+            sink.write(_SETITEMS)
