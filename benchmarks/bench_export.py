@@ -120,7 +120,7 @@ def measure(method: str, ckpt: Path, out: Path, shard: str, buffer: str) -> dict
     from safetensors.torch import save_file
 
     from checkpoint_manager.formats import export_hf
-    from checkpoint_manager.formats.dcp_stream import read_entries, tensor_entries
+    from checkpoint_manager.formats.dcp_stream import open_checkpoint, read_entries, tensor_entries
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -135,7 +135,8 @@ def measure(method: str, ckpt: Path, out: Path, shard: str, buffer: str) -> dict
             out.mkdir(parents=True)
             dcp_to_torch_save(str(ckpt), str(out / "model.pt"))
         elif method == "load_all_then_save_file":
-            tensors = read_entries(ckpt, tensor_entries(ckpt, "model"))
+            source = open_checkpoint(ckpt)
+            tensors = read_entries(source, tensor_entries(source, "model"))
             out.mkdir(parents=True)
             save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
             del tensors

@@ -1,10 +1,12 @@
-"""The cost of ``check_finite``: the same saves with and without the NaN/inf check, in one process.
+"""The cost of ``check_finite``: the same saves and loads with and without the NaN/inf check, in one process.
 
 Alternates sync saves (and async saves: the stall, then the total until committed) of one state
 (benchmarks/state.py, model + AdamW) with the check off, on for the model, and on for the model and
-the optimizer; reports medians and the ratio to the unchecked save.
+the optimizer; then loads of the committed checkpoint into the live objects with the same three
+settings, from the page cache (a load that checks reads into fresh tensors, checks them, and copies
+them over). Reports medians and the ratio to the unchecked save or load.
 
-    .venv/bin/python -m benchmarks.bench_finite --size 1 --repeats 3
+    .venv/bin/python -m benchmarks.bench_finite --size 1 --repeats 3 [--threads 1]
 """
 
 from __future__ import annotations
@@ -25,10 +27,21 @@ def main() -> None:
     parser.add_argument("--size", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     from benchmarks.state import build
-    from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
+    from checkpoint_manager import (
+        CheckpointConfig,
+        DefaultCheckpointManager,
+        LoadContext,
+        SaveContext,
+        TrainState,
+    )
 
     bench = build(int(args.size * GIB))
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-finite-"))
@@ -60,11 +73,18 @@ def main() -> None:
                             results.setdefault(("async total", mode), []).append(total)
         for manager in managers.values():
             manager.finalize_async_saves(blocking=True, terminate=True)
+        loading = {mode: DefaultCheckpointManager(CheckpointConfig(save_dir=str(root / "sync-off"), **fields))
+                   for mode, fields in MODES.items()}
+        for rep in range(args.repeats + 1):
+            for mode, manager in loading.items():
+                loaded = manager.load(LoadContext(model=bench.model, optimizer=bench.optimizer))
+                if rep:
+                    results.setdefault(("load (warm)", mode), []).append(loaded.seconds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"state {bench.payload_bytes / GIB:.2f} GiB, {args.repeats} repeats, medians")
     print(f"{'':12} " + " ".join(f"{m:>20}" for m in MODES))
-    for what in ("sync", "stall", "async total"):
+    for what in ("sync", "stall", "async total", "load (warm)"):
         base = statistics.median(results[what, "off"])
         cells = []
         for mode in MODES:

@@ -67,6 +67,14 @@ def build(base_gib: float, layers: int) -> tuple[Adapted, torch.optim.Optimizer]
     return model, optimizer
 
 
+def adapters_of(model: Adapted) -> nn.Module:
+    """A module holding only ``model``'s adapters (the same parameters): what trains, without the base."""
+    holder = nn.Module()
+    holder.lora_a = model.lora_a
+    holder.lora_b = model.lora_b
+    return holder
+
+
 def train_step(model: Adapted, optimizer: torch.optim.Optimizer) -> None:
     """What a step changes: the adapters and AdamW's state (random gradients: no forward pass needed)."""
     for p in model.parameters():
@@ -160,6 +168,13 @@ def one_round(
             out["bytes"].setdefault(mode, []).append(written_bytes(Path(result.path), previous))
             if mode == "once":
                 out["check_seconds"].append(result.timings.get("frozen_check", 0.0))
+        with DefaultCheckpointManager(CheckpointConfig(save_dir=str(root / f"alone-{step}"))) as alone:
+            os.sync()  # the adapters and AdamW alone, no base at all: the floor of a save of what trains
+            result = alone.save(SaveContext(model=adapters_of(model), optimizer=optimizer,
+                                            train_state=TrainState(step=step), force=True))
+        assert result is not None
+        out["later"].setdefault("trainable alone", []).append(result.seconds)
+        shutil.rmtree(root / f"alone-{step}")
         target = root / f"dcp-{step}"
         model_sd, optim_sd = get_state_dict(model, optimizer)
         os.sync()
@@ -226,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "base_bytes": base,
         "trainable_and_optimizer_bytes": trainable,
         "first_seconds": {m: med("first", m) for m in ("once", "every")},
-        "later_seconds": {m: med("later", m) for m in ("once", "every", "dcp.save", "O_DIRECT limit")},
+        "later_seconds": {m: med("later", m) for m in ("once", "every", "dcp.save", "trainable alone", "O_DIRECT limit")},
         "later_bytes": {m: med("bytes", m) for m in ("once", "every", "dcp.save")},
         "check_seconds": statistics.median(v for r in rounds for v in r["check_seconds"]),
         "async_stall_seconds": {m: med("stall", m) for m in ("once", "every")},
@@ -240,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         b = summary["later_bytes"][name]
         print(f"later save:  {name:<8} {summary['later_seconds'][name]:.3f} s, {b / 2**20:9.1f} MiB written "
               f"({b / trainable:.3f}x the trainable + optimizer state)")
+    print(f"             a save of the adapters and AdamW alone (no base): {summary['later_seconds']['trainable alone']:.3f} s")
     print(f"             O_DIRECT write+fsync of the trainable + optimizer bytes: {summary['later_seconds']['O_DIRECT limit']:.3f} s")
     print(f"content check (CRC-32 of the base, and the link): {summary['check_seconds']:.3f} s, "
           f"{base / max(summary['check_seconds'], 1e-9) / 1e9:.1f} GB/s")

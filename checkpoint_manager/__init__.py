@@ -25,7 +25,9 @@ if TYPE_CHECKING:
         GroupBase,
         StagingEngine,
         TensorInfo,
+        TensorReader,
     )
+    from checkpoint_manager.engine.reading import CheckpointTensors
     from checkpoint_manager.errors import (
         AsyncSaveError,
         BundleCacheError,
@@ -61,8 +63,9 @@ if TYPE_CHECKING:
         open_bundle,
         pack_bundle,
     )
+    from checkpoint_manager.formats.dcp_stream import open_checkpoint
     from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
-    from checkpoint_manager.lifecycle.finite import NonFiniteStateError
+    from checkpoint_manager.lifecycle.finite import NonFiniteCheckpointError, NonFiniteStateError
     from checkpoint_manager.lifecycle.frozen import FrozenChangedError
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
     from checkpoint_manager.lifecycle.observe import (
@@ -142,6 +145,9 @@ _EXPORTS: dict[str, str] = {
     "GroupBase": "checkpoint_manager.engine.base",
     "StagingEngine": "checkpoint_manager.engine.base",
     "TensorInfo": "checkpoint_manager.engine.base",
+    "TensorReader": "checkpoint_manager.engine.base",
+    "CheckpointTensors": "checkpoint_manager.engine.reading",
+    "open_checkpoint": "checkpoint_manager.formats.dcp_stream",
     "Continuous": "checkpoint_manager.lifecycle.policy",
     "EveryNSeconds": "checkpoint_manager.lifecycle.policy",
     "EveryNSteps": "checkpoint_manager.lifecycle.policy",
@@ -163,6 +169,7 @@ _EXPORTS: dict[str, str] = {
     "LocalStorage": "checkpoint_manager.storage",
     "MissingConfigWarning": "checkpoint_manager.formats",
     "ManagerClosedError": "checkpoint_manager.errors",
+    "NonFiniteCheckpointError": "checkpoint_manager.lifecycle.finite",
     "NonFiniteStateError": "checkpoint_manager.lifecycle.finite",
     "PostCommitError": "checkpoint_manager.errors",
     "ResolvedCheckpoint": "checkpoint_manager.formats.resolve",
@@ -227,6 +234,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointTensors",
     "CheckpointVersionError",
     "CollectiveTimeoutError",
     "Continuous",
@@ -256,6 +264,7 @@ __all__ = [
     "LocalStorage",
     "ManagerClosedError",
     "MissingConfigWarning",
+    "NonFiniteCheckpointError",
     "NonFiniteStateError",
     "PostCommitError",
     "Prunable",
@@ -272,6 +281,7 @@ __all__ = [
     "Stateful",
     "Storage",
     "TensorInfo",
+    "TensorReader",
     "TrainState",
     "UnsafeCheckpointError",
     "UnsupportedAdapterError",
@@ -293,6 +303,7 @@ __all__ = [
     "load_record",
     "local_checkpoint",
     "open_bundle",
+    "open_checkpoint",
     "open_storage",
     "pack_bundle",
     "parse_json",

@@ -135,17 +135,6 @@ class CheckpointConfig(
         return self
 
     @model_validator(mode="after")
-    def _check_export_engine(self) -> CheckpointConfig:
-        """The save-time export reads the DCP files the default engine writes: with another engine the
-        saves it applies to would fail (``"final"``: the run's last checkpoint never committed)."""
-        if self.save_consolidated != "never" and self.engine != "dcp":
-            raise ValueError(
-                f"save_consolidated={self.save_consolidated!r} exports from the files of the 'dcp' engine, "
-                f"and engine={self.engine!r} writes others: set save_consolidated='never' or engine='dcp'"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _check_finite_switches(self) -> CheckpointConfig:
         if self.check_finite_optimizer and not self.check_finite:
             raise ValueError("check_finite_optimizer=True needs check_finite=True")

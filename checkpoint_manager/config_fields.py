@@ -82,8 +82,9 @@ class RunFields(BaseModel):
     )
     check_finite: bool = Field(
         default=False,
-        description="Refuse to commit a checkpoint whose model weights or buffers hold NaN or inf "
-        "(NonFiniteStateError naming them); checked beside the write, so it costs little.",
+        description="Refuse to commit a checkpoint whose model weights, buffers or extras' tensors hold "
+        "NaN or inf (NonFiniteStateError naming them; checked beside the write, so it costs little), and "
+        "check the same before a load sets them (auto-resume skips a non-finite checkpoint).",
     )
     check_finite_optimizer: bool = Field(
         default=False,

@@ -30,7 +30,7 @@ fingerprint() {
     {
         echo "$TORCH_SPEC $EXTRAS"
         "$VENV/bin/python" -c 'import sys; print(sys.version)'
-        cat scripts/venv.sh pyproject.toml
+        cat scripts/venv.sh scripts/constraints.txt pyproject.toml
         for dir in "${plugin_dirs[@]+"${plugin_dirs[@]}"}"; do
             echo "$dir"
             cat "$dir/pyproject.toml"
@@ -53,7 +53,7 @@ if [ "${CM_VENV_FORCE:-0}" != "1" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = 
     exit 0
 fi
 
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q)
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q -c scripts/constraints.txt)
 log "installing $TORCH_SPEC"
 "${PIP[@]}" "$TORCH_SPEC"
 log "installing checkpoint-manager[$EXTRAS] (editable)${plugin_dirs[*]+ and plugins: ${plugin_dirs[*]}}"

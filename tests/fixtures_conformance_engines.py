@@ -342,3 +342,25 @@ class PickleEngine(StagingSafetensorsEngine):
     def save(self, state: EngineState, directory: Path, ctx: EngineContext) -> Mapping[str, FileRecord]:
         torch.save(state.tensors, directory / "state.pt")
         return super().save(state, directory, ctx)
+
+
+class ReaderReadsEverything(StagingSafetensorsEngine):
+    """reader: its reader returns every tensor whatever it is asked for."""
+
+    def reader(self, directory: Path, ctx: EngineContext) -> Any:
+        from checkpoint_manager.engine.reading import IndexReader
+
+        engine = self
+
+        class Everything(IndexReader):
+            def read(self, keys: Any) -> dict[str, torch.Tensor]:
+                return super().read(list(self.index()))
+
+        return Everything(engine, directory, ctx)
+
+
+class IndexFilesMissTheIndex(StagingSafetensorsEngine):
+    """reader: ``index_files`` leaves out the file its index is read from."""
+
+    def index_files(self, files: list[str]) -> list[str]:
+        return []

@@ -168,3 +168,94 @@ def _class_sizes() -> dict[str, int]:
 def test_no_class_over_400_lines() -> None:
     large = {name: n for name, n in _class_sizes().items() if n > MAX_CLASS_LINES}
     assert large == {}
+
+
+# -- DCP's files are the DCP engine's business --------------------------------------------------------
+DCP_ENGINE = "checkpoint_manager.engine.dcp"
+#: DCP's own readers, writers and index types, which only the DCP engine drives
+DCP_INTERNALS = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.state_dict_loader",
+    "torch.distributed.checkpoint.state_dict_saver",
+    "torch.distributed.checkpoint.planner",
+)
+#: below the engine, the save and verify path still names DCP's index file (not reading it)
+DCP_NAMES_BELOW_THE_ENGINE = {
+    "checkpoint_manager.core.layout": "defines METADATA_FILE beside the other file names",
+    "checkpoint_manager.core.integrity": "verify CRC-checks the files a load reads whole; a load-deletion marker",
+    "checkpoint_manager.storage.remote": "rank 0 uploads DCP's index with its files; the sweep knows our file names",
+}
+#: the one place that names the built-in engine by its dotted path (imported on demand)
+DCP_REGISTRATION = "checkpoint_manager.core.plugins"
+
+
+def _dcp_mentions(tree: ast.Module) -> list[str]:
+    """Imports of DCP's internals or our DCP engine, and code (not docstrings) naming ``.metadata``."""
+    docstrings = {
+        id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    found: list[str] = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        found += [f"imports {n}" for n in names if n.startswith((DCP_ENGINE, *DCP_INTERNALS))]
+        if isinstance(node, ast.Name) and node.id == "METADATA_FILE":
+            found.append(f"line {node.lineno}: METADATA_FILE")
+        if isinstance(node, ast.alias) and node.name == "METADATA_FILE":
+            found.append("imports METADATA_FILE")
+        text = node.value if isinstance(node, ast.Constant) and id(node) not in docstrings else None
+        if isinstance(text, str) and (".metadata" in text or DCP_ENGINE in text):
+            found.append(f"line {node.lineno}: {text!r}")
+    return sorted(set(found))
+
+
+def test_nothing_outside_the_dcp_engine_imports_it_or_reads_its_index() -> None:
+    """formats/, cli/, lifecycle/, testing/ and the rest of engine/ read checkpoints through the
+    engine that wrote them; only ``engine/dcp/`` knows DCP's files."""
+    graph = _graph()
+    importers = sorted(
+        (module, target)
+        for module, targets in graph.items()
+        if not module.startswith(DCP_ENGINE)
+        for target in targets
+        if target.startswith(DCP_ENGINE)
+    )
+    assert importers == []
+    offenders: dict[str, list[str]] = {}
+    for name, file in _modules().items():
+        if name.startswith(DCP_ENGINE) or name in DCP_NAMES_BELOW_THE_ENGINE:
+            continue
+        found = _dcp_mentions(ast.parse(file.read_text(), str(file)))
+        if name == DCP_REGISTRATION:
+            found = [f for f in found if f != f"line {_registration_line(file)}: '{DCP_ENGINE}.engine:DCPEngine'"]
+        if found:
+            offenders[name] = found
+    assert offenders == {}
+
+
+def _registration_line(file: Path) -> int:
+    return next(i for i, line in enumerate(file.read_text().splitlines(), 1) if f'"{DCP_ENGINE}.engine:DCPEngine"' in line)
+
+
+def test_the_dcp_check_sees_what_it_looks_for() -> None:
+    """The check above would catch each kind of mention (so its silence means something)."""
+    source = (
+        '"""Reads .metadata (a docstring: fine)."""\n'
+        "from checkpoint_manager.engine.dcp.io import read_dcp_metadata\n"
+        "import torch.distributed.checkpoint.metadata\n"
+        "from checkpoint_manager.core.layout import METADATA_FILE\n"
+        "x = path / '.metadata'\n"
+        "y = METADATA_FILE\n"
+    )
+    assert _dcp_mentions(ast.parse(source)) == [
+        "imports METADATA_FILE",
+        "imports checkpoint_manager.engine.dcp.io",
+        "imports checkpoint_manager.engine.dcp.io.read_dcp_metadata",
+        "imports torch.distributed.checkpoint.metadata",
+        "line 5: '.metadata'",
+        "line 6: METADATA_FILE",
+    ]

@@ -23,6 +23,7 @@ Each group is one promise, and its tests are named after it:
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import sys
@@ -209,18 +210,20 @@ def test_code_choice_a_bundle_of_the_checkpoint_refuses_its_engine(planted: Plan
     planted.assert_never_imported()
 
 
-CLI_COMMANDS: list[tuple[str, ...]] = [
-    ("list", "{root}"),
-    ("list", "{root}", "--verify", "full"),
-    ("inspect", "{step2}"),
-    ("verify", "{root}"),
-    ("verify", "{step2}", "--full"),
-    ("diff", "{step1}", "{step2}"),
-    ("export", "{step2}", "--to", "safetensors", "--out", "{tmp}/export.safetensors"),
-    ("convert", "{step2}", "{tmp}/converted.safetensors", "--to", "safetensors"),
-    ("pack", "{step2}", "{tmp}/packed.tar"),
-    ("prune", "{root}", "--keep-last", "1", "--dry-run"),
-    ("cache", "list"),
+#: every command on the planted checkpoint, and its exit code: listing, packing and pruning read no
+#: tensor (0), verification fails it (1), every reader refuses its engine (4)
+CLI_COMMANDS: list[tuple[int, tuple[str, ...]]] = [
+    (0, ("list", "{root}")),
+    (1, ("list", "{root}", "--verify", "full")),
+    (4, ("inspect", "{step2}")),
+    (1, ("verify", "{root}")),
+    (1, ("verify", "{step2}", "--sizes")),
+    (4, ("diff", "{step1}", "{step2}")),
+    (4, ("export", "{step2}", "--to", "safetensors", "--out", "{tmp}/export.safetensors")),
+    (4, ("convert", "{step2}", "{tmp}/converted.safetensors", "--to", "safetensors")),
+    (0, ("pack", "{step2}", "{tmp}/packed.tar")),
+    (0, ("prune", "{root}", "--keep-last", "1", "--dry-run")),
+    (0, ("cache", "list")),
 ]
 
 
@@ -228,25 +231,30 @@ def test_code_choice_no_ckpt_command_imports_the_recorded_engine(
     planted: Planted, capsys: pytest.CaptureFixture[str]
 ) -> None:
     names = {"root": planted.root, "step1": planted.root / STEP1, "step2": planted.step2, "tmp": planted.tmp}
-    for command in CLI_COMMANDS:
+    recorded = json.loads((planted.step2 / "checkpoint.json").read_text())["engine"]
+    for expected, command in CLI_COMMANDS:
         argv = [part.format(**names) for part in command]
         code = ckpt([*argv, "--json"])
         captured = capsys.readouterr()
         assert "Traceback" not in captured.err, argv
-        assert code in (0, 1, 4), (argv, code, captured.err)  # read as data, or refused as damaged
+        assert code == expected, (argv, code, captured.err)
+        if code:
+            assert f"records engine {recorded!r}" in captured.err + captured.out, argv
         planted.assert_never_imported()
 
 
-def test_code_choice_auto_resume_does_not_import_the_recorded_engine(planted: Planted) -> None:
+def test_code_choice_auto_resume_falls_back_past_the_recorded_engine(
+    planted: Planted, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint whose engine this process lacks cannot be loaded: auto-resume skips it with a
+    warning naming it and the cause, and loads the one before, bit-exact."""
     model, opt, ts = build(9)
-    with mgr(planted.root) as m:
-        try:
-            result = m.load(LoadContext(model=model, optimizer=opt, train_state=ts))
-        except EngineNotAvailableError:
-            pass  # refused outright, or (where auto-resume falls back past it) loaded step 1:
-        else:
-            assert result.step == 1
-            assert_same(planted.step1, state_of(model, opt, ts))
+    with caplog.at_level(logging.WARNING, logger="checkpoint_manager"), mgr(planted.root) as m:
+        assert m.should_load(LoadContext(model=model))
+        result = m.load(LoadContext(model=model, optimizer=opt, train_state=ts))
+    assert result.step == 1
+    assert_same(planted.step1, state_of(model, opt, ts))
+    assert STEP2 in caplog.text and "which this process does not have" in caplog.text
     planted.assert_never_imported()
 
 
@@ -779,6 +787,8 @@ def _every_error() -> dict[str, BaseException]:
             made[name] = cls("ckpt", "the pointer", OSError("disk"))
         elif cls is NonFiniteStateError:
             made[name] = cls(1, ["model.w"], 1)
+        elif cls is cm.NonFiniteCheckpointError:
+            made[name] = cls("ckpt", ["model.w"], 1)
         else:
             made[name] = cls("x")
     made["UnsafeFileError"] = UnsafeFileError("x")
@@ -789,6 +799,7 @@ EXIT_CODES = {
     "CheckpointNotFoundError": 3,
     "CheckpointCorruptError": 4, "CheckpointVersionError": 4, "UnsafeCheckpointError": 4,
     "BundleTooLargeError": 4, "EngineNotAvailableError": 4, "UnsafeFileError": 4, "NonFiniteStateError": 4,
+    "NonFiniteCheckpointError": 4,
     "CheckpointError": 4, "FrozenChangedError": 4,
     "CheckpointMismatchError": 2, "UnsupportedAdapterError": 2, "MissingConfigWarning": 2,
     "CheckpointLockError": 5,

@@ -41,6 +41,7 @@ def test_every_engine_check_is_registered() -> None:
         "groups",
         "foreign_directory",
         "no_pickle",
+        "reader",
     ]
     assert list(LIFECYCLE_CHECKS) == [
         "manager_suite",
@@ -87,6 +88,8 @@ BROKEN: list[tuple[str, type[Any], str]] = [
     ("independent_saves", fx.PlansOnce, "the save of step 3 holds ['model.extra.bias'] in excess or lack"),
     ("foreign_directory", fx.CrashesOnForeign, "reading an empty directory raised "),
     ("no_pickle", fx.PickleEngine, "save wrote a torch.save archive (a zip holding data.pkl): 'state.pt'"),
+    ("reader", fx.ReaderReadsEverything, "a read of "),
+    ("reader", fx.IndexFilesMissTheIndex, "reader.index() with only [] raised CheckpointNotFoundError"),
 ]
 
 

@@ -63,7 +63,7 @@ def test_a_non_finite_model_is_not_committed(tmp_path: Path, mode: str, bad: flo
     assert committed(tmp_path) == ["step_00000001"]
     assert not any((tmp_path / ".pending").iterdir())
     meta = json.loads((tmp_path / "step_00000001" / "checkpoint.json").read_text())
-    assert meta["finite"] == {"checked": ["model"], "ok": True}
+    assert meta["finite"] == {"checked": ["model", "extra"], "ok": True}
     assert json.loads((tmp_path / "latest").read_text())["step"] == 1
 
 

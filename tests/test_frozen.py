@@ -90,6 +90,12 @@ def test_resumes_bit_exact_after_retention_deleted_the_checkpoint_that_wrote_the
     assert_same(snapshot(resumed), reference)
     # the checkpoint resumed from stays (retention's rule), with the two newest
     assert steps_in(save_dir) == ["step_00000004", "step_00000005", "step_00000006"]
+    for name in steps_in(save_dir):  # every kept checkpoint: verify, and plain DCP reads it
+        assert verify(str(save_dir / name)) == []
+        plain = snapshot(plain_dcp_load(save_dir / name))
+        assert torch.equal(plain["model/base.0.weight"], reference["model/base.0.weight"])
+    assert_same({k: v for k, v in plain.items() if k.startswith(("model/", "optim/"))},
+                {k: v for k, v in reference.items() if k.startswith(("model/", "optim/"))})
     # the resumed run shares the base of the checkpoint it loaded (written by step 1, long deleted)
     for name in ("step_00000005", "step_00000006"):
         assert meta(save_dir / name)["frozen"]["files"][FROZEN_FILE] == {"how": "link", "origin": "step_00000001"}
@@ -222,6 +228,14 @@ def test_cli_bundles_exports_and_fallback_work_on_a_checkpoint_that_shares_its_b
         assert manager.load(fallback.load_context()).step == 2
     assert torch.equal(fallback.model.base[0].weight, run.model.base[0].weight)
     assert ckpt(["verify", str(save_dir / "step_00000002")]) == 0
+    # verify reads the shared file too: a flipped byte in it shows in every checkpoint holding it
+    shared = save_dir / "step_00000002" / FROZEN_FILE
+    raw = bytearray(shared.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    with open(shared, "r+b") as f:  # in place: the very file both names point at
+        f.write(raw)
+    for name in ("step_00000001", "step_00000002"):
+        assert [p for p in verify(str(save_dir / name), "full") if FROZEN_FILE in p and "CRC32" in p], name
 
 
 @pytest.fixture

@@ -89,9 +89,11 @@ def _keys(state: list[tuple[str, tuple[int, ...], bool]], items: list[WriteItem]
     )
 
 
-def _job(mesh: tuple[int, ...], placements: tuple[Any, ...]) -> tuple[KeyTable, list[SavePlan], list[bytes]]:
+def _job(
+    mesh: tuple[int, ...], placements: tuple[Any, ...], state: list[tuple[str, tuple[int, ...], bool]] | None = None
+) -> tuple[KeyTable, list[SavePlan], list[bytes]]:
     """Every rank's local plan (all items), and its chunk report (the items it writes, laid out)."""
-    state = _state()
+    state = state if state is not None else _state()
     world = 1
     for m in mesh:
         world *= m
@@ -196,6 +198,19 @@ def test_a_save_of_the_same_plan_copies_the_last_files_but_its_own_entries(tmp_p
     with open(tmp_path / "again", "ab") as f:
         f.write(b"x")
     assert not kept.intact()
+
+
+def test_metadata_of_one_chunk_of_each_rank_count_of_dimensions(tmp_path: Path) -> None:
+    """One rank, one tensor of each number of dimensions: every group of rows a block fills is one
+    row (a one-row column is dense whatever its stride)."""
+    state = [("model.w", (4, 3), True), ("model.b", (5,), True), ("optim.step", (), False), ("model.c", (2, 2, 2), True)]
+    keys, plans, reports = _job((1,), (Shard(0),), state)
+    table = ChunkTable.merge(keys, reports)
+    write_metadata(tmp_path / ".metadata", table, planner_data={k: (k,) for k in keys.fqns}, fsync=False)
+    reference = FastSavePlanner()
+    reference.set_up_planner({}, None, True)
+    _, theirs = reference.create_global_plan(plans)
+    assert pickle.loads((tmp_path / ".metadata").read_bytes()).state_dict_metadata == theirs.state_dict_metadata
 
 
 def test_every_chunk_is_written_by_exactly_one_rank() -> None:
@@ -412,9 +427,13 @@ def test_saves_of_a_job_load_with_plain_dcp_and_at_half_the_ranks(tmp_path: Path
     assert _equal(load_file(str(tmp_path / "saved_4.safetensors")), loaded) == []
     report = json.loads((tmp_path / f"loaded_ws{world // 2}.json").read_text())
     assert report["step"] == 4
-    # the checkpoint to load, rank 0's verdict on its files, and whether it is still there after the
-    # read: no plan, metadata or file list travels (each rank reads the chunk index itself)
-    assert [name for name, _ in report["collectives"]] == ["broadcast", "broadcast", "all_reduce"]
+    # the checkpoint to load (a broadcast), then all-reduces of a few integers: the vote that ends the
+    # checks (rank 0's of every file among them), the vote between checking the records and copying
+    # the first, the vote that ends the read, whether the checkpoint is still there. No plan,
+    # metadata or file list travels: each rank reads the chunk index itself
+    names = [name for name, _ in report["collectives"]]
+    assert names == ["broadcast", "all_reduce", "all_reduce", "all_reduce", "all_reduce"]
+    assert max(payload for name, payload in report["collectives"] if name == "all_reduce") <= 16
     # loads read the chunk index, not .metadata: "sizes" checks its size, "full" its CRC-32 too
     from checkpoint_manager.core.integrity import verify
 

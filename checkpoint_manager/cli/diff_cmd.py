@@ -120,7 +120,7 @@ def _tied_pairs(source: TensorSource) -> dict[str, str]:
 
     config: Any = None
     try:
-        if source.kind == "dcp":
+        if source.kind == "checkpoint":
             if source.section:
                 recorded = read_recorded_config(source.path, source.section)
                 config = recorded.config if recorded is not None else None

@@ -1,9 +1,10 @@
 """``ckpt inspect PATH``: a checkpoint's summary, train state, metadata and tensors, without loading a tensor.
 
 Everything shown comes from ``checkpoint.json``, ``state.json`` (plain JSON: optimizer and scheduler
-settings) and DCP's ``.metadata`` (read through the library's allow-listed reader), so inspecting a
-100 GB checkpoint costs a few small reads. A bundle gives up those three files and nothing else: no
-tensor is unpacked, and nothing is left in the bundle cache.
+settings) and the index of the engine that wrote the checkpoint (DCP's ``.metadata``, read through
+the library's allow-listed reader), so inspecting a 100 GB DCP checkpoint costs a few small reads. A
+bundle gives up those files and nothing else (every file, for an engine whose index needs them),
+and nothing is left in the bundle cache.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ examples:
   ckpt inspect runs/exp1 --filter 'model.*'     only the model's tensors (glob)
   ckpt inspect ckpt.tar --filter 'exp_avg$' --regex
   ckpt inspect hf_export/                       safetensors weights too
-  ckpt inspect s3://bucket/exp1 -o anon=false   a URL: reads checkpoint.json and .metadata only
+  ckpt inspect s3://bucket/exp1 -o anon=false   a URL: reads checkpoint.json and the tensor index only
   ckpt inspect runs/exp1 --json | jq '.tensors[] | select(.name == "model.lm_head.weight") | .shape'
 """
 
@@ -61,10 +62,10 @@ def run(args: argparse.Namespace, out: Output) -> int:
         from checkpoint_manager.cli.remote import metadata_only, remote_checkpoint
 
         remote = remote_checkpoint(args.path, storage_options(args), args.step)
-        with metadata_only(remote) as local:
-            source = open_source(local)
-            state = _read_state(local)
         info_meta = dict(remote.info.meta)
+        with metadata_only(remote) as local:
+            source = open_source(local, meta=info_meta)
+            state = _read_state(local)
         return _show(args, out, match, source, remote.info.location, info_meta, remote.via,
                      remote.storage.size_of(remote.info.location), len(info_meta.get("files") or {}), state)
     from checkpoint_manager.core.layout import read_checkpoint_json

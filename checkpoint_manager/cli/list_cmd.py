@@ -82,12 +82,14 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
     """The listing of ``root`` as one JSON-able document (what ``--json`` prints)."""
     from checkpoint_manager.core.layout import (
         CHECKPOINT_JSON,
-        METADATA_FILE,
         PENDING_DIR,
+        STATE_JSON,
+        rank_file,
         read_checkpoint_json,
         scan_checkpoints,
     )
     from checkpoint_manager.core.naming import BEST_POINTER, LATEST_POINTER
+    from checkpoint_manager.engine.reading import plain_engine
     from checkpoint_manager.errors import CheckpointCorruptError
     from checkpoint_manager.storage.base import deleted_name
     from checkpoint_manager.storage.local import LocalStorage
@@ -104,9 +106,10 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
         row["problems"].append(problem)
         rows.append(row)
     seen = {r["name"] for r in rows}
-    for name in names:  # DCP files but no checkpoint.json: a save that never committed in place
+    for name in names:  # a checkpoint's files but no checkpoint.json: a save that never committed in place
         path = root / name
-        if name not in seen and not (path / CHECKPOINT_JSON).exists() and (path / METADATA_FILE).exists():
+        ours = (path / STATE_JSON).exists() or (path / rank_file(0)).exists() or plain_engine(path) is not None
+        if name not in seen and not (path / CHECKPOINT_JSON).exists() and ours:
             row = _row(name, path, "corrupt")
             row["problems"].append(f"{path / CHECKPOINT_JSON}: missing (not a committed checkpoint)")
             rows.append(row)
@@ -130,9 +133,9 @@ def collect(root: Path, verify_level: str | None, out: Output) -> dict[str, Any]
 
 
 def _verify_local(path: Path, level: str) -> list[str]:
-    from checkpoint_manager.core.integrity import verify
+    from checkpoint_manager.cli.verify_cmd import local_problems
 
-    return verify(path, level)  # type: ignore[arg-type]
+    return local_problems(path, level)
 
 
 def collect_remote(url: str, options: dict[str, Any] | None, verify_level: str | None, out: Output) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Discovery, pointers and size checks go through :func:`checkpoint_manager.storage.open_storage`, so
 the command line sees exactly what a run resuming from that URL would. Reading only metadata
-(``inspect``) downloads ``checkpoint.json`` and ``.metadata``; reading tensors or CRC-checking
+(``inspect``) downloads ``checkpoint.json``, ``state.json`` and the files the engine's index reads
+(DCP: ``.metadata``; every file for an engine that does not say); reading tensors or CRC-checking
 (``diff``, ``export``, ``verify --full``) downloads the checkpoint into the storage's cache and
 removes the copy when the command ends.
 """
@@ -67,12 +68,20 @@ class RemoteCheckpoint:
     via: str | None
 
     def download_metadata(self, into: Path) -> Path:
-        """Only ``.metadata`` and ``state.json`` (all ``inspect`` needs), into ``into``."""
-        from checkpoint_manager.core.layout import METADATA_FILE, STATE_JSON
+        """Only what ``inspect`` needs: ``state.json`` and the files the engine's index reads, into ``into``."""
+        from checkpoint_manager.core.layout import STATE_JSON
+        from checkpoint_manager.engine.reading import index_files
+        from checkpoint_manager.engine.registry import engine_for_record
 
-        # state.json: plain DCP checkpoints have none
-        if METADATA_FILE not in self.storage.fetch(self.info.location, [METADATA_FILE, STATE_JSON], into):
-            raise FileNotFoundError(f"{self.info.location}/{METADATA_FILE}: missing")
+        recorded = self.info.meta.get("files")
+        files = [str(f) for f in recorded if ".." not in str(f).split("/")] if isinstance(recorded, dict) else []
+        wanted = index_files(engine_for_record(self.info.meta.get("engine", "dcp")), files)
+        for rel in wanted:
+            (into / rel).parent.mkdir(parents=True, exist_ok=True)
+        fetched = self.storage.fetch(self.info.location, [*wanted, STATE_JSON], into)
+        missing = [f for f in wanted if f not in fetched]
+        if missing:
+            raise FileNotFoundError(f"{self.info.location}/{missing[0]}: missing")
         return into
 
 
@@ -91,6 +100,6 @@ def remote_checkpoint(url: str, options: dict[str, Any] | None, step: int | None
 
 @contextlib.contextmanager
 def metadata_only(ckpt: RemoteCheckpoint) -> Any:
-    """A temporary local directory holding the checkpoint's ``.metadata`` (for listing tensors)."""
+    """A temporary local directory holding what listing the checkpoint's tensors reads."""
     with tempfile.TemporaryDirectory(prefix="ckpt-inspect-") as tmp:
         yield ckpt.download_metadata(Path(tmp))

@@ -1,8 +1,8 @@
-"""The tensors of a checkpoint or a safetensors export, listed from metadata and read a group at a time.
+"""The tensors of a checkpoint or a safetensors export, listed from an index and read a group at a time.
 
-Listing reads only DCP's ``.metadata`` (through the library's allow-listed reader) or safetensors
-headers; values are read, when a diff needs them, through the library's DCP reader or the
-safetensors memory map. Nothing is unpickled.
+A checkpoint is read through the engine that wrote it (:mod:`checkpoint_manager.engine.reading`):
+listing reads its index only, values are read when a diff or a check needs them. Safetensors
+weights are listed from their headers and read through a memory map. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
 
 if TYPE_CHECKING:
     import torch
+
+    from checkpoint_manager.engine.reading import CheckpointTensors
 
 __all__ = ["TensorInfo", "TensorSource", "name_filter", "open_source"]
 
@@ -46,32 +48,30 @@ def name_filter(pattern: str | None, *, regex: bool = False) -> Callable[[str], 
 
 
 class TensorSource:
-    """The tensors of one place: a DCP checkpoint (ours or plain) or safetensors (a file or an HF directory)."""
+    """The tensors of one place: a checkpoint (ours of any engine, or plain DCP) or safetensors
+    weights (a file or an HF directory)."""
 
     def __init__(
         self,
         path: Path,
         kind: str,
         tensors: list[TensorInfo],
-        dtypes: dict[str, torch.dtype],
         section: str | None = None,
+        checkpoint: CheckpointTensors | None = None,
     ) -> None:
         self.path = path
-        self.kind = kind  # "dcp" or "safetensors"
-        self.section = section  # DCP only: names shown without "<section>."
+        self.kind = kind  # "checkpoint" or "safetensors"
+        self.section = section  # checkpoints only: names shown without "<section>."
         self.tensors = tensors
-        self._dtypes = dtypes
+        self._checkpoint = checkpoint
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The named tensors, as full CPU tensors."""
         names = list(names)
-        if self.kind == "dcp":
-            from checkpoint_manager.formats.dcp_stream import TensorEntry, read_entries
-
-            shapes = {t.name: t.shape for t in self.tensors}
+        if self._checkpoint is not None:
             prefix = f"{self.section}." if self.section else ""
-            entries = [TensorEntry(prefix + n, n, self._dtypes[n], shapes[n]) for n in names]
-            return read_entries(self.path, entries)
+            loaded = self._checkpoint.read([prefix + n for n in names])
+            return {n: loaded.pop(prefix + n) for n in names}
         from checkpoint_manager.formats.hf import hf_weight_files
         from checkpoint_manager.formats.safetensors_io import SafetensorsFile
 
@@ -89,40 +89,34 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def open_source(path: Path, *, section: str | None = None) -> TensorSource:
-    """List the tensors at ``path`` (a resolved checkpoint directory, or safetensors weights)."""
+def open_source(path: Path, *, section: str | None = None, meta: dict[str, Any] | None = None) -> TensorSource:
+    """List the tensors at ``path`` (a resolved checkpoint directory, or safetensors weights).
+
+    ``meta``: the checkpoint's ``checkpoint.json`` when ``path`` holds only the files its engine's
+    index needs (``ckpt inspect`` of a bundle or a URL)."""
     from checkpoint_manager.formats.hf import is_hf_weights
 
     if is_hf_weights(path):
         return _safetensors_source(path)
-    return _dcp_source(path, section)
+    return _checkpoint_source(path, section, meta)
 
 
-def _dcp_source(path: Path, section: str | None) -> TensorSource:
-    import torch
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def _checkpoint_source(path: Path, section: str | None, meta: dict[str, Any] | None) -> TensorSource:
+    from checkpoint_manager.engine.reading import open_directory
 
-    from checkpoint_manager.engine.dcp.io import read_dcp_metadata
-
-    metadata = read_dcp_metadata(path)
+    checkpoint = open_directory(path, meta=meta)
     prefix = f"{section}." if section else ""
     tensors: list[TensorInfo] = []
-    dtypes: dict[str, torch.dtype] = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        if not isinstance(meta, TensorStorageMetadata) or not key.startswith(prefix):
+    for key, info in checkpoint.index.items():
+        if not key.startswith(prefix):
             continue
-        shape = tuple(int(d) for d in meta.size)
         numel = 1
-        for d in shape:
+        for d in info.shape:
             numel *= d
-        dtype = meta.properties.dtype
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        name = key[len(prefix) :]
-        tensors.append(TensorInfo(name, shape, _dtype_name(dtype), nbytes))
-        dtypes[name] = dtype
+        tensors.append(TensorInfo(key[len(prefix) :], tuple(info.shape), _dtype_name(info.dtype), numel * info.dtype.itemsize))
     if section and not tensors:
         raise CliError(ExitCode.NOT_FOUND, f"{path}: no tensors under section {section!r}")
-    return TensorSource(path, "dcp", tensors, dtypes, section)
+    return TensorSource(path, "checkpoint", tensors, section, checkpoint)
 
 
 def _safetensors_source(path: Path) -> TensorSource:
@@ -130,7 +124,6 @@ def _safetensors_source(path: Path) -> TensorSource:
     from checkpoint_manager.formats.safetensors_io import SafetensorsFile
 
     tensors: list[TensorInfo] = []
-    dtypes: dict[str, torch.dtype] = {}
     for file in hf_weight_files(path):
         with SafetensorsFile(file) as st:
             for name in st:
@@ -139,5 +132,4 @@ def _safetensors_source(path: Path) -> TensorSource:
                 for d in shape:
                     numel *= d
                 tensors.append(TensorInfo(name, shape, _dtype_name(dtype), numel * dtype.itemsize))
-                dtypes[name] = dtype
-    return TensorSource(path, "safetensors", tensors, dtypes)
+    return TensorSource(path, "safetensors", tensors)

@@ -11,11 +11,14 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpoint_manager.cli.errors import CliError, ExitCode
 from checkpoint_manager.cli.output import Output, human_bytes, io_meter
 from checkpoint_manager.cli.targets import existing, resolve_checkpoint, tree_size
+
+if TYPE_CHECKING:
+    from checkpoint_manager.engine.reading import CheckpointTensors
 
 __all__ = ["add_parsers"]
 
@@ -37,6 +40,8 @@ examples:
   ckpt convert runs/exp1/step_00001000 model.safetensors --to safetensors
   ckpt convert model.safetensors runs/imported --to dcp --step 0
   ckpt convert pretrained.pt runs/imported --to dcp --subkey state_dict
+  ckpt convert runs/st/step_00000100 runs/as-dcp --to dcp          (any engine's checkpoint -> DCP, whole state)
+  ckpt convert runs/exp1/step_00001000 runs/as-st --to dcp --engine safetensors   (and to another engine)
 """
 
 PACK_EPILOG = """\
@@ -87,9 +92,11 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "convert",
         parents=[common],
-        help="convert weights between dcp, safetensors and torch.save",
-        description="Convert model weights from whatever SRC is (checkpoint, bundle, safetensors, "
-        "torch.save file) to the format --to, written at DST.",
+        help="convert weights between dcp, safetensors and torch.save; checkpoints between engines",
+        description="Convert model weights from whatever SRC is (checkpoint of any engine, bundle, "
+        "safetensors, torch.save file) to the format --to, written at DST. --to dcp writes a committed "
+        "checkpoint with --engine (default dcp): from weights a model-only one, from a checkpoint of "
+        "another engine the whole state.",
         epilog=CONVERT_EPILOG,
         formatter_class=raw,
     )
@@ -100,6 +107,10 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=None)
     p.add_argument("--subkey", default=None, help="torch.save sources: the entry holding the tensors")
     p.add_argument("--step", type=int, default=0, help="step recorded in a DCP target")
+    p.add_argument(
+        "--engine", default="dcp", metavar="NAME",
+        help="--to dcp: the engine that writes the checkpoint (dcp, or an installed engine's name)",
+    )
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(run=run_convert)
 
@@ -148,16 +159,16 @@ def _cli_errors() -> Iterator[None]:
         raise CliError(ExitCode.USAGE, str(exc)) from exc
 
 
-def _weight_bytes(ckpt_path: Path, model_key: str | None, dtype: str | None) -> int | None:
-    """Bytes of the tensors an export of ``model_key`` writes (after ``--dtype``), from the DCP
-    metadata alone; None when it cannot be told (the export itself then reports the problem)."""
+def _weight_bytes(checkpoint: Path | CheckpointTensors, model_key: str | None, dtype: str | None) -> int | None:
+    """Bytes of the tensors an export of ``model_key`` writes (after ``--dtype``), from the checkpoint's
+    index alone; None when it cannot be told (the export itself then reports the problem)."""
     try:
         import torch
 
-        from checkpoint_manager.formats.dcp_stream import tensor_entries
+        from checkpoint_manager.formats.dcp_stream import open_checkpoint, tensor_entries
 
         cast = getattr(torch, dtype) if dtype is not None else None
-        return sum(e.nbytes(cast) for e in tensor_entries(ckpt_path, model_key))
+        return sum(e.nbytes(cast) for e in tensor_entries(open_checkpoint(checkpoint), model_key))
     except Exception:  # a progress total is never worth failing the command for
         return None
 
@@ -192,10 +203,13 @@ def run_export(args: argparse.Namespace, out: Output) -> int:
         raise CliError(ExitCode.USAGE, "--adapter-config and --adapter-name go with --merge-lora (or --to peft)")
     if args.adapter_name and args.to not in ("hf", "peft"):
         raise CliError(ExitCode.USAGE, "--adapter-name goes with --to hf --merge-lora or --to peft")
+    from checkpoint_manager.formats.dcp_stream import open_checkpoint
+
     ckpt = resolve_checkpoint(args.path, step=args.step, args=args)
     doc: dict[str, Any] = {"source": ckpt.url or str(ckpt.path), "to": args.to, "step": ckpt.meta.get("step")}
     notes: list[str] = []
-    total = _weight_bytes(ckpt.path, args.model_key, args.dtype)
+    source = open_checkpoint(ckpt.path)  # read through the engine that wrote it; its index once
+    total = _weight_bytes(source, args.model_key, args.dtype)
     if args.to == "hf":
         total = _plus(total, args.artifacts_dir)
     with _cli_errors(), _bytes_progress(out, f"exporting {ckpt.path.name} ({args.to})", total, "write"):
@@ -205,7 +219,7 @@ def run_export(args: argparse.Namespace, out: Output) -> int:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", MissingConfigWarning)  # said below, in the command's words
                 result = export_hf(
-                    ckpt.path,
+                    source,
                     args.out,
                     model_key=args.model_key,
                     max_shard_size=args.max_shard_size,
@@ -233,7 +247,7 @@ def run_export(args: argparse.Namespace, out: Output) -> int:
             from checkpoint_manager.formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_peft
 
             peft_result = export_peft(
-                ckpt.path, args.out, adapter_name=args.adapter_name, model_key=args.model_key,
+                source, args.out, adapter_name=args.adapter_name, model_key=args.model_key,
                 dtype=args.dtype, overwrite=args.overwrite,
             )
             doc.update(
@@ -246,7 +260,7 @@ def run_export(args: argparse.Namespace, out: Output) -> int:
 
             target = _out_file(args.out, "model.safetensors", (".safetensors",))
             path = dcp_to_safetensors(
-                ckpt.path, target, model_key=args.model_key, dtype=args.dtype, overwrite=args.overwrite
+                source, target, model_key=args.model_key, dtype=args.dtype, overwrite=args.overwrite
             )
             with SafetensorsFile(path) as st:
                 tensors = len(st.keys())
@@ -256,8 +270,8 @@ def run_export(args: argparse.Namespace, out: Output) -> int:
             from checkpoint_manager.formats.dcp_stream import tensor_entries
 
             target = _out_file(args.out, "model.pt", _TORCH_SUFFIXES)
-            path = dcp_to_torch(ckpt.path, target, model_key=args.model_key, dtype=args.dtype, overwrite=args.overwrite)
-            tensors = len(tensor_entries(ckpt.path, args.model_key))
+            path = dcp_to_torch(source, target, model_key=args.model_key, dtype=args.dtype, overwrite=args.overwrite)
+            tensors = len(tensor_entries(source, args.model_key))
             doc.update(path=str(path), files=[path.name], tensors=tensors, bytes=path.stat().st_size)
     if out.json_mode:
         out.emit({**doc, "notes": notes})
@@ -276,6 +290,8 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
 
     src = existing(args.src)
     kind = detect_format(src)
+    if args.engine != "dcp" and args.to != "dcp":
+        raise CliError(ExitCode.USAGE, "--engine goes with --to dcp (a checkpoint target)")
     if kind == "dcp":
         total = _weight_bytes(src, args.model_key, args.dtype)
     else:  # a safetensors or torch.save file: its size, unless a cast changes it
@@ -283,13 +299,19 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
     with _cli_errors(), _bytes_progress(out, f"converting {kind} -> {args.to}", total, "write"):
         path = convert(
             src, args.dst, to=args.to, model_key=args.model_key, dtype=args.dtype, step=args.step,
-            subkey=args.subkey, overwrite=args.overwrite,
+            subkey=args.subkey, overwrite=args.overwrite, engine=args.engine,
         )
     doc: dict[str, Any] = {"source": str(src), "from": kind, "to": args.to, "path": str(path), "bytes": tree_size(path)}
+    written_by = ""
+    if args.to == "dcp":  # a checkpoint: the engine that wrote it
+        from checkpoint_manager.core.layout import read_checkpoint_json
+
+        doc["engine"] = read_checkpoint_json(path).get("engine")
+        written_by = f", engine {doc['engine']}"
     if out.json_mode:
         out.emit(doc)
     else:
-        out.line(f"wrote {path} ({kind} -> {args.to}, {human_bytes(doc['bytes'])})")
+        out.line(f"wrote {path} ({kind} -> {args.to}{written_by}, {human_bytes(doc['bytes'])})")
     return ExitCode.OK
 
 

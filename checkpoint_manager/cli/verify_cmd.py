@@ -16,7 +16,7 @@ from checkpoint_manager.cli.errors import CliError, ExitCode
 from checkpoint_manager.cli.output import Output, io_meter
 from checkpoint_manager.cli.targets import existing, is_url, resolve_checkpoint, storage_options, tree_size
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "local_problems", "run"]
 
 EPILOG = """\
 examples:
@@ -87,12 +87,17 @@ def _targets(text: str, args: argparse.Namespace) -> tuple[list[Target], bool]:
     return out, True
 
 
-def _check(path: Path) -> Callable[[str], list[str]]:
-    """Sizes and CRC-32s, then (when they pass) what a load would refuse beyond them."""
+def local_problems(path: Path, level: str) -> list[str]:
+    """Sizes and CRC-32s, then (when they pass) what a load would refuse beyond them: what ``ckpt
+    verify`` and ``ckpt list --verify`` report of a local checkpoint."""
     from checkpoint_manager.core.integrity import verify
     from checkpoint_manager.lifecycle.readable import load_problems
 
-    return lambda level: verify(path, level) or load_problems(path, level)  # type: ignore[arg-type]
+    return verify(path, level) or load_problems(path, level)  # type: ignore[arg-type]
+
+
+def _check(path: Path) -> Callable[[str], list[str]]:
+    return lambda level: local_problems(path, level)
 
 
 def _linked_entries(root: Path) -> list[tuple[str, str]]:

@@ -26,7 +26,15 @@ from checkpoint_manager import errors
 from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.errors import CheckpointError
 
-__all__ = ["VOTE_SLOT", "CollectiveTimeoutError", "DistContext", "decode_slots", "encode_slot", "vote_outcome"]
+__all__ = [
+    "VOTE_SLOT",
+    "CollectiveTimeoutError",
+    "DistContext",
+    "decode_slots",
+    "encode_slot",
+    "error_type",
+    "vote_outcome",
+]
 
 T = TypeVar("T")
 
@@ -135,23 +143,23 @@ class DistContext:
         except Exception as exc:
             raise self._failed(phase, exc) from exc
 
-    def broadcast_json(self, value: Any, phase: str) -> Any:
-        """Rank 0's ``value`` on every rank: one collective when it is small (the usual case)."""
+    def broadcast_json(self, value: Any, phase: str, *, src: int = 0) -> Any:
+        """Rank ``src``'s ``value`` on every rank: one collective when it is small (the usual case)."""
         if self.world_size == 1:
             return value
-        payload = json.dumps(value).encode("utf-8") if self.rank == 0 else b""
+        payload = json.dumps(value).encode("utf-8") if self.rank == src else b""
         try:
             slot = _slot(payload)
-            self._wait(dist.broadcast(slot, src=0, group=self._group, async_op=True))
+            self._wait(dist.broadcast(slot, src=src, group=self._group, async_op=True))
             size = _slot_size(slot)
             if size <= _INLINE:
                 return _decode(slot[_HEADER : _HEADER + size])
             rest = (
                 torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                if self.rank == 0
+                if self.rank == src
                 else torch.empty(size, dtype=torch.uint8)
             )
-            self._wait(dist.broadcast(rest, src=0, group=self._group, async_op=True))
+            self._wait(dist.broadcast(rest, src=src, group=self._group, async_op=True))
         except Exception as exc:
             raise self._failed(phase, exc) from exc
         return _decode(rest)
@@ -175,6 +183,17 @@ class DistContext:
         except Exception as exc:
             raise self._failed(phase, exc) from exc
         return [_decode(b[:n]) for b, n in zip(bufs, sizes, strict=True)]
+
+    def min_ints(self, values: list[int], phase: str) -> list[int]:
+        """The element-wise minimum of every rank's ``values`` (int64), on every rank: one small all-reduce."""
+        if self.world_size == 1:
+            return list(values)
+        flags = torch.tensor(values, dtype=torch.int64)
+        try:
+            self._wait(dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group, async_op=True))
+        except Exception as exc:
+            raise self._failed(phase, exc) from exc
+        return [int(v) for v in flags.tolist()]
 
     def all_ok(self, ok: bool, phase: str) -> bool:
         """True only if every rank reports ``ok``."""
@@ -317,6 +336,11 @@ def _bytes(t: torch.Tensor) -> bytes:
     """A CPU uint8 tensor's bytes (without numpy, which is not a dependency)."""
     t = t.contiguous()
     return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
+
+
+def error_type(name: str) -> type[BaseException] | None:
+    """The library's (or a builtin's) error class of that name, which another rank reported."""
+    return _error_types().get(name)
 
 
 def _rebuild(type_name: str, message: str, phase: str) -> BaseException:

@@ -96,6 +96,8 @@ ENGINE = PluginKind(
     optional={
         "stage": ("stage(state, ctx)", (((_ARG, _ARG), {}),)),
         "warm_up": ("warm_up(state, ctx)", (((_ARG, _ARG), {}),)),
+        "reader": ("reader(directory, ctx)", (((_ARG, _ARG), {}),)),
+        "index_files": ("index_files(files)", (((_ARG,), {}),)),
     },
     builtins={"dcp": "checkpoint_manager.engine.dcp.engine:DCPEngine"},
     str_attributes={"name": "recorded in checkpoint.json"},

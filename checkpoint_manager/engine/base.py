@@ -32,6 +32,13 @@ Call order of a load, on every rank:
    any world size: resharding is the engine's). A key absent from ``targets`` is not read. Both
    calls get the same ``ctx`` (what ``read_index`` read may wait in ``ctx.extra``).
 
+A failed load must change nothing live. The lifecycle therefore hands ``load`` fresh tensors and
+copies them over the live ones once it returned (one more copy of the state, in memory), unless the
+engine class sets ``load_checks_first = True``: a promise that ``load`` checks every record it will
+copy (its type, its size, whatever its reader would refuse) before the first copy into a target, so
+that raising leaves every target as it was, and calls ``ctx.check`` (when set) with the values it
+will copy before the first copy; then ``load`` fills the live tensors directly.
+
 A tensor group in files of its own (optional; what ``save_frozen="once"`` needs). An engine whose
 class sets ``places_groups = True`` can keep a group of tensors (this rank's frozen parameters) in
 files that hold nothing else, and a later save can then reference those files instead of writing
@@ -58,11 +65,20 @@ A load takes the engine ``checkpoint.json`` names (``"engine"``, the engine's ``
 own engine if the names are equal, else one this process can name without importing anything the
 file says (:func:`checkpoint_manager.engine.registry.engine_for_record`: a built-in, an installed
 entry point, the engine the config names), built as ``cls(config)``.
+
+Reading outside a training run (``ckpt inspect|diff|export|convert|verify --finite``, ``export_hf``,
+``export_peft``, bundles, ``save_consolidated``) goes through the same engine, as one process: a
+:class:`TensorReader` from the optional ``reader(directory, ctx)``, or else one the library builds
+from ``read_index`` and ``load`` (``ctx``: rank 0 of the world size that saved, ``process_group``
+None), asking ``load`` for a few tensors at a time so memory stays near one group's size. An engine
+whose checkpoints are global (it reshards) provides ``reader`` to read them whole; the optional
+``index_files(files)`` names the files its index needs, so that inspecting a bundle or a URL fetches
+only those.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple, Protocol, runtime_checkable
@@ -82,6 +98,7 @@ __all__ = [
     "GroupBase",
     "StagingEngine",
     "TensorInfo",
+    "TensorReader",
 ]
 
 #: what an engine reports of one file it wrote: ``{"size": bytes, "crc32": unsigned CRC-32}``
@@ -131,7 +148,8 @@ class EngineContext:
     step: int
     rank: int = 0
     world_size: int = 1
-    #: the checkpoint's own process group (gloo, bounded by ``collective_timeout_s``); None alone
+    #: the checkpoint's own process group (gloo, bounded by ``collective_timeout_s``); None: this
+    #: process reads or writes alone (a run of one process, or a reader outside a run), no collectives
     process_group: ProcessGroup | None = None
     #: the run's config (the engine's own ``config_class`` when it declares one)
     config: CheckpointConfig | None = None
@@ -154,6 +172,10 @@ class EngineContext:
     start_save: Callable[[EngineState], None] | None = None
     #: save: seconds of phases the engine measured itself (e.g. ``"fsync"``), reported in the result's timings
     timings: dict[str, float] = field(default_factory=dict)
+    #: load, for an engine with ``load_checks_first``: the lifecycle's check of the values (the finite
+    #: check), to call with ``(key, tensor)`` pairs of everything it will copy, as read, before the
+    #: first copy into a target; raising fails the load. None: nothing to check
+    check: Callable[[Iterable[tuple[str, torch.Tensor]]], None] | None = None
     #: save and stage, for an engine with ``places_groups``: the keys of the tensor group to keep in
     #: files of their own (on stage: to pass through without a snapshot); empty: no group
     group: frozenset[str] = frozenset()
@@ -196,4 +218,24 @@ class StagingEngine(Engine, Protocol):
 
     def stage(self, state: EngineState, ctx: EngineContext) -> EngineState:
         """On the training thread: a snapshot of ``state`` that training may not change."""
+        ...
+
+
+@runtime_checkable
+class TensorReader(Protocol):
+    """One process reading one checkpoint's tensors, a few at a time, outside a training run.
+
+    What ``ckpt``, the exports, conversions and ``save_consolidated`` read through. ``read`` returns
+    tensors the caller owns, whole (as one process sees the checkpoint: global tensors for an engine
+    that reshards, rank 0's for one that writes per-rank files), and reads nothing it was not asked
+    for, so that a caller reading groups of keys holds one group at a time. An engine may also give
+    ``object_keys()``: the keys it holds that are not tensors (never read), for reports.
+    """
+
+    def index(self) -> Mapping[str, TensorInfo]:
+        """The tensors, by key, from the checkpoint's index alone (the files ``index_files`` names)."""
+        ...
+
+    def read(self, keys: Collection[str]) -> dict[str, torch.Tensor]:
+        """These tensors (keys of :meth:`index`), as CPU tensors of their saved dtype and shape."""
         ...

@@ -20,11 +20,14 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from checkpoint_manager.engine.dcp.direct_io import BLOCK, DIRECT_MIN
-
-__all__ = ["StagingBuffers", "StagingGate", "local_tensor"]
+__all__ = ["BLOCK", "DIRECT_MIN", "StagingBuffers", "StagingGate", "local_tensor"]
 
 HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB base pages)
+#: the alignment of an ``O_DIRECT`` transfer (address, length, file offset)
+BLOCK = 4096
+#: staged buffers at least this big are page-aligned, so a writer sends them to disk with
+#: ``O_DIRECT`` straight from where they are, without a bounce copy (it pads the file to match)
+DIRECT_MIN = 1 << 20
 
 try:
     from torch.distributed.tensor import DTensor

@@ -25,6 +25,7 @@ from checkpoint_manager.formats.convert import (
     torch_to_safetensors,
     write_weights_checkpoint,
 )
+from checkpoint_manager.formats.dcp_stream import open_checkpoint
 from checkpoint_manager.formats.hf import (
     HFExport,
     HFLoad,
@@ -61,6 +62,7 @@ __all__ = [
     "list_bundle_cache",
     "load_hf_weights",
     "open_bundle",
+    "open_checkpoint",
     "pack_bundle",
     "parse_size",
     "plain_dcp_to_dcp",

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from checkpoint_manager.core.layout import CHECKPOINT_JSON, METADATA_FILE, STATE_JSON
+from checkpoint_manager.core.layout import CHECKPOINT_JSON, STATE_JSON
 from checkpoint_manager.core.safe_io import SMALL_FILE_LIMIT, open_regular, parse_json, read_json, read_small
 from checkpoint_manager.errors import (
     BundleCacheError,
@@ -91,7 +91,7 @@ MAX_MEMBERS = 100_000
 MAX_DEPTH = 32
 #: characters in a member's name (Linux's PATH_MAX is 4096 bytes, for the whole destination path)
 MAX_NAME = 1024
-_METADATA_NAMES = frozenset({BUNDLE_JSON, CONFIG_JSON, CHECKPOINT_JSON, METADATA_FILE, STATE_JSON})
+_METADATA_NAMES = frozenset({BUNDLE_JSON, CONFIG_JSON, CHECKPOINT_JSON, STATE_JSON})
 _TENSOR_FILES = (".distcp", ".safetensors")  # in cache entries, hashed only up to _HASHED_TENSOR_BYTES
 _HASHED_TENSOR_BYTES = 2**20
 _RECORD_FORMAT = "checkpoint-manager-bundle-cache"
@@ -314,11 +314,12 @@ def _extract_plain(tar: tarfile.TarFile, members: list[tarfile.TarInfo], target:
 
 
 def read_bundle_metadata(bundle: str | Path, dest: str | Path, *, limits: BundleLimits | None = None) -> BundleInfo:
-    """A bundle's manifest, config and its checkpoint's metadata files, without unpacking any tensor.
+    """A bundle's manifest, config and its checkpoint's metadata files, without unpacking a tensor it need not.
 
-    Every member is checked as :func:`extract_bundle` does; only ``bundle.json``, the config and the
-    checkpoint's ``checkpoint.json``, ``.metadata`` and ``state.json`` are written, into ``dest``
-    (absent or empty). What ``ckpt inspect`` reads a bundle with.
+    Every member is checked as :func:`extract_bundle` does; only ``bundle.json``, the config, the
+    checkpoint's ``checkpoint.json`` and ``state.json``, and the files its engine's index reads
+    (``index_files``; DCP: ``.metadata``; every file for an engine that does not say) are written,
+    into ``dest`` (absent or empty). What ``ckpt inspect`` reads a bundle with.
     """
     path = Path(bundle)
     target = Path(dest)
@@ -334,7 +335,29 @@ def read_bundle_metadata(bundle: str | Path, dest: str | Path, *, limits: Bundle
                 f"{path}: member {too_big[0].name!r} is {too_big[0].size} bytes, more than such a file may hold"
             )
         _extract(path, tar, wanted, target)
-    return _read_manifest(path, target)
+    info = _read_manifest(path, target)
+    _extract_index_files(path, target, info, limits)
+    return info
+
+
+def _extract_index_files(path: Path, target: Path, info: BundleInfo, limits: BundleLimits | None) -> None:
+    """The files the checkpoint's engine reads its index from, in a second pass over the bundle."""
+    from checkpoint_manager.core.layout import read_checkpoint_json
+    from checkpoint_manager.engine.reading import index_files
+    from checkpoint_manager.engine.registry import engine_for_record
+
+    meta = read_checkpoint_json(info.checkpoint)
+    prefix = info.checkpoint.relative_to(target).as_posix()
+    prefix = "" if prefix == "." else prefix + "/"
+    with _open_tar(path) as tar:
+        members = [m for m in _checked_members(path, tar, limits) if m.isfile() and m.name.startswith(prefix)]
+        files = {m.name[len(prefix) :]: m for m in members}
+        files = {rel: m for rel, m in files.items() if posixpath.basename(rel) not in _METADATA_NAMES}
+        try:
+            engine = engine_for_record(meta.get("engine", "dcp"))
+        except CheckpointCorruptError as exc:  # EngineNotAvailableError among them
+            raise type(exc)(f"{path}: {exc}") from exc
+        _extract(path, tar, [files[rel] for rel in index_files(engine, files)], target)
 
 
 def _read_json(bundle: Path, file: Path, what: str) -> Any:

@@ -1,8 +1,11 @@
-"""Conversions between our DCP checkpoints, consolidated safetensors and a single ``torch.save`` file.
+"""Conversions between our checkpoints (of any engine), consolidated safetensors and ``torch.save`` files.
 
-A DCP target is a committed, model-only checkpoint (``checkpoint.json``, ``state.json``, DCP files):
-the manager loads it like any other (``LoadContext(model=m, path=...)``, or as ``initial_load_path``).
-A ``torch.save`` target is a plain ``{name: tensor}`` dict, nothing else pickled; ``torch.save`` sources
+A checkpoint source is read through the engine that wrote it. A checkpoint target (``to="dcp"``) is
+a committed checkpoint written by ``engine`` (DCP by default): from weights (safetensors, ``torch.save``,
+plain DCP) a model-only one; from a checkpoint of another engine, the whole state (every tensor,
+``state.json``, rank 0's RNG and data-loader state), which any manager resumes from. The manager loads
+either like any other (``LoadContext(model=m, path=...)``, or as ``initial_load_path``). A
+``torch.save`` target is a plain ``{name: tensor}`` dict, nothing else pickled; ``torch.save`` sources
 are opened with ``weights_only=True`` (and memory-mapped), so loading one never runs code from it.
 """
 
@@ -11,13 +14,11 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from checkpoint_manager._version import __version__
 from checkpoint_manager.core.codec import split_tensors
@@ -28,17 +29,21 @@ from checkpoint_manager.core.layout import (
     FORMAT_VERSION,
     STATE_JSON,
     now,
+    rank_file,
     seal_checkpoint_json,
 )
-from checkpoint_manager.engine.dcp.io import METADATA_FILE
-from checkpoint_manager.engine.dcp.writer import CheckpointWriter
+from checkpoint_manager.core.plugins import ENGINE, check_plugin_class, find_plugin
+from checkpoint_manager.core.safe_io import parse_json, read_small
+from checkpoint_manager.engine.base import Engine, EngineContext, EngineState
+from checkpoint_manager.engine.reading import CheckpointTensors, plain_engine
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
 from checkpoint_manager.formats.bundle import is_bundle
-from checkpoint_manager.formats.dcp_stream import group_entries, read_entries, tensor_entries
+from checkpoint_manager.formats.dcp_stream import group_entries, open_checkpoint, read_entries, tensor_entries
 from checkpoint_manager.formats.hf import export_hf, hf_weight_files, is_hf_weights
 from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
+from checkpoint_manager.formats.model_config import HF_CONFIG_JSON
 from checkpoint_manager.formats.publish import publish_dir, staging_dir
-from checkpoint_manager.formats.resolve import is_plain_dcp, resolve_checkpoint_path
+from checkpoint_manager.formats.resolve import is_plain_dcp
 from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
 from checkpoint_manager.formats.sizes import parse_size
 from checkpoint_manager.storage import LocalStorage
@@ -46,6 +51,7 @@ from checkpoint_manager.storage import LocalStorage
 __all__ = [
     "WeightsFormat",
     "convert",
+    "convert_engine",
     "dcp_to_safetensors",
     "dcp_to_torch",
     "detect_format",
@@ -64,11 +70,12 @@ _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 def detect_format(path: str | Path) -> WeightsFormat:
-    """Which of the three formats ``path`` holds (a bundle, a save directory and plain DCP count as DCP)."""
+    """Which of the three formats ``path`` holds: ``"dcp"`` is a checkpoint (ours, of any engine; a
+    bundle, a save directory and plain DCP count too)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointNotFoundError(f"{p}: no such file or directory")
-    if p.is_dir() and ((p / CHECKPOINT_JSON).is_file() or (p / METADATA_FILE).is_file()):
+    if p.is_dir() and ((p / CHECKPOINT_JSON).is_file() or plain_engine(p) is not None):
         return "dcp"
     if is_hf_weights(p):
         return "safetensors"
@@ -94,11 +101,23 @@ def convert(
     step: int = 0,
     subkey: str | None = None,
     overwrite: bool = False,
+    engine: str | Engine = "dcp",
 ) -> Path:
-    """Convert model weights from whatever ``src`` is to the format ``to``, written at ``dst``."""
+    """Convert from whatever ``src`` is to the format ``to``, written at ``dst``.
+
+    ``to="dcp"`` writes a committed checkpoint with ``engine`` (a built-in or installed engine's name,
+    a dotted path, or an engine): model weights from weights, the whole state from a checkpoint of
+    another engine (:func:`convert_engine`).
+    """
     kind = detect_format(src)
-    if kind == "dcp" == to and Path(src).is_dir() and is_plain_dcp(src):
-        return plain_dcp_to_dcp(src, dst, model_key=model_key, step=step, dtype=dtype, overwrite=overwrite)
+    if kind == "dcp" == to:
+        if Path(src).is_dir() and is_plain_dcp(src):
+            return plain_dcp_to_dcp(
+                src, dst, model_key=model_key, step=step, dtype=dtype, overwrite=overwrite, engine=engine
+            )
+        if dtype is not None:
+            raise ValueError("dtype= casts exported weights; a conversion between engines keeps every tensor as it is")
+        return convert_engine(src, dst, engine=engine, overwrite=overwrite)
     if kind == to:
         raise ValueError(f"{src} is already in {to} format")
     if kind == "dcp":
@@ -107,18 +126,79 @@ def convert(
         return dcp_to_torch(src, dst, model_key=model_key, dtype=dtype, overwrite=overwrite)
     if kind == "safetensors":
         if to == "dcp":
-            return safetensors_to_dcp(src, dst, model_key=model_key, step=step, dtype=dtype, overwrite=overwrite)
+            return safetensors_to_dcp(
+                src, dst, model_key=model_key, step=step, dtype=dtype, overwrite=overwrite, engine=engine
+            )
         return safetensors_to_torch(src, dst, dtype=dtype, overwrite=overwrite)
     if to == "dcp":
         return torch_to_dcp(
-            src, dst, model_key=model_key, step=step, subkey=subkey, dtype=dtype, overwrite=overwrite
+            src, dst, model_key=model_key, step=step, subkey=subkey, dtype=dtype, overwrite=overwrite, engine=engine
         )
     return torch_to_safetensors(src, dst, subkey=subkey, dtype=dtype, overwrite=overwrite)
 
 
+def convert_engine(
+    checkpoint: str | Path, dst: str | Path, *, engine: str | Engine = "dcp", overwrite: bool = False, fsync: bool = True
+) -> Path:
+    """The checkpoint ``checkpoint`` names, written again by ``engine`` as a committed checkpoint at ``dst``.
+
+    Every tensor (as one process reads it: global tensors from an engine that reshards, rank 0's from
+    one with per-rank files), ``state.json`` and the recorded model config are kept, with the step,
+    train state and metrics; rank 0's RNG and data-loader state too. The result is written by one
+    process (``world_size`` 1): a load on more ranks follows ``on_world_size_change``. The tensors are
+    held in memory once (an engine writes a rank's share in one call).
+    """
+    source = open_checkpoint(checkpoint)
+    writer = _writing_engine(engine)
+    if source.meta.get("engine", "dcp") == writer.name:
+        raise ValueError(
+            f"{checkpoint} is already in {writer.name} format (a checkpoint of engine {writer.name!r}); "
+            "name another engine to convert it to"
+        )
+    src = source.path
+    global_json = _json_file(src, STATE_JSON)
+    if global_json is None:
+        raise CheckpointCorruptError(f"{src / STATE_JSON}: missing (a checkpoint of ours always has one)")
+    rank_json = _json_file(src, rank_file(0))
+    train_state = source.meta.get("train_state")
+    metrics = source.meta.get("metrics")
+    tensors = source.read(list(source.index))
+    copied = [HF_CONFIG_JSON] if (src / HF_CONFIG_JSON).is_file() else []
+    return _write_checkpoint(
+        tensors,
+        dst,
+        engine=writer,
+        global_json=global_json,
+        rank_json=rank_json,
+        step=int(source.meta.get("step") or 0),
+        extra_meta={"train_state": train_state, "metrics": metrics if isinstance(metrics, dict) else {}},
+        copy_from=(src, copied),
+        source=str(checkpoint),
+        overwrite=overwrite,
+        fsync=fsync,
+    )
+
+
+def _json_file(directory: Path, name: str) -> Any:
+    """A small JSON file of a checkpoint, or None where there is none."""
+    file = directory / name
+    if not file.exists():
+        return None
+    return parse_json(read_small(file, root=directory), file)
+
+
+def _writing_engine(engine: str | Engine) -> Engine:
+    """The engine a conversion writes with: the caller's choice (a name, a dotted path, or an engine)."""
+    if not isinstance(engine, str):
+        return engine
+    target = find_plugin(ENGINE, engine)
+    check_plugin_class(ENGINE, target, name=engine, config_base=object)
+    return cast("Engine", cast(Any, target)(None))
+
+
 # -- from DCP ---------------------------------------------------------------------------------------
 def dcp_to_safetensors(
-    checkpoint: str | Path,
+    checkpoint: str | Path | CheckpointTensors,
     dst: str | Path,
     *,
     model_key: str | None = "model",
@@ -139,15 +219,15 @@ def dcp_to_safetensors(
             checkpoint, out, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
             buffer_size=buffer_size, overwrite=overwrite,
         ).path
-    src = resolve_checkpoint_path(checkpoint)
-    cast = resolve_dtype(dtype)
-    entries = tensor_entries(src, model_key)
+    source = open_checkpoint(checkpoint)
+    to_dtype = resolve_dtype(dtype)
+    entries = tensor_entries(source, model_key)
     _refuse_existing(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    specs = {e.name: (e.out_dtype(cast), e.shape) for e in entries}
+    specs = {e.name: (e.out_dtype(to_dtype), e.shape) for e in entries}
     with SafetensorsWriter(out, specs, {"format": "pt"}) as writer:
-        for group in group_entries(entries, parse_size(buffer_size), cast):
-            loaded = read_entries(src, group, cast)
+        for group in group_entries(entries, parse_size(buffer_size), to_dtype):
+            loaded = read_entries(source, group, to_dtype)
             for name in list(loaded):
                 writer.write(name, loaded.pop(name))
         writer.commit()
@@ -155,7 +235,7 @@ def dcp_to_safetensors(
 
 
 def dcp_to_torch(
-    checkpoint: str | Path,
+    checkpoint: str | Path | CheckpointTensors,
     dst: str | Path,
     *,
     model_key: str | None = "model",
@@ -163,8 +243,8 @@ def dcp_to_torch(
     overwrite: bool = False,
 ) -> Path:
     """One ``torch.save`` file of ``{name: tensor}`` (the whole section is in memory once)."""
-    src = resolve_checkpoint_path(checkpoint)
-    tensors = read_entries(src, tensor_entries(src, model_key), resolve_dtype(dtype))
+    source = open_checkpoint(checkpoint)
+    tensors = read_entries(source, tensor_entries(source, model_key), resolve_dtype(dtype))
     return _torch_save(tensors, Path(dst), overwrite)
 
 
@@ -177,8 +257,9 @@ def plain_dcp_to_dcp(
     step: int = 0,
     dtype: torch.dtype | str | None = None,
     overwrite: bool = False,
+    engine: str | Engine = "dcp",
 ) -> Path:
-    """A committed model-only checkpoint of ours from a directory plain ``dcp.save`` wrote.
+    """A committed model-only checkpoint of ours (written by ``engine``) from a directory plain ``dcp.save`` wrote.
 
     The model is its ``model_key`` section, or (torchtitan's layout) the top-level tensors of no other
     section; optimizer and other state are left behind (load the plain directory itself to restore
@@ -188,7 +269,7 @@ def plain_dcp_to_dcp(
 
     tensors = plain_model_tensors(Path(src), model_key)
     return write_weights_checkpoint(
-        _cast(tensors, dtype), dst, model_key=model_key, step=step, source=str(src), overwrite=overwrite
+        _cast(tensors, dtype), dst, model_key=model_key, step=step, source=str(src), overwrite=overwrite, engine=engine
     )
 
 
@@ -201,11 +282,12 @@ def safetensors_to_dcp(
     key_map: KeyMap | None = None,
     dtype: torch.dtype | str | None = None,
     overwrite: bool = False,
+    engine: str | Engine = "dcp",
 ) -> Path:
-    """A model-only checkpoint from a ``.safetensors`` file or a Hugging Face directory."""
+    """A model-only checkpoint (written by ``engine``) from a ``.safetensors`` file or a Hugging Face directory."""
     tensors = read_safetensors(src, key_map=key_map)
     return write_weights_checkpoint(
-        _cast(tensors, dtype), dst, model_key=model_key, step=step, source=str(src), overwrite=overwrite
+        _cast(tensors, dtype), dst, model_key=model_key, step=step, source=str(src), overwrite=overwrite, engine=engine
     )
 
 
@@ -218,11 +300,12 @@ def torch_to_dcp(
     subkey: str | None = None,
     dtype: torch.dtype | str | None = None,
     overwrite: bool = False,
+    engine: str | Engine = "dcp",
 ) -> Path:
-    """A model-only checkpoint from a ``torch.save`` file of tensors (``subkey``: e.g. ``"state_dict"``)."""
+    """A model-only checkpoint (written by ``engine``) from a ``torch.save`` file of tensors (``subkey``: e.g. ``"state_dict"``)."""
     tensors = read_torch_file(src, subkey=subkey)
     return write_weights_checkpoint(
-        _cast(tensors, dtype), dst, model_key=model_key, step=step, source=str(src), overwrite=overwrite
+        _cast(tensors, dtype), dst, model_key=model_key, step=step, source=str(src), overwrite=overwrite, engine=engine
     )
 
 
@@ -235,33 +318,71 @@ def write_weights_checkpoint(
     source: str | None = None,
     overwrite: bool = False,
     fsync: bool = True,
+    engine: str | Engine = "dcp",
 ) -> Path:
-    """Write ``tensors`` as a committed model-only checkpoint directory at ``dst``."""
+    """Write ``tensors`` as a committed model-only checkpoint directory at ``dst``, with ``engine``."""
+    part, skeleton = split_tensors(dict(tensors), model_key)
+    return _write_checkpoint(
+        part,
+        dst,
+        engine=_writing_engine(engine),
+        global_json={model_key: skeleton},
+        rank_json=None,
+        step=step,
+        extra_meta={"train_state": None, "metrics": {}},
+        copy_from=None,
+        source=source,
+        overwrite=overwrite,
+        fsync=fsync,
+    )
+
+
+def _write_checkpoint(
+    tensors: dict[str, torch.Tensor],
+    dst: str | Path,
+    *,
+    engine: Engine,
+    global_json: Any,
+    rank_json: Any,
+    step: int,
+    extra_meta: dict[str, Any],
+    copy_from: tuple[Path, list[str]] | None,
+    source: str | None,
+    overwrite: bool,
+    fsync: bool,
+) -> Path:
+    """A committed checkpoint of one process: ``engine`` writes the tensors, we the JSON and the record."""
     out = Path(dst)
     staging = staging_dir(out)
     try:
-        part, skeleton = split_tensors(dict(tensors), model_key)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_save(part, storage_writer=CheckpointWriter(staging, fsync=fsync), no_dist=True)
+        ctx = EngineContext(step=step, fsync=fsync, extra={})
+        records = engine.save(EngineState(tensors), staging, ctx)
         storage = LocalStorage(out.parent, fsync=fsync)
-        storage.write_json(staging / STATE_JSON, {model_key: skeleton})
-        files = describe_files(staging, {})  # sizes and CRC32s, as the manager records them
+        storage.write_json(staging / STATE_JSON, global_json)
+        if rank_json is not None:
+            own = dict(records) if records is not None else {}
+            storage.write_json(staging / rank_file(0), {**rank_json, "files": own} if isinstance(rank_json, dict) else rank_json)
+        if copy_from is not None:
+            src, names = copy_from
+            for name in names:
+                shutil.copyfile(src / name, staging / name)
+        files = describe_files(staging, dict(records or {}))  # sizes and CRC32s, as the manager records them
         created_unix, created = now()
+        record = getattr(engine, "record", None)
         meta: dict[str, Any] = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "library_version": __version__,
             "torch_version": torch.__version__,
-            "engine": "dcp",
+            "engine": engine.name,
+            **(record() if record is not None else {}),
             "step": step,
             "name": out.name,
             "created": created,
             "created_unix": created_unix,
             "world_size": 1,
-            "train_state": None,
-            "metrics": {},
-            "bytes": sum(int(t.numel() * t.element_size()) for t in part.values()),
+            **extra_meta,
+            "bytes": sum(int(t.numel() * t.element_size()) for t in tensors.values()),
             "files": files,
             "converted_from": source,
         }
@@ -364,10 +485,10 @@ def _keys(obj: Any) -> list[str]:
 
 
 def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | str | None) -> dict[str, torch.Tensor]:
-    cast = resolve_dtype(dtype)
-    if cast is None:
+    to_dtype = resolve_dtype(dtype)
+    if to_dtype is None:
         return tensors
-    return {k: t.to(cast) if t.is_floating_point() else t for k, t in tensors.items()}
+    return {k: t.to(to_dtype) if t.is_floating_point() else t for k, t in tensors.items()}
 
 
 def _refuse_existing(out: Path, overwrite: bool) -> None:

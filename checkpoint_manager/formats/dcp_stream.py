@@ -1,34 +1,29 @@
-"""Reading a DCP checkpoint a few tensors at a time, whatever number of ranks wrote it.
+"""Reading a checkpoint a few tensors at a time, through its engine, whatever number of ranks wrote it.
 
-DCP itself does the work: given a target dict that names only some keys, with full-size tensors,
-it reads just those keys' chunks from every rank's file and assembles them. Asking for one group
-of keys at a time keeps memory near the group's size instead of the model's.
+The engine that wrote the checkpoint reads it (:mod:`checkpoint_manager.engine.reading`): its index
+says which tensors there are, and each call reads only the keys it is given, whole. Asking for one
+group of keys at a time keeps memory near the group's size instead of the model's.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from checkpoint_manager.engine.dcp.engine import own_failure
-from checkpoint_manager.engine.dcp.io import read_dcp_metadata
-from checkpoint_manager.engine.dcp.reader import CheckpointReader
+from checkpoint_manager.engine.reading import CheckpointTensors, open_directory
 from checkpoint_manager.errors import CheckpointNotFoundError
 from checkpoint_manager.state.keys import is_model_key
 
-__all__ = ["TensorEntry", "group_entries", "model_keys", "read_entries", "tensor_entries"]
+__all__ = ["TensorEntry", "group_entries", "model_keys", "open_checkpoint", "read_entries", "tensor_entries"]
 
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of a checkpoint: its DCP key, the name it is exported under, and its layout."""
+    """One tensor of a checkpoint: its key, the name it is exported under, and its layout."""
 
     key: str
     name: str
@@ -46,34 +41,43 @@ class TensorEntry:
         return numel * torch.empty((), dtype=self.out_dtype(dtype)).element_size()
 
 
-def model_keys(metadata: Metadata) -> list[str]:
-    """The model sections a checkpoint holds: ``["model"]`` or ``["model_0", "model_1", ...]``."""
+def open_checkpoint(checkpoint: str | Path | CheckpointTensors, *, config: Any | None = None) -> CheckpointTensors:
+    """The tensors of the checkpoint a path names (by the path rule: a checkpoint of any engine, a save
+    directory's newest, a bundle, a plain DCP directory), read through the engine that wrote it; an
+    already opened one as is. ``config``: a run's config, whose ``engine=`` may name the engine (as in
+    a load); without one, the engine is a built-in or an installed one."""
+    if isinstance(checkpoint, CheckpointTensors):
+        return checkpoint
+    from checkpoint_manager.formats.resolve import resolve_checkpoint_path
+
+    return open_directory(resolve_checkpoint_path(checkpoint), config=config)
+
+
+def model_keys(keys: Iterable[str]) -> list[str]:
+    """The model sections among a checkpoint's keys: ``["model"]`` or ``["model_0", "model_1", ...]``."""
     found: set[str] = set()
-    for key in metadata.state_dict_metadata:
+    for key in keys:
         head = key.split(".", 1)[0]
         if is_model_key(head):
             found.add(head)
     return sorted(found, key=lambda k: (len(k), k))
 
 
-def tensor_entries(path: str | Path, prefix: str | None = "model") -> list[TensorEntry]:
+def tensor_entries(source: CheckpointTensors, prefix: str | None = "model") -> list[TensorEntry]:
     """Every tensor under ``prefix.`` (in checkpoint order), named without the prefix; ``None``: all keys."""
-    metadata = read_dcp_metadata(path)
     out: list[TensorEntry] = []
-    for key, meta in metadata.state_dict_metadata.items():
-        if not isinstance(meta, TensorStorageMetadata):
-            continue
+    for key, info in source.index.items():
         if prefix is None:
             name = key
         elif key.startswith(prefix + "."):
             name = key[len(prefix) + 1 :]
         else:
             continue
-        out.append(TensorEntry(key, name, meta.properties.dtype, tuple(int(d) for d in meta.size)))
+        out.append(TensorEntry(key, name, info.dtype, tuple(info.shape)))
     if not out:
-        sections = model_keys(metadata)
+        sections = model_keys(source.index)
         raise CheckpointNotFoundError(
-            f"{path}: holds no tensors under {prefix!r} (model sections here: {sections})"
+            f"{source.path}: holds no tensors under {prefix!r} (model sections here: {sections})"
         )
     return out
 
@@ -96,16 +100,14 @@ def group_entries(
 
 
 def read_entries(
-    path: str | Path, entries: Iterable[TensorEntry], dtype: torch.dtype | None = None
+    source: CheckpointTensors, entries: Iterable[TensorEntry], dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """Load just these tensors (floating ones cast to ``dtype`` on the way in), keyed by exported names."""
+    """Read just these tensors (floating ones then cast to ``dtype``), keyed by exported names."""
     entries = list(entries)
-    targets = {e.key: torch.empty(e.shape, dtype=e.out_dtype(dtype)) for e in entries}
-    if targets:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            try:
-                dcp_load(targets, storage_reader=CheckpointReader(path), no_dist=True)
-            except CheckpointException as exc:  # a BaseException: the reader's own typed error instead
-                raise own_failure(exc, 0) from exc
-    return {e.name: targets[e.key] for e in entries}
+    loaded = source.read([e.key for e in entries])
+    out: dict[str, torch.Tensor] = {}
+    for entry in entries:
+        tensor = loaded.pop(entry.key)
+        wanted = entry.out_dtype(dtype)
+        out[entry.name] = tensor if tensor.dtype == wanted else tensor.to(wanted)  # one copy at a time
+    return out

@@ -1,7 +1,7 @@
 """The Hugging Face layout, both ways: consolidated safetensors plus config/tokenizer files.
 
-Export reads a checkpoint one group of tensors at a time (DCP assembles each tensor from however many
-ranks wrote it) and fills safetensors shards in place, so memory stays near one read buffer whatever
+Export reads a checkpoint one group of tensors at a time, through the engine that wrote it (which
+assembles each tensor from however many ranks wrote it), and fills safetensors shards in place, so memory stays near one read buffer whatever
 the model size. Names are the model's own state-dict names (``model.`` section prefix removed), which
 is what ``from_pretrained`` expects for a model trained as the transformers class itself.
 """
@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -30,22 +30,32 @@ from checkpoint_manager.core.codec import dtype_name
 from checkpoint_manager.core.layout import CHECKPOINT_JSON
 from checkpoint_manager.core.safe_io import read_json
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
-from checkpoint_manager.formats.dcp_stream import TensorEntry, group_entries, read_entries, tensor_entries
+from checkpoint_manager.formats.dcp_stream import (
+    TensorEntry,
+    group_entries,
+    open_checkpoint,
+    read_entries,
+    tensor_entries,
+)
 from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
 from checkpoint_manager.formats.lora import LoraMerge, adapter_tensor_names, choose_adapter, plan_merge
 from checkpoint_manager.formats.model_config import RecordedConfig, config_with_dtype, read_recorded_config
 from checkpoint_manager.formats.publish import publish_dir, staging_dir
-from checkpoint_manager.formats.resolve import resolve_checkpoint_path
 from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
 from checkpoint_manager.formats.sizes import parse_size
+
+if TYPE_CHECKING:
+    from checkpoint_manager.engine.reading import CheckpointTensors
 
 __all__ = [
     "HF_INDEX",
     "HF_WEIGHTS",
     "HFExport",
     "HFLoad",
+    "HFWeights",
     "MissingConfigWarning",
     "TiedWeights",
+    "check_hf_weights",
     "copy_artifacts",
     "export_hf",
     "hf_weight_files",
@@ -97,7 +107,7 @@ class MissingConfigWarning(UserWarning):
 
 
 def export_hf(
-    checkpoint: str | Path,
+    checkpoint: str | Path | CheckpointTensors,
     out_dir: str | Path,
     *,
     model_key: str = "model",
@@ -115,7 +125,9 @@ def export_hf(
 ) -> HFExport:
     """Write ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` + index) from a checkpoint.
 
-    ``checkpoint`` is a committed checkpoint directory (or a bundle); ``dtype`` casts floating-point
+    ``checkpoint`` is a committed checkpoint of any engine (a directory, a save directory's newest,
+    a bundle, a plain DCP directory; or one already opened with
+    :func:`~checkpoint_manager.formats.dcp_stream.open_checkpoint`); ``dtype`` casts floating-point
     tensors (e.g. ``"bfloat16"``); files of ``artifacts_dir`` (config, tokenizer, generation config)
     are copied alongside. ``config.json`` (and ``generation_config.json``) come from ``artifacts_dir``,
     else from the config the checkpoint recorded at save time; with neither, a
@@ -128,12 +140,13 @@ def export_hf(
     in for a checkpoint that recorded none. At most ``buffer_size`` of tensors (or one larger tensor)
     is held at a time.
     """
-    src = resolve_checkpoint_path(checkpoint)
+    source = open_checkpoint(checkpoint)
+    src = source.path
     cast = resolve_dtype(dtype)
     shard_limit = parse_size(max_shard_size)
     buffer = parse_size(buffer_size)
     recorded = read_recorded_config(src, model_key)
-    entries = tensor_entries(src, model_key)
+    entries = tensor_entries(source, model_key)
     merges: dict[str, LoraMerge] = {}
     merged_adapter = None
     if merge_lora:
@@ -168,7 +181,7 @@ def export_hf(
         weight_map: dict[str, str] = {}
         total = 0
         for name, shard in zip(names, shards, strict=True):
-            total += _write_shard(src, staging / name, shard, cast, buffer, fsync, merges)
+            total += _write_shard(source, staging / name, shard, cast, buffer, fsync, merges)
             weight_map.update({e.name: name for e in shard})
         if len(shards) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -267,7 +280,7 @@ def _renamed(entries: list[TensorEntry], key_map: KeyMap | None, src: Path) -> l
 
 
 def _write_shard(
-    src: Path,
+    source: CheckpointTensors,
     path: Path,
     shard: list[TensorEntry],
     cast: torch.dtype | None,
@@ -278,7 +291,7 @@ def _write_shard(
     specs = {e.name: (e.out_dtype(cast), e.shape) for e in shard}
     with SafetensorsWriter(path, specs, {"format": "pt"}, fsync=fsync) as writer:
         for group in group_entries(shard, buffer, cast):
-            loaded = _read_group(src, group, cast, merges)
+            loaded = _read_group(source, group, cast, merges)
             for name in list(loaded):
                 writer.write(name, loaded.pop(name))  # freed as soon as it is written
         writer.commit()
@@ -286,15 +299,15 @@ def _write_shard(
 
 
 def _read_group(
-    src: Path, group: list[TensorEntry], cast: torch.dtype | None, merges: Mapping[str, LoraMerge]
+    source: CheckpointTensors, group: list[TensorEntry], cast: torch.dtype | None, merges: Mapping[str, LoraMerge]
 ) -> dict[str, torch.Tensor]:
     """The group's tensors by output name; merged ones computed from their sources in the saved dtype."""
     todo = [e for e in group if e.key in merges]
     if not todo:
-        return read_entries(src, group, cast)
-    loaded = read_entries(src, [e for e in group if e.key not in merges], cast)
+        return read_entries(source, group, cast)
+    loaded = read_entries(source, [e for e in group if e.key not in merges], cast)
     sources = {s.key: dataclasses.replace(s, name=s.key) for e in todo for s in merges[e.key].sources()}
-    raw = read_entries(src, sources.values())
+    raw = read_entries(source, sources.values())
     for entry in todo:
         loaded[entry.name] = merges[entry.key].compute(raw).to(entry.out_dtype(cast))
     del raw
@@ -466,13 +479,29 @@ def load_hf_weights(
 
     ``key_map`` renames the file's names to the model's (for renamed or wrapped modules). Strict:
     every model tensor must be in the files (tied copies excepted) and every file tensor in the model.
+    Every file is checked (header, each tensor's dtype, shape and byte range) before the model changes.
     """
+    with check_hf_weights(model, path, key_map=key_map, strict=strict) as weights:
+        return weights.apply()
+
+
+def check_hf_weights(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    key_map: KeyMap | None = None,
+    strict: bool = True,
+) -> HFWeights:
+    """Open and check every weight file of ``path`` against ``model``; nothing is set yet (see
+    :meth:`HFWeights.apply`). A bad file anywhere raises here, with the model as it was."""
     files = hf_weight_files(path)
     live: dict[str, Any] = dict(get_model_state_dict(model))
     sources: dict[str, tuple[Path, str]] = {}
     unexpected: list[str] = []
-    for file in files:
-        with SafetensorsFile(file) as sf:
+    opened: dict[Path, SafetensorsFile] = {}
+    try:
+        for file in files:
+            sf = opened[file] = SafetensorsFile(file)
             for name in sf:
                 new = apply_key_map(name, key_map)
                 if new is None:
@@ -488,33 +517,71 @@ def load_hf_weights(
                         f"{file}: {name}: shape {shape} in the file, {tuple(live[new].shape)} in the model"
                     )
                 sources[new] = (file, name)
+    except BaseException:
+        for sf in opened.values():
+            sf.close()
+        raise
     missing = [k for k in live if k not in sources]
     tied = [k for k in missing if _shares_storage_with(live, k, sources)]
     missing = [k for k in missing if k not in tied]
+    full = any(hasattr(t, "device_mesh") for t in live.values())
+    del live
+    weights = HFWeights(model, Path(path), opened, sources, tuple(tied), tuple(missing), tuple(unexpected), full)
     if strict and (missing or unexpected):
+        weights.close()
         raise CheckpointMismatchError(
             f"{path}: weights do not match the model: missing in the files {_short(missing)}, "
             f"not in the model {_short(unexpected)} (use key_map to rename, or strict=False)"
         )
-    full = any(hasattr(t, "device_mesh") for t in live.values())
-    options = StateDictOptions(strict=False, full_state_dict=full)
-    del live
-    nbytes = 0
-    for file in files:
-        with SafetensorsFile(file) as sf:
-            part: dict[str, Any] = {new: sf.get(name) for new, (f, name) in sources.items() if f == file}
+    return weights
+
+
+@dataclass
+class HFWeights:
+    """Hugging Face weight files checked against a model (by :func:`check_hf_weights`), still open."""
+
+    model: nn.Module
+    path: Path
+    files: dict[Path, SafetensorsFile]
+    sources: dict[str, tuple[Path, str]]  # the model's key -> (file, name in the file)
+    tied: tuple[str, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    full: bool  # a sharded (DTensor) model: set from full tensors
+
+    def tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Each tensor :meth:`apply` sets, by the model's key: views of the files' pages, not copies."""
+        for new, (file, name) in self.sources.items():
+            yield new, self.files[file].get(name)
+
+    def apply(self) -> HFLoad:
+        """Set the model from the checked files, one file at a time (memory: one file's tensors)."""
+        options = StateDictOptions(strict=False, full_state_dict=self.full)
+        nbytes = 0
+        for file, sf in self.files.items():
+            part: dict[str, Any] = {new: sf.get(name) for new, (f, name) in self.sources.items() if f == file}
             nbytes += sum(int(t.numel() * t.element_size()) for t in part.values())
             if part:
-                set_model_state_dict(model, part, options=options)
+                set_model_state_dict(self.model, part, options=options)
             del part
-    return HFLoad(
-        path=Path(path),
-        loaded=tuple(sources),
-        tied=tuple(tied),
-        missing=tuple(missing),
-        unexpected=tuple(unexpected),
-        bytes=nbytes,
-    )
+        return HFLoad(
+            path=self.path,
+            loaded=tuple(self.sources),
+            tied=self.tied,
+            missing=self.missing,
+            unexpected=self.unexpected,
+            bytes=nbytes,
+        )
+
+    def close(self) -> None:
+        for sf in self.files.values():
+            sf.close()
+
+    def __enter__(self) -> HFWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -15,18 +15,20 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from checkpoint_manager.errors import CheckpointMismatchError
-from checkpoint_manager.formats.dcp_stream import TensorEntry, read_entries, tensor_entries
+from checkpoint_manager.formats.dcp_stream import TensorEntry, open_checkpoint, read_entries, tensor_entries
 from checkpoint_manager.formats.keys import resolve_dtype
 from checkpoint_manager.formats.lora import choose_adapter
 from checkpoint_manager.formats.model_config import read_recorded_config
 from checkpoint_manager.formats.publish import publish_dir, staging_dir
-from checkpoint_manager.formats.resolve import resolve_checkpoint_path
 from checkpoint_manager.formats.safetensors_io import save_safetensors
+
+if TYPE_CHECKING:
+    from checkpoint_manager.engine.reading import CheckpointTensors
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PeftExport", "export_peft", "export_peft_adapter"]
 
@@ -44,7 +46,7 @@ class PeftExport:
 
 
 def export_peft_adapter(
-    checkpoint: str | Path,
+    checkpoint: str | Path | CheckpointTensors,
     out_dir: str | Path,
     model: Any,
     *,
@@ -62,8 +64,9 @@ def export_peft_adapter(
     adapters but not ``modules_to_save``. The result loads with
     ``PeftModel.from_pretrained(base_model, out_dir)``.
     """
-    src = resolve_checkpoint_path(checkpoint)
-    entries = {e.name: e for e in tensor_entries(src, model_key)}
+    source = open_checkpoint(checkpoint)
+    src = source.path
+    entries = {e.name: e for e in tensor_entries(source, model_key)}
     if hasattr(model, "peft_type") and not hasattr(model, "peft_config"):
         config = model
         wanted = _select_by_name(entries, config, adapter_name)
@@ -78,7 +81,7 @@ def export_peft_adapter(
         wanted = _select_with_peft(entries, model, adapter_name, save_embedding_layers, src)
     if not wanted:
         raise CheckpointMismatchError(f"{src}: holds no tensors of adapter {adapter_name!r}")
-    tensors = read_entries(src, wanted, resolve_dtype(dtype))
+    tensors = read_entries(source, wanted, resolve_dtype(dtype))
     out = Path(out_dir)
     staging = staging_dir(out)
     try:
@@ -93,7 +96,7 @@ def export_peft_adapter(
 
 
 def export_peft(
-    checkpoint: str | Path,
+    checkpoint: str | Path | CheckpointTensors,
     out_dir: str | Path,
     *,
     adapter_name: str | None = None,
@@ -108,7 +111,8 @@ def export_peft(
     names them; the result loads with ``PeftModel.from_pretrained(base_model, out_dir)``. For what
     only the live model knows (prompt-learning methods), use :func:`export_peft_adapter`.
     """
-    src = resolve_checkpoint_path(checkpoint)
+    source = open_checkpoint(checkpoint)
+    src = source.path
     recorded = read_recorded_config(src, model_key)
     if recorded is None or not recorded.adapters:
         raise CheckpointMismatchError(
@@ -117,11 +121,11 @@ def export_peft(
         )
     name = choose_adapter(recorded.adapters, adapter_name, recorded.active_adapter, src)
     data = dict(recorded.adapters[name])
-    entries = {e.name: e for e in tensor_entries(src, model_key)}
+    entries = {e.name: e for e in tensor_entries(source, model_key)}
     wanted = _select_by_name(entries, SimpleNamespace(peft_type=data.get("peft_type")), name)
     if not wanted:
         raise CheckpointMismatchError(f"{src}: holds no tensors of adapter {name!r}")
-    tensors = read_entries(src, wanted, resolve_dtype(dtype))
+    tensors = read_entries(source, wanted, resolve_dtype(dtype))
     data["inference_mode"] = True
     out = Path(out_dir)
     staging = staging_dir(out)

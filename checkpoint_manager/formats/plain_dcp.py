@@ -11,30 +11,31 @@ of non-tensor state. What can be restored is what DCP stored as tensors under na
 * the step, from a ``train_state.step`` tensor (torchtitan).
 
 Everything else (schedulers, data loaders, RNG, extras) DCP keeps as pickled objects: it is reported
-as not restored, never unpickled. ``.metadata`` goes through the allow-listed unpickler, tensor data
-through ``torch.load(weights_only=True)``.
+as not restored, never unpickled. The DCP engine reads the directory (its index without running code,
+tensor data without unpickling), in every rank's process group when the run has several; the live
+objects change only once every record was read (an engine that copies record by record reads into
+fresh tensors, copied over afterwards).
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from checkpoint_manager.engine.dcp.io import read_dcp_metadata
+from checkpoint_manager.engine.base import EngineContext, TensorInfo
+from checkpoint_manager.engine.read_first import copy_over, fresh_like
+from checkpoint_manager.engine.reading import CheckpointTensors, open_directory
 from checkpoint_manager.errors import CheckpointMismatchError, CheckpointNotFoundError
 from checkpoint_manager.protocol import LoadContext, LoadResult
 from checkpoint_manager.state.keys import (
@@ -47,7 +48,19 @@ from checkpoint_manager.state.keys import (
     model_keys,
 )
 
-__all__ = ["OPTIMIZER_SECTIONS", "PlainImport", "load_plain_dcp", "model_entries", "plan_plain_import"]
+__all__ = [
+    "OPTIMIZER_SECTIONS",
+    "PlainImport",
+    "PlainIndex",
+    "apply_plain_import",
+    "load_plain_dcp",
+    "model_entries",
+    "open_plain_import",
+    "plain_model_tensors",
+    "plan_plain_import",
+    "read_plain_import",
+    "read_plain_index",
+]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -67,23 +80,32 @@ _NOT_MODEL = (
 _STEP_KEY = f"{TRAIN_STATE}.step"
 
 
-def _tensor_keys(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
-    return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+@dataclass(frozen=True)
+class PlainIndex:
+    """What a plain directory holds: its tensors, and the keys of everything else (never read)."""
+
+    tensors: Mapping[str, TensorInfo]
+    objects: Collection[str] = ()
+
+    @property
+    def sections(self) -> set[str]:
+        return {k.split(".", 1)[0] for k in (*self.tensors, *self.objects)}
 
 
-def model_entries(metadata: Metadata, model_key: str = "model") -> dict[str, str]:
+def read_plain_index(path: Path, config: Any | None = None) -> PlainIndex:
+    """The index of the plain directory ``path``, read by the engine whose files it holds."""
+    opened = open_directory(path, config=config)
+    return PlainIndex(opened.index, tuple(opened.object_keys()))
+
+
+def model_entries(index: PlainIndex, model_key: str = "model") -> dict[str, str]:
     """``{fqn: DCP key}`` of the model's tensors: under ``model_key.`` if that section exists, else
     the top-level tensors of no other known section (torchtitan's flattened layout)."""
-    tensors = _tensor_keys(metadata)
     prefix = model_key + "."
-    under = {k[len(prefix) :]: k for k in tensors if k.startswith(prefix)}
+    under = {k[len(prefix) :]: k for k in index.tensors if k.startswith(prefix)}
     if under:
         return under
-    return {k: k for k in tensors if k.split(".", 1)[0] not in _NOT_MODEL}
-
-
-def _sections(metadata: Metadata) -> set[str]:
-    return {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
+    return {k: k for k in index.tensors if k.split(".", 1)[0] not in _NOT_MODEL}
 
 
 @dataclass
@@ -104,32 +126,32 @@ class PlainImport:
         return int(self.step_target.item()) if self.step_target is not None else None
 
 
-def plan_plain_import(ctx: LoadContext, path: Path, metadata: Metadata, *, model_only: bool) -> PlainImport:
+def plan_plain_import(ctx: LoadContext, path: Path, index: PlainIndex, *, model_only: bool) -> PlainImport:
     """Match the live objects of ``ctx`` against the tensors of a plain DCP checkpoint.
 
     The model must match (all keys with ``strict``, its shapes always); the optimizer is restored
     only if every one of its state tensors is found, and reported as not restored otherwise.
     """
     plan = PlainImport(path)
-    available = _tensor_keys(metadata)
+    available = index.tensors
     models = ctx.models()
     if not models:
         raise CheckpointMismatchError(f"{path}: a plain DCP checkpoint restores a model; the context has none")
     for i, model in enumerate(models):
         key = model_keys(len(models))[i]
-        entries = model_entries(metadata, key)
+        entries = model_entries(index, key)
         if len(models) > 1 and not any(v.startswith(key + ".") for v in entries.values()):
             entries = {}
         if not entries:
             raise CheckpointMismatchError(
-                f"{path}: no tensors of {key!r} in this plain DCP checkpoint (sections here: {sorted(_sections(metadata))})"
+                f"{path}: no tensors of {key!r} in this plain DCP checkpoint (sections here: {sorted(index.sections)})"
             )
         msd = get_model_state_dict(model)
         plan.targets.update(_match(path, key, msd, entries, available, strict=ctx.strict))
         plan._models.append((model, msd))
         plan.restored.append(key)
-    _plan_optimizer(plan, ctx, models, metadata, available, model_only=model_only)
-    _plan_rest(plan, ctx, metadata, available, model_only=model_only)
+    _plan_optimizer(plan, ctx, models, index, model_only=model_only)
+    _plan_rest(plan, ctx, index, model_only=model_only)
     return plan
 
 
@@ -138,7 +160,7 @@ def _match(
     key: str,
     live: Mapping[str, Any],
     entries: Mapping[str, str],
-    available: Mapping[str, TensorStorageMetadata],
+    available: Mapping[str, TensorInfo],
     *,
     strict: bool,
 ) -> dict[str, torch.Tensor]:
@@ -158,14 +180,14 @@ def _match(
         dcp_key = entries.get(name)
         if dcp_key is None:
             continue
-        meta = available[dcp_key]
-        if tuple(meta.size) != tuple(tensor.shape):
+        info = available[dcp_key]
+        if tuple(info.shape) != tuple(tensor.shape):
             raise CheckpointMismatchError(
-                f"{path}: {dcp_key}: shape {tuple(meta.size)} in checkpoint, {tuple(tensor.shape)} in the live object"
+                f"{path}: {dcp_key}: shape {tuple(info.shape)} in checkpoint, {tuple(tensor.shape)} in the live object"
             )
-        if strict and meta.properties.dtype != tensor.dtype:
+        if strict and info.dtype != tensor.dtype:
             raise CheckpointMismatchError(
-                f"{path}: {dcp_key}: dtype {meta.properties.dtype} in checkpoint, {tensor.dtype} in the live "
+                f"{path}: {dcp_key}: dtype {info.dtype} in checkpoint, {tensor.dtype} in the live "
                 "object (strict=False casts)"
             )
         out[dcp_key] = tensor
@@ -176,18 +198,18 @@ def _plan_optimizer(
     plan: PlainImport,
     ctx: LoadContext,
     models: list[torch.nn.Module],
-    metadata: Metadata,
-    available: Mapping[str, TensorStorageMetadata],
+    index: PlainIndex,
     *,
     model_only: bool,
 ) -> None:
     optims = ctx.optimizers()
+    available = index.tensors
     if not optims:
         return
     if model_only or not ctx.load_optimizer:
         plan.skipped.append("optim")
         return
-    sections = [s for s in OPTIMIZER_SECTIONS if s in _sections(metadata)]
+    sections = [s for s in OPTIMIZER_SECTIONS if s in index.sections]
     if not sections:
         plan.not_restored["optim"] = "no optimizer section in the checkpoint"
         return
@@ -200,7 +222,7 @@ def _plan_optimizer(
     reason = "no optimizer state tensors in the live optimizer"
     for section in sections:
         for naming, keys in (("names", _by_name(section, live)), ("indices", _by_index(section, live, osd))):
-            found = {k: t for k, t in keys.items() if k in available and tuple(available[k].size) == tuple(t.shape)}
+            found = {k: t for k, t in keys.items() if k in available and tuple(available[k].shape) == tuple(t.shape)}
             if keys and len(found) == len(keys):
                 plan.targets.update(found)
                 plan._optim = (model, optims, osd)
@@ -235,18 +257,11 @@ def _by_index(
     return {f"{section}.state.{index[fqn]}.{name}": t for (fqn, name), t in live.items() if fqn in index}
 
 
-def _plan_rest(
-    plan: PlainImport,
-    ctx: LoadContext,
-    metadata: Metadata,
-    available: Mapping[str, TensorStorageMetadata],
-    *,
-    model_only: bool,
-) -> None:
-    sections = _sections(metadata)
-    step = available.get(_STEP_KEY)
-    if step is not None and len(step.size) == 0 and not step.properties.dtype.is_floating_point:
-        plan.step_target = torch.zeros((), dtype=step.properties.dtype)
+def _plan_rest(plan: PlainImport, ctx: LoadContext, index: PlainIndex, *, model_only: bool) -> None:
+    sections = index.sections
+    step = index.tensors.get(_STEP_KEY)
+    if step is not None and len(step.shape) == 0 and not step.dtype.is_floating_point:
+        plan.step_target = torch.zeros((), dtype=step.dtype)
         plan.targets[_STEP_KEY] = plan.step_target
     parts: list[tuple[str, bool, bool, tuple[str, ...]]] = [
         ("scheduler", bool(ctx.schedulers()), ctx.load_scheduler, ("lr_scheduler", "lr_schedulers", "scheduler")),
@@ -273,29 +288,49 @@ def load_plain_dcp(
     path: Path,
     *,
     model_only: bool,
-    process_group: Any = None,
-    no_dist: bool = True,
-    before_apply: Any = None,
+    engine_ctx: EngineContext,
+    before_apply: Callable[[], None] | None = None,
 ) -> LoadResult:
     """Restore what ``ctx`` holds from the plain DCP checkpoint at ``path`` (see the module docstring).
 
-    ``before_apply``: called after every tensor is read and before any object is changed.
+    The engine whose files the directory holds reads them with ``engine_ctx`` (this rank, the run's
+    process group); ``before_apply``: called after every tensor is read and before any object is changed.
     """
-    from checkpoint_manager.engine.dcp.reader import CheckpointReader
-
-    metadata = read_dcp_metadata(path)
-    plan = plan_plain_import(ctx, path, metadata, model_only=model_only)
-    if plan.targets:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load(
-                plan.targets,
-                storage_reader=CheckpointReader(path, metadata=metadata),
-                process_group=process_group,
-                no_dist=no_dist,
-            )
+    opened, plan = open_plain_import(ctx, path, model_only=model_only, config=engine_ctx.config)
+    read = read_plain_import(opened, plan, engine_ctx)
     if before_apply is not None:
         before_apply()
+    return apply_plain_import(plan, ctx, read, model_only=model_only)
+
+
+def open_plain_import(
+    ctx: LoadContext, path: Path, *, model_only: bool, config: Any | None = None
+) -> tuple[CheckpointTensors, PlainImport]:
+    """The plain directory ``path`` opened through its engine, and what an import of it into ``ctx``
+    reads (:func:`plan_plain_import`); nothing is read or changed yet."""
+    opened = open_directory(path, config=config)
+    index = PlainIndex(opened.index, tuple(opened.object_keys()))
+    return opened, plan_plain_import(ctx, path, index, model_only=model_only)
+
+
+def read_plain_import(opened: CheckpointTensors, plan: PlainImport, engine_ctx: EngineContext) -> dict[str, torch.Tensor]:
+    """Every tensor ``plan`` restores, read by the directory's engine: into the live tensors when the
+    engine checks every record before its first copy (``load_checks_first``), else into fresh tensors
+    that :func:`apply_plain_import` copies over. Raising, it leaves every live tensor as it was."""
+    if not plan.targets:
+        return plan.targets
+    checks_first = getattr(opened.engine, "load_checks_first", False) is True
+    into = plan.targets if checks_first else fresh_like(plan.targets)
+    opened.engine.load(into, plan.path, engine_ctx)
+    return into
+
+
+def apply_plain_import(
+    plan: PlainImport, ctx: LoadContext, read: dict[str, torch.Tensor], *, model_only: bool
+) -> LoadResult:
+    """Set the live objects from what :func:`read_plain_import` read."""
+    if read is not plan.targets:
+        copy_over(plan.targets, read)
     for model, msd in plan._models:
         set_model_state_dict(model, msd)
     if plan._optim is not None:
@@ -306,9 +341,9 @@ def load_plain_dcp(
         ctx.train_state.step = step
         plan.restored.append("train_state")
     nbytes = sum(int(t.numel() * t.element_size()) for t in plan.targets.values())
-    _log(plan, path, model_only)
+    _log(plan, plan.path, model_only)
     return LoadResult(
-        path=str(path),
+        path=str(plan.path),
         step=step if step is not None and not model_only else 0,
         restored=tuple(plan.restored),
         skipped=tuple(plan.skipped),
@@ -342,13 +377,11 @@ def plain_model_tensors(path: Path, model_key: str = "model") -> dict[str, torch
     """Every model tensor of a plain DCP checkpoint, ``{fqn: tensor}`` (for ``convert(..., to="dcp")``)."""
     from checkpoint_manager.formats.dcp_stream import TensorEntry, read_entries
 
-    metadata = read_dcp_metadata(path)
-    entries = model_entries(metadata, model_key)
+    opened = open_directory(path)
+    entries = model_entries(PlainIndex(opened.index), model_key)
     if not entries:
         raise CheckpointNotFoundError(f"{path}: no model tensors in this plain DCP checkpoint")
-    tensors = _tensor_keys(metadata)
     wanted = [
-        TensorEntry(key, name, tensors[key].properties.dtype, tuple(int(d) for d in tensors[key].size))
-        for name, key in entries.items()
+        TensorEntry(key, name, opened.index[key].dtype, tuple(opened.index[key].shape)) for name, key in entries.items()
     ]
-    return read_entries(path, wanted)
+    return read_entries(opened, wanted)

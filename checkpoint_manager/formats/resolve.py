@@ -7,7 +7,7 @@ functions (``export_hf``, ``convert``, ``pack_bundle``, ...) or any ``ckpt`` com
 * a **checkpoint directory** of ours (``checkpoint.json`` inside);
 * a ``latest`` / ``best`` **pointer file** of a save directory: the checkpoint it names;
 * a **bundle** (``.tar``): the checkpoint inside, unpacked into the cache;
-* a **plain DCP directory** (a ``.metadata`` file, no ``checkpoint.json``), as ``dcp.save`` writes;
+* a **plain DCP directory** (DCP's files, no ``checkpoint.json``), as ``dcp.save`` writes;
 * an fsspec **URL** (``s3://bucket/run`` or ``s3://bucket/run/step_00000100``): the same rules in
   the object store.
 
@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from checkpoint_manager.core.layout import METADATA_FILE, POINTER_LIMIT, pick_step
+from checkpoint_manager.core.layout import CHECKPOINT_JSON, POINTER_LIMIT, pick_step
 from checkpoint_manager.core.naming import BEST_POINTER, LATEST_POINTER
+from checkpoint_manager.engine.reading import plain_engine
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
 from checkpoint_manager.storage.base import is_url
 
@@ -85,16 +86,15 @@ class ResolvedCheckpoint:
 
 
 def is_plain_dcp(path: str | Path) -> bool:
-    """A directory ``dcp.save`` wrote: DCP's ``.metadata``, none of our files."""
+    """A directory ``dcp.save`` wrote: a built-in engine's own files (:func:`plain_engine`), none of ours."""
     p = Path(path)
+    return p.is_dir() and not _has_ours(p) and plain_engine(p) is not None
+
+
+def _has_ours(path: Path) -> bool:
     from checkpoint_manager.core.layout import CHECKPOINT_JSON, STATE_JSON, rank_file
 
-    return (
-        (p / METADATA_FILE).is_file()
-        and not (p / CHECKPOINT_JSON).exists()
-        and not (p / STATE_JSON).exists()
-        and not (p / rank_file(0)).exists()
-    )
+    return any((path / name).exists() for name in (CHECKPOINT_JSON, STATE_JSON, rank_file(0)))
 
 
 def newest_committed(storage: Storage) -> CheckpointInfo | None:
@@ -179,7 +179,7 @@ def _resolve_dir(given: str, path: Path, step: int | None, verify_checksum: bool
         meta = read_checkpoint_json(path, verify_checksum=verify_checksum)
         _check_step(given, int(meta["step"]), step, "one checkpoint")
         return ResolvedCheckpoint("committed", path, int(meta["step"]), given, meta)
-    if (path / METADATA_FILE).is_file():
+    if plain_engine(path) is not None:
         if (path / STATE_JSON).exists() or (path / rank_file(0)).exists():
             raise CheckpointCorruptError(
                 f"{path / CHECKPOINT_JSON}: missing (not a committed checkpoint); its files are a save of ours "
@@ -207,7 +207,7 @@ def _resolve_dir(given: str, path: Path, step: int | None, verify_checksum: bool
     if bad:
         name, problem = bad[-1]
         raise CheckpointCorruptError(f"{given}: holds no intact committed checkpoint; {name}: {problem}")
-    plain = sorted(n for n in storage.list_names() if (path / n / METADATA_FILE).is_file())
+    plain = sorted(n for n in storage.list_names() if is_plain_dcp(path / n))
     hint = f"; plain DCP checkpoints inside: {', '.join(plain[:5])} (name one)" if plain else ""
     raise CheckpointNotFoundError(f"{given}: no committed checkpoint here (not a checkpoint or save directory){hint}")
 
@@ -289,7 +289,7 @@ def local_checkpoint(
 def resolve_checkpoint_path(path: str | Path, *, cache_dir: str | Path | None = None) -> Path:
     """The local checkpoint directory ``path`` names, by :func:`checkpoint_manager.formats.resolve.resolve_checkpoint`.
 
-    A directory of DCP files (ours, plain ``dcp.save`` output) as is; a bundle → its unpacked
+    A checkpoint directory (ours, of any engine; plain ``dcp.save`` output) as is; a bundle → its unpacked
     checkpoint; a save directory → its newest committed checkpoint; nothing there →
     :class:`CheckpointNotFoundError`. URLs: download with :func:`checkpoint_manager.formats.resolve.local_checkpoint`.
     """
@@ -298,7 +298,7 @@ def resolve_checkpoint_path(path: str | Path, *, cache_dir: str | Path | None = 
             f"{path}: a URL; download it first: `with checkpoint_manager.formats.resolve.local_checkpoint(url) as c: ...(c.path)`"
         )
     p = Path(path)
-    if p.is_dir() and (p / METADATA_FILE).is_file():
+    if p.is_dir() and ((p / CHECKPOINT_JSON).is_file() or is_plain_dcp(p)):
         return p
     if cache_dir is not None:
         from checkpoint_manager.formats.bundle import is_bundle, open_bundle

@@ -162,7 +162,7 @@ class BackgroundMixin(ManagerCore):
                 job.engine_state = snapshot
                 job.state.tensors = snapshot.tensors
                 self._inflight = executor.submit(self._write_and_commit, job)
-                self._inflight_step = step
+                self._inflight_step, self._inflight_final = step, job.final
                 started.append(snapshot)
 
             engine_ctx = self._engine_context(self._io_dist, step)
@@ -179,7 +179,7 @@ class BackgroundMixin(ManagerCore):
                 job.state.tensors = snapshot.tensors
         if self._inflight is None or self._inflight_step != step:
             self._inflight = executor.submit(self._write_and_commit, job)
-            self._inflight_step = step
+            self._inflight_step, self._inflight_final = step, job.final
         job.timings["stage"] = time.perf_counter() - t0
         stall = time.perf_counter() - job.started
         job.timings["stall"] = stall
@@ -207,7 +207,7 @@ class BackgroundMixin(ManagerCore):
 
     def _abandon_inflight(self) -> None:
         """Wait for a background save that cannot succeed (its staging failed) and drop its outcome."""
-        future, self._inflight, self._inflight_step = self._inflight, None, None
+        future, self._inflight, self._inflight_step, self._inflight_final = self._inflight, None, None, False
         if future is not None:
             with contextlib.suppress(Exception):
                 future.result()
@@ -252,13 +252,15 @@ class BackgroundMixin(ManagerCore):
         engine_ctx.partial = not complete
         staging = self._staging if own_staging else None
         self._inflight = self._background().submit(_warm_up, warm_up, EngineState(tensors), engine_ctx, staging)
-        self._inflight_step = None
+        self._inflight_step, self._inflight_final = None, False
 
-    def _collect_background(self, *, wait: bool, for_save: bool = False) -> None:
+    def _collect_background(self, *, wait: bool, for_save: bool = False, must_raise: bool = False) -> None:
         """Surface the outcome of the in-flight save: never swallow its error.
 
         ``for_save``: a save (or load) is waiting, so a warm-up still running stops after its current
-        tensor instead of making training wait for all of it.
+        tensor instead of making training wait for all of it. A failed final save (``final_step``)
+        raises whatever ``on_save_error`` says, and so does one the caller ``must_raise`` (the save a
+        preemption relies on).
         """
         future = self._inflight
         if future is None or (not wait and not future.done()):
@@ -268,8 +270,8 @@ class BackgroundMixin(ManagerCore):
             stop = getattr(self._engine, "stop_warm_up", None)
             if stop is not None:
                 stop()
-        step = self._inflight_step
-        self._inflight, self._inflight_step = None, None
+        step, final = self._inflight_step, self._inflight_final
+        self._inflight, self._inflight_step, self._inflight_final = None, None, False
         try:
             result = future.result()
         except Exception as exc:
@@ -285,7 +287,8 @@ class BackgroundMixin(ManagerCore):
                 error = AsyncSaveError(f"{what} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
             self._observers.error("save", step, error)
-            if self._tolerate(error, f"the async save of step {step}"):
+            what = f"the {'final ' if final else ''}async save of step {step}"
+            if self._tolerate(error, what, must_raise=final or (must_raise and step is not None)):
                 return
             raise error from exc
         if isinstance(result, SaveResult):

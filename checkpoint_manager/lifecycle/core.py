@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     import torch
 
     from checkpoint_manager.config import CheckpointConfig
@@ -59,6 +61,7 @@ class ManagerCore:
     _executor: ThreadPoolExecutor | None
     _inflight: Future[Any] | None
     _inflight_step: int | None
+    _inflight_final: bool  # the in-flight save is a final one: its failure always raises
     _lock: threading.Lock
     _preemption: PreemptionWatcher | None
     _preempted: bool
@@ -83,7 +86,7 @@ class ManagerCore:
         # discovery
         def list_checkpoints(self, *, load_dir: bool = False) -> list[CheckpointInfo]: ...
         def latest_checkpoint(self, *, load_dir: bool = False) -> CheckpointInfo | None: ...
-        def _resolve(self, ctx: LoadContext) -> tuple[str | None, bool]: ...
+        def _resolve(self, ctx: LoadContext, skip: Collection[str] = ()) -> tuple[str | None, bool]: ...
 
         # saving
         def _prepare(self, ctx: SaveContext, step: int, *, async_save: bool) -> SaveJob: ...
@@ -96,7 +99,7 @@ class ManagerCore:
         # background
         @property
         def save_in_flight(self) -> bool: ...
-        def _collect_background(self, *, wait: bool, for_save: bool = False) -> None: ...
+        def _collect_background(self, *, wait: bool, for_save: bool = False, must_raise: bool = False) -> None: ...
         def _prepare_ahead(
             self, ctx: SaveContext, *, gathered: dict[str, torch.Tensor] | None = None
         ) -> None: ...

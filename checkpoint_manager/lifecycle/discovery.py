@@ -4,6 +4,7 @@ the newest intact one with fallback past damaged ones, or the initial weights)."
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,18 +52,19 @@ class DiscoveryMixin(ManagerCore):
         line = [i for i in self.list_checkpoints(load_dir=load_dir) if not i.superseded]
         return line[-1] if line else None
 
-    def _resolve(self, ctx: LoadContext) -> tuple[str | None, bool]:
-        """The checkpoint to load (or None) and whether it is model-only initial weights."""
+    def _resolve(self, ctx: LoadContext, skip: Collection[str] = ()) -> tuple[str | None, bool]:
+        """The checkpoint to load (or None) and whether it is model-only initial weights; auto-resume
+        passes over the locations in ``skip`` (found unloadable by every rank)."""
 
         def resolve() -> list[Any]:
-            path, model_only = self._resolve_local(ctx)
+            path, model_only = self._resolve_local(ctx, skip)
             return [str(path) if path is not None else None, model_only]
 
         # rank 0 alone lists the directory; every rank gets its answer (or its error)
         answer = self._dist.on_coordinator(resolve, "resolve checkpoint")
         return (str(answer[0]) if answer[0] is not None else None), bool(answer[1])
 
-    def _resolve_local(self, ctx: LoadContext) -> tuple[str | None, bool]:
+    def _resolve_local(self, ctx: LoadContext, skip: Collection[str] = ()) -> tuple[str | None, bool]:
         if ctx.path is not None:  # a save directory, a checkpoint, a bundle, plain DCP or a URL
             return self._named(ctx.path, ctx.step), False
         step = ctx.step if ctx.step is not None else self.config.load_step
@@ -85,7 +87,7 @@ class DiscoveryMixin(ManagerCore):
             return match.location, False
         if self.config.load_mode == "never":
             return None, False
-        good = self._newest_intact()
+        good = self._newest_intact(skip)
         if good is not None:
             return good.location, False
         if self.config.initial_load_path is not None:
@@ -117,17 +119,20 @@ class DiscoveryMixin(ManagerCore):
             return self._named(load_dir, step)
         return None
 
-    def _newest_intact(self) -> CheckpointInfo | None:
+    def _newest_intact(self, skip: Collection[str] = ()) -> CheckpointInfo | None:
         """Auto-resume's pick: the newest checkpoint of the current line that passes ``verify_on_load``.
 
         A damaged newest checkpoint is skipped with a warning naming its problem and an older one is
         taken; if every one is damaged that is an error, never a silent fresh start. Explicit steps
-        never fall back. Superseded checkpoints (a later run went back before them) are never picked.
+        never fall back. Superseded checkpoints (a later run went back before them) are never picked,
+        nor those in ``skip`` (a load found them unloadable).
         """
         damaged: list[CheckpointCorruptError] = []
         for _ in range(GONE_RETRIES + 1):
             gone = 0
             for info in reversed([i for i in self.list_checkpoints(load_dir=True) if not i.superseded]):
+                if info.location in skip:
+                    continue
                 finite = info.meta.get("finite")
                 if isinstance(finite, dict) and finite.get("ok") is False:
                     log.warning("skipping checkpoint %s (step %d): it records non-finite values", info.path, info.step)

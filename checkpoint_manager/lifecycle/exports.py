@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from checkpoint_manager.engine.dcp.io import read_dcp_metadata
+from checkpoint_manager.engine.base import Engine
+from checkpoint_manager.engine.reading import open_directory
 from checkpoint_manager.errors import CheckpointMismatchError, UnsupportedAdapterError
 from checkpoint_manager.formats.dcp_stream import model_keys, tensor_entries
-from checkpoint_manager.formats.hf import export_hf, is_hf_weights, load_hf_weights
+from checkpoint_manager.formats.hf import HFWeights, check_hf_weights, export_hf, is_hf_weights
 from checkpoint_manager.formats.lora import adapter_tensor_names
 from checkpoint_manager.formats.model_config import HFConfigRecorder
 from checkpoint_manager.formats.resolve import resolve_checkpoint_path
@@ -26,8 +28,9 @@ if TYPE_CHECKING:
 __all__ = [
     "CONSOLIDATED_DIR",
     "HFConfigRecorder",
+    "apply_initial_hf",
+    "check_initial_hf",
     "export_consolidated",
-    "load_initial_hf",
     "resolve_load_path",
     "wants_consolidated",
 ]
@@ -43,28 +46,32 @@ def wants_consolidated(config: CheckpointConfig, *, final: bool) -> bool:
     return mode == "every" or (mode == "final" and final)
 
 
-def export_consolidated(config: CheckpointConfig, checkpoint_dir: Path, *, final: bool) -> list[Path]:
+def export_consolidated(
+    config: CheckpointConfig, checkpoint_dir: Path, *, final: bool, engine: Engine, meta: Mapping[str, Any]
+) -> list[Path]:
     """Per ``save_consolidated``: write ``<checkpoint>/hf`` (``hf/model_0``, ... for lists of models).
 
     Called by the coordinator on the fully written, not yet committed directory, so the export is
-    committed (or discarded) with the checkpoint in the same rename. A PEFT model's LoRA adapter is
-    merged into the base weights (a loadable model); an adapter that cannot be merged is not exported
-    (a warning says so) rather than failing the save.
+    committed (or discarded) with the checkpoint in the same rename; ``engine`` (the one that wrote it)
+    reads it, with ``meta`` standing for the ``checkpoint.json`` to come (``engine``, its record,
+    ``world_size``). A PEFT model's LoRA adapter is merged into the base weights (a loadable model);
+    an adapter that cannot be merged is not exported (a warning says so) rather than failing the save.
     """
     if not wants_consolidated(config, final=final):
         return []
     t0 = time.perf_counter()
-    keys = model_keys(read_dcp_metadata(checkpoint_dir))
+    source = open_directory(checkpoint_dir, config=config, engine=engine, meta=meta)
+    keys = model_keys(source.index)
     if not keys:
         log.warning("save_consolidated=%r: %s holds no model to export", config.save_consolidated, checkpoint_dir.name)
         return []
     written: list[Path] = []
     for key in keys:
         out = checkpoint_dir / CONSOLIDATED_DIR if len(keys) == 1 else checkpoint_dir / CONSOLIDATED_DIR / key
-        merge = bool(adapter_tensor_names(e.name for e in tensor_entries(checkpoint_dir, key)))
+        merge = bool(adapter_tensor_names(e.name for e in tensor_entries(source, key)))
         try:
             result = export_hf(
-                checkpoint_dir,
+                source,
                 out,
                 model_key=key,
                 max_shard_size=config.max_shard_size,
@@ -93,21 +100,24 @@ def resolve_load_path(path: Path) -> Path:
     return path if is_hf_weights(path) else resolve_checkpoint_path(path)
 
 
-def load_initial_hf(ctx: LoadContext, path: Path, config: CheckpointConfig) -> LoadResult | None:
-    """Initial weights from a Hugging Face directory or ``.safetensors`` file; None if ``path`` is not one."""
-    if not is_hf_weights(path):
-        return None
+def check_initial_hf(ctx: LoadContext, path: Path, config: CheckpointConfig) -> HFWeights:
+    """Initial weights from a Hugging Face directory or ``.safetensors`` file, opened and checked
+    against the context's model; the model is set by :func:`apply_initial_hf`."""
     models = ctx.models()
     if len(models) != 1:
         raise CheckpointMismatchError(
             f"{path}: Hugging Face weights load into exactly one model, the context has {len(models)}"
         )
-    t0 = time.perf_counter()
-    report = load_hf_weights(models[0], path, key_map=config.initial_load_key_map, strict=ctx.strict)
+    return check_hf_weights(models[0], path, key_map=config.initial_load_key_map, strict=ctx.strict)
+
+
+def apply_initial_hf(ctx: LoadContext, weights: HFWeights, t0: float) -> LoadResult:
+    """Set the model from checked Hugging Face weights (:func:`check_initial_hf`)."""
+    report = weights.apply()
     seconds = time.perf_counter() - t0
     log.info(
         "loaded initial weights from %s: %d tensors in %.2fs%s",
-        path,
+        weights.path,
         len(report.loaded),
         seconds,
         f" (tied, not in the files: {', '.join(report.tied)})" if report.tied else "",
@@ -120,5 +130,5 @@ def load_initial_hf(ctx: LoadContext, path: Path, config: CheckpointConfig) -> L
     }
     skipped = [name for name, here in present.items() if here] + [extra_key(n) for n in ctx.extra]
     return LoadResult(
-        path=str(path), step=0, restored=("model",), skipped=tuple(skipped), bytes=report.bytes, seconds=seconds
+        path=str(weights.path), step=0, restored=("model",), skipped=tuple(skipped), bytes=report.bytes, seconds=seconds
     )

@@ -1,4 +1,4 @@
-"""Checking a state for NaN and infinity before it is committed (``check_finite``).
+"""Checking a state for NaN and infinity before it is committed, or before it is loaded (``check_finite``).
 
 A diverged run, or a corrupted copy, that commits NaN weights makes every restart resume into NaN.
 The check runs beside the write, on another thread, over the very tensors being written (the
@@ -8,6 +8,9 @@ before the commit: the save's wall time barely moves and an async save's stall n
 Per tensor, one reduction decides: a sum is finite exactly when no element is NaN or infinite,
 unless finite values overflow it, so a non-finite sum is confirmed element-wise before a tensor is
 reported.
+
+A load checks what it read before it sets anything: the tensors ``check_finite`` covers, and under
+``verify_on_load="full"`` also those a save recorded as checked (a NaN there is damage).
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from checkpoint_manager.errors import CheckpointError
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError
 
-__all__ = ["FiniteCheck", "NonFiniteStateError", "finite_groups", "nonfinite_tensors"]
+__all__ = ["FiniteCheck", "NonFiniteCheckpointError", "NonFiniteStateError", "finite_groups", "nonfinite_tensors"]
 
 #: How many offending tensors an error names.
 _NAMED = 5
@@ -36,9 +39,26 @@ class NonFiniteStateError(CheckpointError):
         super().__init__(f"{where}non-finite values (NaN or inf) in {total} tensor(s): {shown}; not committed")
 
 
+class NonFiniteCheckpointError(NonFiniteStateError, CheckpointCorruptError):
+    """A checkpoint holds NaN or infinite values where the load checks for them; nothing was set.
+
+    A :class:`NonFiniteStateError`, and damage (a :class:`CheckpointCorruptError`): auto-resume skips
+    such a checkpoint and loads the one before it.
+    """
+
+    def __init__(self, path: str, names: list[str], total: int) -> None:
+        self.names = names
+        self.total = total
+        shown = ", ".join(names[:_NAMED]) + (f" and {total - _NAMED} more" if total > _NAMED else "")
+        CheckpointError.__init__(
+            self, f"{path}: non-finite values (NaN or inf) in {total} tensor(s): {shown}; not loaded"
+        )
+
+
 def finite_groups(model: bool, optimizer: bool) -> tuple[str, ...]:
-    """The state-key groups a save checks: ``model`` (weights and buffers) and maybe ``optim``."""
-    return (("model",) if model else ()) + (("optim",) if optimizer else ())
+    """The state-key groups a save checks: ``model`` (weights and buffers) with the extra stateful
+    objects (``extra``), and maybe ``optim``."""
+    return (("model", "extra") if model else ()) + (("optim",) if optimizer else ())
 
 
 def _in_groups(key: str, groups: tuple[str, ...]) -> bool:

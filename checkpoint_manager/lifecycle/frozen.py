@@ -144,10 +144,6 @@ class FrozenSaves:
         the group out of its snapshot (no copy, no stall: the content check runs in the background)."""
         return self._holder is not None
 
-    def forget(self) -> None:
-        """Share nothing until a save writes the group again (a failed share, another world size)."""
-        self._holder = None
-
     def plan(
         self, keys: frozenset[str], tensors: Mapping[str, torch.Tensor], storage: Storage, pending: Path,
         ctx: EngineContext, *, live: bool,
@@ -182,7 +178,7 @@ class FrozenSaves:
         if base is not None and set(files) == set(base.files) and not set(files) & set(records):
             records.update(base.files)
             plan.files = dict(base.files)
-            plan.fingerprints = self._holder.fingerprints if self._holder is not None else {}
+            plan.fingerprints = dict(plan.checked or {})  # equal to the holder's: that is why it was offered
         else:
             if base is not None:  # offered but written: placed files the engine did not replace go
                 plan.base, plan.how, plan.origin = None, WRITE, None

@@ -1,11 +1,19 @@
-"""The load path: fetch (object stores), verify, decode every small file, let the engine that wrote
-the checkpoint read its tensors into the targets, and only then set the live objects."""
+"""The load path: fetch (object stores), verify, decode every small file, read every tensor, and only
+then set the live objects; auto-resume skips a checkpoint that cannot be loaded.
+
+A load runs in three phases on every rank: check (``checkpoint.json``, verification, the engine, the
+JSON state, the targets), read (the engine fills the targets, into fresh tensors unless it checks
+every record before its first copy; the finite check), apply. Each of the first two ends in a vote
+(:mod:`checkpoint_manager.lifecycle.unloadable`), so a failure anywhere leaves every live object as
+it was, on every rank, and auto-resume moves on to the previous checkpoint together.
+"""
 
 from __future__ import annotations
 
 import logging
 import operator
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,16 +33,30 @@ from checkpoint_manager.core.layout import (
 )
 from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.engine.base import Engine, EngineContext
+from checkpoint_manager.engine.read_first import copy_over, fresh_like
 from checkpoint_manager.engine.registry import engine_for_record
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from checkpoint_manager.formats.plain_dcp import load_plain_dcp
+from checkpoint_manager.formats.hf import HFWeights, is_hf_weights
+from checkpoint_manager.formats.plain_dcp import (
+    OPTIMIZER_SECTIONS,
+    apply_plain_import,
+    open_plain_import,
+    read_plain_import,
+)
 from checkpoint_manager.formats.resolve import is_plain_dcp
 from checkpoint_manager.lifecycle.background import save_context
 from checkpoint_manager.lifecycle.core import ManagerCore
 from checkpoint_manager.lifecycle.discovery import GONE_RETRIES
-from checkpoint_manager.lifecycle.exports import load_initial_hf, resolve_load_path
+from checkpoint_manager.lifecycle.exports import apply_initial_hf, check_initial_hf, resolve_load_path
+from checkpoint_manager.lifecycle.finite import NonFiniteCheckpointError, finite_groups, nonfinite_tensors
+from checkpoint_manager.lifecycle.unloadable import Unloadable, fail_together
 from checkpoint_manager.protocol import LoadContext, LoadResult
-from checkpoint_manager.state.training import StateLoader, per_rank_state, read_rank_json
+from checkpoint_manager.state.training import (
+    StateLoader,
+    fresh_optimizers_kept,
+    per_rank_state,
+    read_rank_json,
+)
 from checkpoint_manager.storage import basename, is_url
 
 if TYPE_CHECKING:
@@ -89,6 +111,10 @@ class CheckpointGone(CheckpointNotFoundError):
     """The checkpoint being loaded was deleted before its objects were set (internal: retried)."""
 
 
+class _NoneLeft(Exception):
+    """Auto-resume skipped every checkpoint of the current line that it could not load (internal)."""
+
+
 class Watch:
     """The checkpoint one load reads (:class:`~checkpoint_manager.core.integrity.Presence`), if local."""
 
@@ -105,6 +131,13 @@ class Watch:
 
     def gone(self) -> bool:
         return self._presence is not None and self._presence.gone()
+
+
+def _checked_nonfinite(path: Path, tensors: Any, groups: tuple[str, ...] | None) -> None:
+    """Raise :class:`NonFiniteCheckpointError` if any of ``tensors`` (of ``groups``) holds NaN or inf."""
+    bad = nonfinite_tensors(tensors, groups)
+    if bad:
+        raise NonFiniteCheckpointError(str(path), bad, len(bad))
 
 
 class LoadingMixin(ManagerCore):
@@ -127,27 +160,63 @@ class LoadingMixin(ManagerCore):
         return engine
 
     def _load_retrying(self, ctx: LoadContext) -> LoadResult:
-        """A checkpoint deleted while being read (pruned by the run that writes it) is gone, not damaged:
-        auto-resume loads the next newest; a pinned one (path, step, initial weights) raises
-        :class:`CheckpointNotFoundError`. Never half-applied: the check runs before any object is set."""
-        auto = ctx.path is None and ctx.step is None and self.config.load_step is None
-        for attempt in range(GONE_RETRIES + 1):
-            watch = Watch()
-            try:
-                return self._load(ctx, watch)
-            except (CheckpointError, OSError) as exc:
-                if not (isinstance(exc, CheckpointGone) or watch.gone()):
-                    raise
-                message = f"{watch.path}: deleted while it was being loaded (pruned by the run that writes it?)"
-                if not (auto and not watch.model_only) or attempt == GONE_RETRIES or self._dist.world_size > 1:
-                    raise CheckpointNotFoundError(message) from exc
-                log.warning("%s; loading the newest checkpoint now", message)
-        raise AssertionError("unreachable")
+        """Auto-resume (no path or step named) skips a checkpoint that cannot be loaded, with one
+        warning naming it and why, and loads the one before it on the current line; a named one raises.
 
-    def _load(self, ctx: LoadContext, watch: Watch | None = None) -> LoadResult:
+        A checkpoint deleted while being read (pruned by the run that writes it) is gone, not damaged:
+        auto-resume loads the next newest; a pinned one (path, step, initial weights) raises
+        :class:`CheckpointNotFoundError`. Never half-applied: every check runs before any object is set.
+        """
+        auto = ctx.path is None and ctx.step is None and self.config.load_step is None
+        skipped: list[str] = []
+        first: BaseException | None = None
+        gone = 0
+        while True:
+            watch = Watch()
+            failed: Unloadable | None = None
+            try:
+                return self._load(ctx, watch, skipped)
+            except _NoneLeft:
+                assert first is not None
+                if len(skipped) > 1:
+                    first.add_note(
+                        f"checkpoint_manager: none of the {len(skipped)} checkpoints of the current line in "
+                        f"{self.config.resolved_load_dir} could be loaded (each was logged); this is the newest's error"
+                    )
+            except (Unloadable, CheckpointError, OSError) as exc:
+                error = exc.error if isinstance(exc, Unloadable) else exc
+                # one rank's view of a deletion could differ from another's: several ranks skip it instead
+                deleted = isinstance(exc, CheckpointGone) or (self._dist.world_size == 1 and watch.gone())
+                if deleted:
+                    message = f"{watch.path}: deleted while it was being loaded (pruned by the run that writes it?)"
+                    if not (auto and not watch.model_only) or gone == GONE_RETRIES or self._dist.world_size > 1:
+                        raise CheckpointNotFoundError(message) from error
+                    log.warning("%s; loading the newest checkpoint now", message)
+                    gone += 1
+                    continue
+                if not isinstance(exc, Unloadable):
+                    raise
+                failed = exc
+            if failed is None:  # every checkpoint skipped: never a silent fresh start
+                assert first is not None
+                raise first
+            if not auto or watch.model_only:
+                raise failed.error
+            if self._dist.is_coordinator:
+                log.warning(
+                    "skipping checkpoint %s, which cannot be loaded, and loading the one before it: %s",
+                    failed.location,
+                    failed.error,
+                )
+            skipped.append(failed.location)
+            first = first if first is not None else failed.error
+
+    def _load(self, ctx: LoadContext, watch: Watch | None = None, skip: Collection[str] = ()) -> LoadResult:
         t0 = time.perf_counter()
         watch = watch if watch is not None else Watch()
-        location, model_only = self._resolve(ctx)
+        location, model_only = self._resolve(ctx, skip)
+        if skip and (location is None or model_only):
+            raise _NoneLeft()
         if location is None:
             reason = (
                 "load_mode='never'"
@@ -155,9 +224,34 @@ class LoadingMixin(ManagerCore):
                 else f"{self.config.resolved_load_dir} holds no committed checkpoint"
             )
             raise CheckpointNotFoundError(f"nothing to load: {reason}")
-        source = location
         watch.start(location, model_only)
         self._release_copies()
+        with fresh_optimizers_kept(ctx.optimizers()):  # DCP makes up a fresh one's state for its targets
+            steps: _Steps | None = None
+            failure: BaseException | None = None
+            try:
+                steps = self._check_load(ctx, location, model_only, t0, skip)
+            except Exception as exc:
+                failure = exc
+            try:
+                fail_together(self._dist, failure, location, f"load {basename(location)}: checked")
+                assert steps is not None
+                try:
+                    steps.read()
+                except Exception as exc:
+                    failure = exc
+                fail_together(self._dist, failure, location, f"load {basename(location)}: read")
+                self._check_still_there(watch)
+                return steps.apply()
+            finally:
+                if steps is not None:
+                    steps.close()
+
+    def _check_load(
+        self, ctx: LoadContext, location: str, model_only: bool, t0: float, skipped: Collection[str] = ()
+    ) -> _Steps:
+        """Everything a load checks before it reads a tensor; nothing live is changed."""
+        source = location
         if is_url(location):  # object store: download, then the fast reader and the CRC check run locally
             remote = self._remote_for(location)
             self._local_copies.append((remote, remote.localize(location)))
@@ -165,110 +259,20 @@ class LoadingMixin(ManagerCore):
         path = resolve_load_path(Path(location))  # a bundle: its unpacked checkpoint
         if not is_url(source):
             source = str(path)
-        if model_only and (hf_result := load_initial_hf(ctx, path, self.config)) is not None:
-            return hf_result  # initial weights from a Hugging Face directory
+        if model_only and is_hf_weights(path):  # initial weights from a Hugging Face directory
+            return _HFSteps(self, ctx, path, t0)
         if is_plain_dcp(path):  # written by plain dcp.save: weights (and optimizer state) imported
-            return self._load_plain(ctx, path, model_only, watch, t0)
-        level = self.config.verify_on_load
-        meta = read_checkpoint_json(path, verify_checksum=level != "off")
-        t_verify = time.perf_counter()
-        if self._dist.world_size > 1 and not is_url(source) and path == Path(location):
-            # One directory every rank reads: rank 0 checks every file of it; each rank then checks
-            # what it reads itself (its JSON, the index, the records it reads). Every rank checking
-            # every file read each rank's JSON once per rank: ranks squared reads in all.
-            self._dist.on_coordinator(lambda: check(path, meta, level), f"load {path.name}: verify")
-        else:  # one process, or a private copy (an object store's download, an unpacked bundle)
-            check(path, meta, level)
-        t_verify = time.perf_counter() - t_verify
-        engine = self._engine_for(meta, path)
-        # Everything below is read, checked and decoded before the read fills the live tensors.
-        global_json = _read_state_json(path, meta, level)
-        rank_json = per_rank_state(  # the world-size rule for RNG and dataloader state
-            ctx,
-            path=path,
-            saved_world_size=int(meta.get("world_size") or 1),
-            rank=self._dist.rank,
-            world_size=self._dist.world_size,
-            on_change=self.config.on_world_size_change,
-            model_only=model_only,
-            read=lambda p, r: read_rank_json(p, r, meta=meta, level=level),
-        )
-        if rank_json is not None:  # decoded before any object is touched, like state.json
-            _check_decodes(path / rank_file(self._dist.rank), rank_json)
-        loader = StateLoader(
-            ctx, global_json, rank_json, meta.get("train_state"), source=str(path), model_only=model_only
-        )
-        engine_ctx = EngineContext(
-            step=int(meta["step"]),
-            rank=self._dist.rank,
-            world_size=self._dist.world_size,
-            process_group=self._dist.group,
-            config=self.config,
-            meta=meta,
-            extra={},  # this load's own: what read_index read for load is freed with it
-        )
-        index = engine.read_index(path, engine_ctx)  # checked before targets are allocated from its sizes
-        targets = loader.targets(index)
-        loader.prepare(targets)  # every state dict merged and checked: the last step that may refuse
-        t_plan = time.perf_counter()
-        if targets:
-            with self._dist.phase(f"load {path.name}: read"):  # GC: paused by load()
-                engine.load(targets, path, engine_ctx)
-        t_read = time.perf_counter()
-        self._check_still_there(watch)
-        loader.apply(targets)
-        t_end = time.perf_counter()
-        if not model_only:
-            self._last_saved_step = int(meta["step"])
-            self._last_saved_known = True
-            if self._in_save_dir(source):
-                self._resumed_from = basename(source)
-                self._parent, self._parent_known = info_from_meta(Path(basename(source)), meta), True
-                self._warn_going_back(self._parent)
-                if rank_json is not None and int(meta.get("world_size") or 1) == self._dist.world_size:
-                    # save_frozen="once": the next save may share this checkpoint's frozen files
-                    self._frozen.resumed(source, basename(source), rank_json.get("frozen"), self._storage)
-            else:  # the next save continues save_dir's newest line
-                self._parent, self._parent_known = None, False
-            if not self._prepared:  # the first save after a resume is warm too
-                # a load of every part filled the very tensors a save gathers (same keys and shapes):
-                # gathering them again cost 0.06 s at 26,664 small tensors
-                every_part = ctx.strict and ctx.load_optimizer and ctx.load_scheduler and ctx.load_extra
-                self._prepare_ahead(save_context(ctx), gathered=targets if every_part else None)
-        self._release_copies()
-        nbytes = total_bytes(targets)
-        seconds = t_end - t0
-        log.info(
-            "loaded %s (step %d): %.3f GB in %.2fs (%.2f GB/s)%s",
-            source,  # an object store's URL, not the downloaded copy
-            meta["step"],
-            nbytes / 1e9,
-            seconds,
-            nbytes / 1e9 / max(seconds, 1e-9),
-            " [model weights only]" if model_only else "",
-        )
-        return LoadResult(
-            path=source,
-            step=int(meta["step"]),
-            metrics=dict(meta.get("metrics") or {}),
-            restored=tuple(loader.restored),
-            skipped=tuple(loader.skipped),
-            bytes=nbytes,
-            seconds=seconds,
-            timings={
-                "verify": t_verify,
-                "plan": t_plan - t0 - t_verify,
-                "read": t_read - t_plan,
-                "apply": t_end - t_read,
-            },
-        )
+            return _PlainSteps(self, ctx, path, model_only, t0)
+        shared = not is_url(source) and path == Path(location)  # the very directory every rank reads
+        return _OurSteps(self, ctx, path, source, model_only, t0, skipped, shared=shared)
 
-    def _warn_going_back(self, loaded: CheckpointInfo) -> None:
+    def _warn_going_back(self, loaded: CheckpointInfo, skipped: Collection[str] = ()) -> None:
         """Rank 0: a load of a checkpoint older than the newest of its line names what the next save
-        supersedes (a run that goes on from here starts a new line), and what becomes of them."""
+        supersedes (a run that goes on from here starts a new line), and what becomes of them; those
+        auto-resume skipped as unloadable were named already."""
         if self._dist.rank != 0:
             return
-        newer = superseded_by(loaded, self.list_checkpoints())
+        newer = [i for i in superseded_by(loaded, self.list_checkpoints()) if i.location not in skipped]
         if not newer:
             return
         fate = (
@@ -287,30 +291,218 @@ class LoadingMixin(ManagerCore):
             fate,
         )
 
-    def _load_plain(
-        self, ctx: LoadContext, path: Path, model_only: bool, watch: Watch, t0: float
-    ) -> LoadResult:
-        """Import a directory plain ``dcp.save`` wrote (:mod:`checkpoint_manager.formats.plain_dcp`)."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from checkpoint_manager.engine.dcp.engine import own_failure, quiet_single_process
-
-        try:
-            with quiet_single_process(), self._dist.phase(f"load {path.name}: read"):
-                result = load_plain_dcp(
-                    ctx,
-                    path,
-                    model_only=model_only,
-                    process_group=self._dist.group,
-                    no_dist=self._dist.world_size == 1,
-                    before_apply=lambda: self._check_still_there(watch),
-                )
-        except CheckpointException as exc:  # a BaseException: surface the reader's typed error
-            raise own_failure(exc, self._dist.rank) from exc
-        self._release_copies()
-        return result.replace(seconds=time.perf_counter() - t0)
-
     def _check_still_there(self, watch: Watch) -> None:
         """Before any object is set: a checkpoint deleted while it was read may have read as absent."""
         if self._dist.any_true(watch.gone(), "load: checkpoint still there"):
             raise CheckpointGone(f"{watch.path}: deleted while it was being loaded")
+
+    def _finite_on_load(self, recorded: Any) -> tuple[str, ...]:
+        """The state-key groups a load checks for NaN and inf before it sets them: those
+        ``check_finite`` covers, and under ``verify_on_load="full"`` those the save recorded as checked."""
+        groups = set(finite_groups(self.config.check_finite, self.config.check_finite_optimizer))
+        if self.config.verify_on_load == "full" and isinstance(recorded, dict) and recorded.get("ok") is True:
+            groups.update(g for g in recorded.get("checked") or () if isinstance(g, str))
+        return tuple(sorted(groups))
+
+
+class _Steps:
+    """One load after its checks: :meth:`read` fills what it reads, :meth:`apply` sets the objects."""
+
+    def read(self) -> None:
+        """Read every tensor (into the targets, or into fresh tensors); no live object is set yet,
+        except targets filled by an engine that checked every record before its first copy."""
+
+    def apply(self) -> LoadResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the load holds open, whatever happened."""
+
+
+class _OurSteps(_Steps):
+    """A checkpoint of this library: read by the engine that wrote it, then applied by :class:`StateLoader`."""
+
+    def __init__(
+        self,
+        manager: LoadingMixin,
+        ctx: LoadContext,
+        path: Path,
+        source: str,
+        model_only: bool,
+        t0: float,
+        skipped: Collection[str] = (),
+        *,
+        shared: bool = False,
+    ) -> None:
+        self.manager, self.ctx, self.path, self.source, self.model_only, self.t0 = (
+            manager, ctx, path, source, model_only, t0,
+        )  # fmt: skip
+        self.skipped = skipped  # what auto-resume skipped before this one (named in its warnings)
+        config, dist = manager.config, manager._dist
+        level = config.verify_on_load
+        meta = self.meta = read_checkpoint_json(path, verify_checksum=level != "off")
+        t_verify = time.perf_counter()
+        if not (shared and dist.world_size > 1 and not dist.is_coordinator):
+            # Of several ranks reading one directory, rank 0 checks every file of it, and the vote
+            # that ends this phase brings its verdict to every rank; each rank checks what it reads
+            # itself (its JSON, the index, the records it reads). Every rank checking every file
+            # read each rank's JSON once per rank: ranks squared reads in all.
+            check(path, meta, level)
+        self.t_verify = time.perf_counter() - t_verify
+        self.engine = manager._engine_for(meta, path)
+        # Everything below is read, checked and decoded before the read fills the live tensors.
+        global_json = _read_state_json(path, meta, level)
+        rank_json = per_rank_state(  # the world-size rule for RNG and dataloader state
+            ctx,
+            path=path,
+            saved_world_size=int(meta.get("world_size") or 1),
+            rank=dist.rank,
+            world_size=dist.world_size,
+            on_change=config.on_world_size_change,
+            model_only=model_only,
+            read=lambda p, r: read_rank_json(p, r, meta=meta, level=level),
+        )
+        if rank_json is not None:  # decoded before any object is touched, like state.json
+            _check_decodes(path / rank_file(dist.rank), rank_json)
+        self.rank_json = rank_json
+        self.loader = StateLoader(
+            ctx, global_json, rank_json, meta.get("train_state"), source=str(path), model_only=model_only
+        )
+        self.engine_ctx = EngineContext(
+            step=int(meta["step"]),
+            rank=dist.rank,
+            world_size=dist.world_size,
+            process_group=dist.group,
+            config=config,
+            meta=meta,
+            extra={},  # this load's own: what read_index read for load is freed with it
+        )
+        index = self.engine.read_index(path, self.engine_ctx)  # checked before targets are allocated from its sizes
+        self.targets = self.loader.targets(index)
+        self.loader.prepare(self.targets)  # every state dict merged and checked: the last step that may refuse
+        self.finite = manager._finite_on_load(meta.get("finite"))
+        # an engine that may fail after its first copy reads into fresh tensors; one that checks every
+        # record first fills the live ones, and checks the values too (ctx.check) before its first copy
+        self.in_place = getattr(self.engine, "load_checks_first", False) is True
+        self.into = self.targets if self.in_place else fresh_like(self.targets)
+        if self.finite and self.in_place:
+            self.engine_ctx.check = lambda values: _checked_nonfinite(path, values, self.finite)
+        self.t_plan = self.t_read = time.perf_counter()
+
+    def read(self) -> None:
+        self.t_plan = time.perf_counter()
+        if self.targets:
+            with self.manager._dist.phase(f"load {self.path.name}: read"):  # GC: paused by load()
+                self.engine.load(self.into, self.path, self.engine_ctx)
+        if self.finite and not self.in_place:
+            _checked_nonfinite(self.path, self.into, self.finite)
+        self.t_read = time.perf_counter()
+
+    def apply(self) -> LoadResult:
+        manager, ctx, meta, targets = self.manager, self.ctx, self.meta, self.targets
+        if self.into is not targets:
+            copy_over(targets, self.into)
+        self.into = targets
+        self.loader.apply(targets)
+        t_end = time.perf_counter()
+        source = self.source
+        if not self.model_only:
+            manager._last_saved_step = int(meta["step"])
+            manager._last_saved_known = True
+            if manager._in_save_dir(source):
+                manager._resumed_from = basename(source)
+                manager._parent, manager._parent_known = info_from_meta(Path(basename(source)), meta), True
+                manager._warn_going_back(manager._parent, self.skipped)
+                if self.rank_json is not None and int(meta.get("world_size") or 1) == manager._dist.world_size:
+                    # save_frozen="once": the next save may share this checkpoint's frozen files
+                    manager._frozen.resumed(source, basename(source), self.rank_json.get("frozen"), manager._storage)
+            else:  # the next save continues save_dir's newest line
+                manager._parent, manager._parent_known = None, False
+            if not manager._prepared:  # the first save after a resume is warm too
+                # a load of every part filled the very tensors a save gathers (same keys and shapes):
+                # gathering them again cost 0.06 s at 26,664 small tensors
+                every_part = ctx.strict and ctx.load_optimizer and ctx.load_scheduler and ctx.load_extra
+                manager._prepare_ahead(save_context(ctx), gathered=targets if every_part else None)
+        manager._release_copies()
+        nbytes = total_bytes(targets)
+        seconds = t_end - self.t0
+        log.info(
+            "loaded %s (step %d): %.3f GB in %.2fs (%.2f GB/s)%s",
+            source,  # an object store's URL, not the downloaded copy
+            meta["step"],
+            nbytes / 1e9,
+            seconds,
+            nbytes / 1e9 / max(seconds, 1e-9),
+            " [model weights only]" if self.model_only else "",
+        )
+        return LoadResult(
+            path=source,
+            step=int(meta["step"]),
+            metrics=dict(meta.get("metrics") or {}),
+            restored=tuple(self.loader.restored),
+            skipped=tuple(self.loader.skipped),
+            bytes=nbytes,
+            seconds=seconds,
+            timings={
+                "verify": self.t_verify,
+                "plan": self.t_plan - self.t0 - self.t_verify,
+                "read": self.t_read - self.t_plan,
+                "apply": t_end - self.t_read,
+            },
+        )
+
+
+class _PlainSteps(_Steps):
+    """A directory plain ``dcp.save`` wrote (:mod:`checkpoint_manager.formats.plain_dcp`), read by the
+    engine whose files it holds; nothing live changes before every record was read."""
+
+    def __init__(self, manager: LoadingMixin, ctx: LoadContext, path: Path, model_only: bool, t0: float) -> None:
+        self.manager, self.ctx, self.path, self.model_only, self.t0 = manager, ctx, path, model_only, t0
+        config, dist = manager.config, manager._dist
+        self.opened, self.plan = open_plain_import(ctx, path, model_only=model_only, config=config)
+        self.engine_ctx = EngineContext(
+            step=0,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            process_group=dist.group,
+            config=config,
+            extra={},
+        )
+        if config.check_finite:  # the optimizer's sections only with check_finite_optimizer
+            optim = config.check_finite_optimizer
+            self.engine_ctx.check = lambda values: _checked_nonfinite(
+                path, ((k, t) for k, t in values if optim or k.split(".", 1)[0] not in OPTIMIZER_SECTIONS), None
+            )
+        self.read_tensors: dict[str, torch.Tensor] = {}
+
+    def read(self) -> None:
+        with self.manager._dist.phase(f"load {self.path.name}: read"):
+            self.read_tensors = read_plain_import(self.opened, self.plan, self.engine_ctx)
+        if self.read_tensors is not self.plan.targets and self.engine_ctx.check is not None:
+            self.engine_ctx.check(self.read_tensors.items())  # an engine that does not check read them
+
+    def apply(self) -> LoadResult:
+        result = apply_plain_import(self.plan, self.ctx, self.read_tensors, model_only=self.model_only)
+        self.manager._release_copies()
+        return result.replace(seconds=time.perf_counter() - self.t0)
+
+
+class _HFSteps(_Steps):
+    """Initial weights from a Hugging Face directory: every file checked (and, with ``check_finite``,
+    every value) before the model is set, one file at a time."""
+
+    def __init__(self, manager: LoadingMixin, ctx: LoadContext, path: Path, t0: float) -> None:
+        self.ctx, self.t0 = ctx, t0
+        self.weights: HFWeights = check_initial_hf(ctx, path, manager.config)
+        if manager.config.check_finite:
+            try:
+                _checked_nonfinite(path, self.weights.tensors(), None)
+            except BaseException:
+                self.weights.close()
+                raise
+
+    def apply(self) -> LoadResult:
+        return apply_initial_hf(self.ctx, self.weights, self.t0)
+
+    def close(self) -> None:
+        self.weights.close()

@@ -98,6 +98,7 @@ class DefaultCheckpointManager(DiscoveryMixin, SavingMixin, BackgroundMixin, Loa
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[Any] | None = None
         self._inflight_step: int | None = None
+        self._inflight_final = False
         self._lock = threading.Lock()
         self._preemption = PreemptionWatcher() if config.save_on_preemption else None
         self._preempted = False

@@ -244,7 +244,7 @@ class SavingMixin(ManagerCore):
             self._attempt = (step, bool(ctx.final or preempting or step == self.config.final_step))
         if not decided:
             if preempting:  # this step is already saved: make sure it is committed, then stop
-                self._collect_background(wait=True)
+                self._collect_background(wait=True, must_raise=True)
                 self._preempted = True
             elif not self._prepared:
                 self._prepare_ahead(ctx)
@@ -511,13 +511,20 @@ class SavingMixin(ManagerCore):
         pending = job.pending
         self._storage.write_json(pending / STATE_JSON, job.state.global_json)
         self._hf_configs.write(pending, job.hf_configs, self._storage.write_json)
+        record = getattr(self._engine, "record", None)
+        written = {
+            "engine": self._engine.name,
+            **(record() if record is not None else {}),
+            "step": job.step,
+            "world_size": self._io_dist.world_size,
+        }
         t_export = time.perf_counter()
-        if export_consolidated(self.config, pending, final=job.final):  # inside: committed with the rest
+        # inside: committed with the rest; read by the engine that wrote it, as checkpoint.json will say
+        if export_consolidated(self.config, pending, final=job.final, engine=self._engine, meta=written):
             job.timings["export"] = time.perf_counter() - t_export
         t_files = time.perf_counter()
         files = self._storage.describe_files(pending, voted_records(votes))
         parent, lineage = self._lineage()
-        record = getattr(self._engine, "record", None)
         meta = checkpoint_record(
             job,
             engine=self._engine.name,

@@ -6,10 +6,11 @@ Tensors go to DCP (large, shardable, reshardable); everything else becomes JSON 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -58,6 +59,7 @@ __all__ = [
     "PER_RANK_PARTS",
     "GatheredState",
     "StateLoader",
+    "fresh_optimizers_kept",
     "frozen_keys",
     "gather_state",
     "load_optimizers_in_place",
@@ -172,6 +174,19 @@ def _gather_state(ctx: SaveContext) -> GatheredState:
         rank_json["dataloader"] = encode(dl.state_dict(), path="dataloader")
     train_state = ctx.train_state.state_dict() if ctx.train_state is not None else None
     return GatheredState(tensors, global_json, rank_json, train_state, objects)
+
+
+@contextlib.contextmanager
+def fresh_optimizers_kept(optims: list[Optimizer]) -> Iterator[None]:
+    """An optimizer without state gets it made up when a load builds its targets (DCP's state-dict
+    API runs a zero-lr step); if the load then fails, such an optimizer is left with none again."""
+    fresh = [o for o in optims if not o.state]
+    try:
+        yield
+    except BaseException:
+        for optim in fresh:
+            optim.state.clear()
+        raise
 
 
 def frozen_keys(ctx: SaveContext, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:

@@ -22,6 +22,7 @@ if it is in :data:`OPTIONAL_ENGINE_CHECKS` (``run_engine_suite(..., opt_out={"no
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import shutil
@@ -562,6 +563,45 @@ def check_no_pickle(make_engine: MakeEngine, work: Path) -> None:
                 raise ConformanceError(f"save wrote a torch.save archive (a zip holding data.pkl): {rel!r}")
 
 
+def check_reader(make_engine: MakeEngine, work: Path) -> None:
+    """Read outside a run (what ``ckpt``, the exports and conversions do: the engine's ``reader``, or
+    one built from ``read_index`` and ``load``): the index is ``read_index``'s, and keys read a group at
+    a time come back bit for bit, only those asked for. With ``index_files``, the index is read from a
+    directory holding only those files (what inspecting a bundle or a URL fetches)."""
+    from checkpoint_manager.engine.reading import index_files, open_reader
+
+    state = _state(seed=10)
+    engine = make_engine()
+    directory = work / "ckpt"
+    _save(engine, state, directory)
+    meta = _meta(engine, directory)
+    reader = call("open_reader(engine, 'ckpt', meta)", lambda: open_reader(make_engine(), directory, meta))
+    index = call("reader.index()", reader.index)
+    expected_index, _ = _index(make_engine(), directory)
+    if dict(index) != dict(expected_index):
+        raise ConformanceError(f"the reader's index differs from read_index: {sorted(set(index) ^ set(expected_index))}")
+    keys = sorted(state.tensors)
+    groups: list[list[str]] = [keys[::2], keys[1::2], []]
+    for group in groups:
+        loaded: dict[str, torch.Tensor] = call(f"reader.read({len(group)} keys)", functools.partial(reader.read, group))
+        if sorted(loaded) != sorted(group):
+            raise ConformanceError(f"a read of {len(group)} keys returned {len(loaded)}: {sorted(set(loaded) ^ set(group))}")
+        _assert_loaded(loaded, {k: state.tensors[k] for k in group}, "after a reader's read")
+    if getattr(engine, "index_files", None) is None:
+        return
+    wanted = index_files(engine, sorted(_files(directory)))
+    partial = work / "index-only"
+    partial.mkdir()
+    for rel in wanted:
+        (partial / rel).parent.mkdir(parents=True, exist_ok=True)
+        (partial / rel).write_bytes((directory / rel).read_bytes())
+    alone = call(
+        f"reader.index() with only {wanted}", lambda: open_reader(make_engine(), partial, meta).index()
+    )
+    if dict(alone) != dict(expected_index):
+        raise ConformanceError(f"the index read from {wanted} alone differs from read_index")
+
+
 ENGINE_CHECKS: dict[str, EngineCheck] = {
     "dtypes": check_dtypes,
     "shapes": check_shapes,
@@ -577,6 +617,7 @@ ENGINE_CHECKS: dict[str, EngineCheck] = {
     "groups": check_groups,
     "foreign_directory": check_foreign_directory,
     "no_pickle": check_no_pickle,
+    "reader": check_reader,
 }
 """Every engine check by name, in a stable order; each is ``check(make_engine, work_dir)``."""
 

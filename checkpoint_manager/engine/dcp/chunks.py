@@ -475,7 +475,10 @@ def _fill(template: _Template, columns: dict[str, torch.Tensor]) -> _Rows:
         for i, (at, width) in enumerate(holes):
             values = col[:, i] if col.dim() == 2 else col
             dtype = torch.int64 if width == 8 else torch.int32
-            rows[:, at : at + width] = values.to(dtype).contiguous().view(torch.uint8).reshape(n, width)
+            # a fresh dense copy: a one-row column view counts as contiguous whatever its stride
+            packed = torch.empty(n, dtype=dtype)
+            packed.copy_(values)
+            rows[:, at : at + width] = packed.view(torch.uint8).reshape(n, width)
     return out
 
 

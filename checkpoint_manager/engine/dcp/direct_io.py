@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from checkpoint_manager.core.checksum import crc32, crc32_combine
+from checkpoint_manager.engine.staging import BLOCK, DIRECT_MIN
 
 __all__ = [
     "BLOCK",
@@ -37,11 +38,7 @@ __all__ = [
     "staging_gate",
 ]
 
-BLOCK = 4096
 DEFAULT_CHUNK = 16 << 20
-# Tensors at least this big, page-aligned in memory, are written without the bounce copy (the
-# staging buffers of an async save are allocated that way); writers pad the file to match.
-DIRECT_MIN = 1 << 20
 _DIRECT_DEPTH = 2  # such writes in flight at once
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 

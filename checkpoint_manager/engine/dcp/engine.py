@@ -6,7 +6,11 @@ Save: the non-tensor values become DCP byte entries (so plain ``dcp.load`` reads
 file with the CRC-32s computed on the way. Stage: one ``_foreach_copy_`` into reused host buffers
 (:class:`StagingBuffers`), optionally overlapped with the write. Load: the ``.metadata`` is read
 without running code and every data file checked before a byte is read; one process reading whole
-plain tensors skips DCP's pipeline (``load_direct``).
+plain tensors skips DCP's pipeline (``load_direct``). Every record a load copies straight into a
+live tensor is found and checked before the first copy (``load_checks_first``); other writers' files
+are read into fresh tensors first. Read outside a run (``reader``): whole tensors by one process,
+from any number of ranks' files, a few at a time; a directory plain ``dcp.save`` wrote reads the
+same way (``is_plain``).
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 from checkpoint_manager.engine.base import EngineContext, EngineState, FileRecord, GroupBase, TensorInfo
 from checkpoint_manager.engine.dcp.chunk_index import INDEX_FILE, ChunkIndex
 from checkpoint_manager.engine.dcp.direct_io import reserve_write_buffers, staging_gate
-from checkpoint_manager.engine.dcp.io import check_data_files, read_dcp_metadata
+from checkpoint_manager.engine.dcp.io import METADATA_FILE, check_data_files, read_dcp_metadata
 from checkpoint_manager.engine.dcp.multirank import RankPlans, save_ranks
 from checkpoint_manager.engine.dcp.objects import object_records
 from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache
 from checkpoint_manager.engine.dcp.planner import load_tensors as dcp_load
 from checkpoint_manager.engine.dcp.planner import save_tensors as dcp_save
-from checkpoint_manager.engine.dcp.reader import CheckpointReader
+from checkpoint_manager.engine.dcp.reader import Agree, CheckpointReader
+from checkpoint_manager.engine.dcp.tensor_reader import METADATA_KEY as _METADATA
+from checkpoint_manager.engine.dcp.tensor_reader import DCPTensorReader
 from checkpoint_manager.engine.dcp.writer import (
     GROUP_FILE,
     WRITER_ID,
@@ -45,8 +51,9 @@ from checkpoint_manager.engine.dcp.writer import (
     chunk_for_bytes,
     prime_layout,
 )
+from checkpoint_manager.engine.read_first import copy_over, fresh_like
 from checkpoint_manager.engine.staging import StagingBuffers, StagingGate, local_tensor
-from checkpoint_manager.errors import CheckpointError
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError
 
 if TYPE_CHECKING:
     from checkpoint_manager.config import CheckpointConfig
@@ -56,7 +63,6 @@ __all__ = ["DCPEngine", "own_failure", "quiet_single_process"]
 log = logging.getLogger("checkpoint_manager")
 
 _COLLECT_AFTER_PLANNING = 10_000
-_METADATA = "dcp.metadata"  # ctx.extra: (directory, Metadata) that read_index read, for load
 _INDEX = "dcp.chunk_index"  # ctx.extra: (directory, ChunkIndex) that read_index opened, for load
 
 
@@ -162,6 +168,8 @@ class DCPEngine:
     """The built-in engine (``engine="dcp"``); see the module docstring."""
 
     name: ClassVar[str] = "dcp"
+    #: a failing load leaves every target as it was (see :meth:`load`)
+    load_checks_first: ClassVar[bool] = True
     #: a tensor group (``save_frozen="once"``) goes into a file of its own per rank, which later
     #: checkpoints reference from their ``.metadata`` (see the engine protocol)
     places_groups: ClassVar[bool] = True
@@ -303,14 +311,24 @@ class DCPEngine:
         return dict(zip(map(_FIRST, entries), infos, strict=True))
 
     def load(self, targets: Mapping[str, torch.Tensor], directory: Path, ctx: EngineContext) -> None:
+        """Fill ``targets`` in place; raising, leave every one of them as it was.
+
+        Files of our writer are read straight into the targets, once every record this rank reads
+        was found and checked (and, with several ranks, once every rank's were: one vote before the
+        first copy). Other writers' records go through ``torch.load(weights_only=True)`` one by one,
+        so they are read into fresh tensors and copied over only when all of them were read.
+        """
         if not targets:
             return
-        wanted = targets if isinstance(targets, dict) else dict(targets)
         indexed = ctx.extra.get(_INDEX)
+        fast = ctx.meta.get("writer") == WRITER_ID
+        agree = _agree_on(ctx.process_group, directory) if fast and ctx.world_size > 1 else None
+        wanted = targets if isinstance(targets, dict) else dict(targets)
         if indexed is not None and indexed[0] == directory:
-            # the chunks this rank needs, from the index: planned and read by this rank alone
+            # the chunks this rank needs, from the index: planned and read by this rank alone (the
+            # ranks' one vote between checking their records and copying the first stays)
             partial = indexed[1].metadata_for(wanted)
-            reader = CheckpointReader(directory, fast=True, metadata=partial)
+            reader = CheckpointReader(directory, fast=True, metadata=partial, agree=agree, check=ctx.check)
             try:
                 with quiet_single_process():
                     dcp_load(wanted, storage_reader=reader, no_dist=True)
@@ -319,16 +337,61 @@ class DCPEngine:
             return
         cached = ctx.extra.get(_METADATA)  # freed with the load's ctx, after the state is set
         metadata: Metadata | None = cached[1] if cached is not None and cached[0] == directory else None
-        reader = CheckpointReader(directory, fast=ctx.meta.get("writer") == WRITER_ID, metadata=metadata)
+        reader = CheckpointReader(directory, fast=fast, metadata=metadata, agree=agree, check=ctx.check)
+        into = wanted if fast else fresh_like(wanted)
         try:
             with quiet_single_process():
                 # one process, whole plain tensors: no plan to exchange or reshard, DCP's pipeline skipped
-                if not (ctx.world_size == 1 and reader.load_direct(wanted)):
+                if not (ctx.world_size == 1 and reader.load_direct(into)):
                     dcp_load(
-                        wanted, storage_reader=reader, process_group=ctx.process_group, no_dist=ctx.world_size == 1
+                        into, storage_reader=reader, process_group=ctx.process_group, no_dist=ctx.world_size == 1
                     )
         except CheckpointException as exc:  # a BaseException: surface the reader's typed error
             raise own_failure(exc, ctx.rank) from exc
+        if into is not wanted:
+            failure: BaseException | None = None
+            try:
+                if ctx.check is not None:
+                    ctx.check(into.items())
+            except Exception as exc:
+                failure = exc
+            if ctx.world_size > 1:  # every rank read all of its records: one vote before the copy
+                _agree_on(ctx.process_group, directory)(failure)
+            elif failure is not None:
+                raise failure
+            copy_over(wanted, into)
+
+    # -- reading outside a run --------------------------------------------------------------------
+    def reader(self, directory: Path, ctx: EngineContext) -> DCPTensorReader:
+        """Whole tensors, read by this process alone, a few at a time (``ckpt``, exports)."""
+        level = self.config.verify_on_load if self.config is not None else "sizes"
+        return DCPTensorReader(self, directory, ctx, level)
+
+    def index_files(self, files: list[str]) -> list[str]:
+        """The index is ``.metadata`` alone."""
+        return [METADATA_FILE]
+
+    @staticmethod
+    def is_plain(directory: Path) -> bool:
+        """A directory of DCP files, by DCP's ``.metadata`` (written by ``dcp.save`` or by us)."""
+        return (directory / METADATA_FILE).is_file()
+
+
+def _agree_on(group: Any, directory: Path) -> Agree:
+    """The ranks' vote between checking their records and copying the first one (one all-reduce on
+    the checkpoint's own group, bounded by its timeout): no rank copies while another found damage."""
+
+    def agree(failure: BaseException | None) -> None:
+        flag = torch.tensor([0 if failure is not None else 1], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        if failure is not None:
+            raise failure
+        if not flag.item():
+            raise CheckpointCorruptError(
+                f"{directory}: another rank found a damaged record (its error names it); no rank read any"
+            )
+
+    return agree
 
 
 _NBYTES = operator.attrgetter("nbytes")

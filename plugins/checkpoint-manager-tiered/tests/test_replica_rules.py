@@ -86,7 +86,7 @@ def _store_with(tmp_path: Path, steps: list[int], unmarked: list[int]) -> Replic
         share.mkdir(parents=True)
         (share / "x").write_bytes(b"x")
         if step in steps:
-            store.write_marker(f"step_{step:08d}", {"step": step, "manifests": {"0": {"x": {"size": 1, "crc32": crc32(b"x")}}}})
+            store.write_marker(f"step_{step:08d}", {"step": step, "world_size": 1, "manifests": {"0": {"x": {"size": 1, "crc32": crc32(b"x")}}}})
     return store
 
 

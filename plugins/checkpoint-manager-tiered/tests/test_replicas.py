@@ -9,6 +9,7 @@ shares from the peer, bit for bit as a run that never stopped, without the durab
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -183,4 +184,68 @@ def test_damaged_copy_found_while_sending_is_not_used(tmp_path: Path, reference:
     assert f"the copy of rank 2's share of local step {newest} on node 0 is damaged" in text
     assert "rank 2's share from node 0 arrived damaged" in text
     assert f"pulled rank 2's share of local step {older} from node 0" in text
+    assert_bit_exact(out, reference)
+
+
+# -- hostile states of the store: each copy refused on its own, every rank falls back together ----------
+
+
+def resumed(run: Path, out: Path) -> dict[str, Any]:
+    """Start the job again on ``run``; what it resumed from."""
+    job = Job(run, out, STEPS)
+    job.start()
+    job.wait(JOB_TIMEOUT)
+    return dict(result(out)["resumed"])
+
+
+def test_replica_resume_links_fifos_and_nesting_fall_back_to_the_next_copy(
+    tmp_path: Path, reference: Path, killed: Path
+) -> None:
+    """Node 1's copy of the newest step: rank 2's data file a symlink to an identical copy (the holder
+    would read it through the link), rank 3's JSON a FIFO (a read never returns); node 0's marker of
+    that step nested 5,000 deep. Node 1's marker decides, node 0's copies of shares 2 and 3 are
+    pulled, on every rank together: no collective times out, and the run ends bit-exact."""
+    run, out = restart(tmp_path, killed)
+    newest = max(newest_replicated(run / "node0"), newest_replicated(run / "node1"))
+    name = f"step_{newest:08d}"
+    node1 = run / "node1" / ".replicas" / name
+    data = sorted((node1 / "rank_00002").glob("*.distcp"))[0]
+    copy = tmp_path / "outside.distcp"
+    shutil.copy(data, copy)
+    data.unlink()
+    data.symlink_to(copy)
+    rank_json = node1 / "rank_00003" / "rank_00003.json"
+    rank_json.unlink()
+    os.mkfifo(rank_json)
+    (run / "node0" / ".replicas" / name / "committed.json").write_text("[" * 5000 + "]" * 5000)
+    assert resumed(run, out) == {"step": newest, "path": str(run / "local" / name)}
+    text = logs(out)
+    assert f"pulled rank 2's share of local step {newest} from node 0" in text
+    assert f"pulled rank 3's share of local step {newest} from node 0" in text
+    assert "CollectiveTimeoutError" not in text and "timed out" not in text
+    assert_bit_exact(out, reference)
+
+
+def test_replica_resume_wrong_types_and_truncation_fall_back_to_durable(
+    tmp_path: Path, reference: Path, killed: Path
+) -> None:
+    """Node 1 replaced (an empty disk); node 0's markers: the newest step's ``manifests`` a list, the
+    older one cut short. No local step is committed anywhere: the durable tier, bit-exact."""
+    run, out = restart(tmp_path, killed)
+    shutil.rmtree(run / "node1")
+    (run / "node1").mkdir()
+    markers = sorted((run / "node0" / ".replicas").glob("*/committed.json"))
+    assert len(markers) == 2
+    older, newer = sorted(markers, key=lambda p: json.loads(p.read_text())["step"])
+    bad = json.loads(newer.read_text())
+    bad["manifests"] = list(bad["manifests"].values())
+    newer.write_text(json.dumps(bad))
+    older.write_bytes(older.read_bytes()[: len(older.read_bytes()) // 2])
+    durable = sorted(run.glob("durable/step_*"))[-1]
+    assert resumed(run, out) == {"step": int(durable.name[5:]), "path": str(durable)}
+    text = logs(out)
+    seen = run / "local" / ".replicas"  # where node 0's processes see its disk
+    assert f"{seen / newer.parent.name / 'committed.json'}: not used ('manifests' is not one object per rank 0..3)" in text
+    assert f"{seen / older.parent.name / 'committed.json'}: not used (" in text and "not valid JSON" in text
+    assert "CollectiveTimeoutError" not in text and "timed out" not in text
     assert_bit_exact(out, reference)

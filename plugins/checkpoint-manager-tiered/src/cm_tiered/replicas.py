@@ -65,8 +65,9 @@ from checkpoint_manager.core.layout import (
     order_checkpoints,
     seal_checkpoint_json,
 )
-from checkpoint_manager.core.safe_io import read_json
+from checkpoint_manager.core.safe_io import open_regular, read_json
 from checkpoint_manager.storage.base import set_aside_names
+from cm_tiered.untrusted import marker_problem, regular_files, share_rank
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
@@ -211,11 +212,22 @@ class ReplicaStore:
         return self.root / name / _share_dir(rank)
 
     def marker(self, name: str) -> dict[str, Any] | None:
+        """The step's ``committed.json``, or None when it has none a resume can use (absent, not a
+        regular file, not JSON within bounds, a field of the wrong type): then this node's copy of
+        the step counts as unfinished, and another node's marker, if any, decides."""
+        file = self.root / name / MARKER
         try:
-            data = read_json(self.root / name / MARKER)
-        except (OSError, CheckpointError):
+            data = read_json(file)
+        except FileNotFoundError:
             return None
-        return data if isinstance(data, dict) else None
+        except (OSError, CheckpointError) as exc:
+            log.warning("%s: not used (%s)", file, exc)
+            return None
+        problem = marker_problem(data)
+        if problem is not None:
+            log.warning("%s: not used (%s)", file, problem)
+            return None
+        return data  # type: ignore[no-any-return]
 
     def write_marker(self, name: str, data: dict[str, Any]) -> None:
         path = self.root / name / MARKER
@@ -228,23 +240,32 @@ class ReplicaStore:
         os.replace(tmp, path)
 
     def names(self) -> list[str]:
+        """The steps' directories: real directories only (a link there could point anywhere)."""
         try:
-            return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
-        except FileNotFoundError:
+            with os.scandir(self.root) as it:
+                return sorted(e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False))
+        except (FileNotFoundError, NotADirectoryError):
             return []
 
+    def shares(self, name: str) -> dict[int, Path]:
+        """The share directories of a step, by rank: real directories named ``rank_<5 digits>``."""
+        try:
+            with os.scandir(self.root / name) as it:
+                found = [(share_rank(e.name), Path(e.path)) for e in it if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return {}
+        return {rank: path for rank, path in sorted(found, key=lambda x: str(x[1])) if rank is not None}
+
     def holdings(self) -> dict[str, dict[str, dict[str, int]]]:
-        """``{name: {rank: {file: size}}}`` of every share present (sizes only: cheap to gather)."""
+        """``{name: {rank: {file: size}}}`` of every share present (sizes only: cheap to gather), regular
+        files only: a link, FIFO or device where a file belongs makes the copy not match its manifest."""
         out: dict[str, dict[str, dict[str, int]]] = {}
         for name in self.names():
             shares: dict[str, dict[str, int]] = {}
-            with contextlib.suppress(FileNotFoundError):
-                for entry in (self.root / name).iterdir():
-                    if not entry.name.startswith("rank_") or not entry.is_dir():
-                        continue
-                    shares[str(int(entry.name[5:]))] = {
-                        str(p.relative_to(entry)): p.stat().st_size for p in entry.rglob("*") if p.is_file()
-                    }
+            for rank, path in self.shares(name).items():
+                files = regular_files(path)
+                if files is not None:
+                    shares[str(rank)] = files
             out[name] = shares
         return out
 
@@ -314,25 +335,24 @@ class ReplicaStore:
         manifests = marker.get("manifests") if marker is not None else None
         if not isinstance(manifests, dict):
             return [f"{step_dir / MARKER}: missing, or without manifests"]
-        held = [e for e in sorted(step_dir.iterdir()) if e.name.startswith("rank_") and e.is_dir()]
+        held = self.shares(step_dir.name)
         if not held:
             return [f"{step_dir}: holds no share"]
         problems: list[str] = []
-        for share in held:
-            manifest = manifests.get(str(int(share.name[5:])))
+        for rank, share in held.items():
+            manifest = manifests.get(str(rank))
             if not isinstance(manifest, dict):
                 problems.append(f"{share}: not in {MARKER}'s manifests")
                 continue
+            files = regular_files(share) or {}
             for rel, entry in sorted(manifest.items()):
                 file = share / rel
-                try:
-                    size = file.stat().st_size
-                except OSError:
-                    problems.append(f"{file}: missing (listed in {MARKER})")
-                    continue
-                if size != int(entry["size"]):
+                size = files.get(rel)
+                if size is None:
+                    problems.append(f"{file}: missing, or not a regular file (listed in {MARKER})")
+                elif size != int(entry["size"]):
                     problems.append(f"{file}: size {size} bytes, {MARKER} records {entry['size']} (truncated or altered)")
-                elif level == "full" and file_crc(file) != int(entry["crc32"]):
+                elif level == "full" and share_file_crc(share, rel) != int(entry["crc32"]):
                     problems.append(f"{file}: CRC32 does not match {MARKER} (corrupted)")
         return problems
 
@@ -390,13 +410,19 @@ def send_files(
 
     Pipelined: up to ``DEPTH`` pieces in flight, so reading the next piece from disk overlaps the
     transport sending the earlier ones (gloo sends on its own thread). ``check`` makes the sender's
-    one read of a file also its holder's CRC32 check.
+    one read of a file also its holder's CRC32 check, and the stream the manifest's sizes whatever
+    the holder finds: a file that is no regular file inside ``root`` any more, or of another size,
+    is sent as zeros to its recorded size and reported, so the receiver is never left waiting.
     """
-    fds = []
+    fds: list[int | None] = []
     try:
         for rel in files:
-            fds.append(os.open(root / rel, os.O_RDONLY))
-        sizes = [os.fstat(fd).st_size for fd in fds]
+            fds.append(_open_share_file(root, rel) if check is not None else os.open(root / rel, os.O_RDONLY))
+        if check is not None:
+            sizes = [int(check[rel]["size"]) for rel in files]
+            unusable = {i for i, fd in enumerate(fds) if fd is None or os.fstat(fd).st_size != sizes[i]}
+        else:
+            sizes, unusable = [os.fstat(fd).st_size for fd in fds if fd is not None], set()
         pieces = _pieces(sizes)
         bufs = _Buffers(max((n for _, _, n in pieces), default=0))
         crcs = [0] * len(files)
@@ -405,12 +431,16 @@ def send_files(
             if bufs.works[slot] is not None:
                 _wait(ctx, bufs.works[slot], dst, phase)
             view = bufs.views[slot][:n]
-            got = 0
-            while got < n:
-                r = os.preadv(fds[i], [view[got:]], offset + got)
-                if not r:
-                    raise ReplicationError(f"{root / files[i]}: shorter than its recorded size while sending")
-                got += r
+            fd = fds[i]
+            if i in unusable or fd is None:
+                view[:] = bytes(n)
+            else:
+                got = 0
+                while got < n:
+                    r = os.preadv(fd, [view[got:]], offset + got)
+                    if not r:
+                        raise ReplicationError(f"{root / files[i]}: shorter than its recorded size while sending")
+                    got += r
             bufs.works[slot] = _post(ctx, dist.isend, bufs.tensors[slot][:n], dst, phase)
             if check is not None:
                 crcs[i] = crc32(view, crcs[i])  # while the transport sends it
@@ -418,12 +448,24 @@ def send_files(
             if work is not None:
                 _wait(ctx, work, dst, phase)
         bad = [] if check is None else [
-            rel for rel, crc in zip(files, crcs, strict=True) if crc != int(check[rel]["crc32"])
+            rel for i, (rel, crc) in enumerate(zip(files, crcs, strict=True))
+            if i in unusable or crc != int(check[rel]["crc32"])
         ]
         return sum(sizes), bad
     finally:
         for fd in fds:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
+
+
+def _open_share_file(root: Path, rel: str) -> int | None:
+    """A descriptor of a share's file: a regular file inside ``root``, never through a link; None
+    (logged) for anything else."""
+    try:
+        return open_regular(root / rel, root=root)
+    except (OSError, CheckpointError) as exc:
+        log.warning("%s: not used (%s)", root / rel, exc)
+        return None
 
 
 def recv_files(
@@ -528,12 +570,25 @@ def exchange_files(
 
 
 def file_crc(path: Path) -> int:
-    crc = 0
     with open(path, "rb", buffering=0) as f:
-        buf = torch.empty(CHUNK, dtype=torch.uint8)
-        view = _view(buf)
-        while n := f.readinto(view):
-            crc = crc32(view[:n], crc)
+        return _crc_of(f)
+
+
+def share_file_crc(root: Path, rel: str) -> int | None:
+    """CRC32 of a share's file, read as :func:`_open_share_file` opens it (None: not a usable file)."""
+    fd = _open_share_file(root, rel)
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        return _crc_of(f)
+
+
+def _crc_of(f: Any) -> int:
+    crc = 0
+    buf = torch.empty(CHUNK, dtype=torch.uint8)
+    view = _view(buf)
+    while n := f.readinto(view):
+        crc = crc32(view[:n], crc)
     return crc
 
 
@@ -898,11 +953,17 @@ class Resumer:
         self.timings: dict[str, float] = {}
 
     def report(self) -> dict[str, Any]:
+        """What this node holds (its leader's report; the other ranks report nothing). Never raises:
+        a node whose store cannot be read reports nothing held, and the others decide without it."""
         store, topo = self.rep.store, self.rep.topo
         if topo.local_rank != 0:  # one report per node: its leader's
             return {"node": topo.node, "markers": {}, "holdings": {}}
-        holdings = store.holdings()
-        markers = {name: m for name in holdings if (m := store.marker(name)) is not None}
+        try:
+            holdings = store.holdings()
+            markers = {name: m for name in holdings if (m := store.marker(name)) is not None}
+        except Exception as exc:
+            log.warning("the replica store %s cannot be read (%r): this node holds nothing", store.root, exc)
+            return {"node": topo.node, "markers": {}, "holdings": {}}
         return {"node": topo.node, "markers": markers, "holdings": holdings}
 
     def pick(self, step: int | None) -> tuple[LocalPick | None, list[str]]:
@@ -966,7 +1027,11 @@ class Resumer:
             if i % topo.local_world_size != topo.local_rank:
                 continue
             root = store.share(pick.name, share)
-            bad = [f for f, e in manifests[share].items() if file_crc(root / f) != int(e["crc32"])]
+            try:
+                bad = [f for f, e in manifests[share].items() if share_file_crc(root, f) != int(e["crc32"])]
+            except OSError as exc:  # unreadable: as damaged, on this rank alone, and voted on below
+                log.warning("%s: unreadable (%s)", root, exc)
+                bad = sorted(manifests[share])
             if bad:
                 self._damaged(pick, share, topo.node, bad)
                 damaged.append([topo.node, share])
@@ -1012,8 +1077,8 @@ class Resumer:
                         shutil.rmtree(target)
                     os.replace(tmp, target)
                     log.info("pulled rank %d's share of local step %d from node %d", share, pick.step, src_node)
-            except ReplicationError as exc:  # the other moves still run: no peer is left waiting
-                failure = failure or str(exc)
+            except (ReplicationError, OSError, CheckpointError) as exc:  # the other moves still run
+                failure = failure or f"{type(exc).__name__}: {exc}"
                 log.warning("%s", exc)
         return failure, damaged
 
@@ -1022,15 +1087,23 @@ class Resumer:
         """The checkpoint, as one directory of hard links to the shares, on every node."""
         ctl, topo, store = self.rep.ctl, self.rep.topo, self.rep.store
         path = self.rep.local_dir / RESUME_DIR / pick.name
+        failure: str | None = None
         if topo.local_rank == 0:
-            if path.exists():
-                shutil.rmtree(path)
-            for share in sorted(pick.holders):
-                root = store.share(pick.name, share)
-                for p in root.rglob("*"):
-                    if p.is_file():
-                        _place(p, path / p.relative_to(root), move=False)
-        ctl.barrier("replicas: assembled")
+            try:
+                if path.exists():
+                    shutil.rmtree(path)
+                for share, manifest in sorted(pick.marker["manifests"].items(), key=lambda kv: int(kv[0])):
+                    root = store.share(pick.name, int(share))
+                    held = regular_files(root) or {}
+                    for rel, entry in manifest.items():  # the files the marker lists, each a regular file
+                        if held.get(rel) != entry["size"]:
+                            raise ReplicationError(f"{root / rel}: changed since it was checked")
+                        _place(root / rel, path / rel, move=False)
+            except (OSError, CheckpointError) as exc:
+                failure = f"node {topo.node}: {exc}"
+        failures = [f for f in ctl.all_gather_json(failure, "replicas: assembled") if f is not None]
+        if failures:  # on every rank alike
+            raise ReplicationError(f"the local step {pick.step} could not be assembled: {'; '.join(failures)}")
         try:
             yield path
         finally:
