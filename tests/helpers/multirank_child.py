@@ -1,11 +1,11 @@
-"""One rank of a multi-rank save job (tests/test_multirank.py starts N of these).
+"""One rank of a multi-rank save job (tests/system/distributed/test_multirank.py starts N of these).
 
-``python tests/_multirank_child.py save OUT MODE`` (RANK, WORLD_SIZE, CM_TEST_STORE set): an FSDP2
+``python tests/helpers/multirank_child.py save OUT MODE`` (RANK, WORLD_SIZE, CM_TEST_STORE set): an FSDP2
 (``fsdp``) or HSDP (``hsdp``: 2-way shards, replicated) model with AdamW, saved four times by the
 manager, the third save adding a tensor (a structure change); ``uneven``: FSDP2 with one more object
 on rank 1; every checkpoint collective each
 save runs is counted, with its payload. Rank 0 writes each save's full state (safetensors) and the
-counts (JSON). ``python tests/_multirank_child.py load OUT`` loads the newest checkpoint at this
+counts (JSON). ``python tests/helpers/multirank_child.py load OUT`` loads the newest checkpoint at this
 job's world size and writes the full state it got.
 """
 

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_python
+
+from tests.helpers.process import ROOT, run_python
 
 if str(ROOT) not in sys.path:  # benchmarks/ is a top-level folder of the checkout, not installed
     sys.path.insert(0, str(ROOT))
