@@ -263,7 +263,8 @@ class LoadingMixin(ManagerCore):
             return _HFSteps(self, ctx, path, t0)
         if is_plain_dcp(path):  # written by plain dcp.save: weights (and optimizer state) imported
             return _PlainSteps(self, ctx, path, model_only, t0)
-        return _OurSteps(self, ctx, path, source, model_only, t0, skipped)
+        shared = not is_url(source) and path == Path(location)  # the very directory every rank reads
+        return _OurSteps(self, ctx, path, source, model_only, t0, skipped, shared=shared)
 
     def _warn_going_back(self, loaded: CheckpointInfo, skipped: Collection[str] = ()) -> None:
         """Rank 0: a load of a checkpoint older than the newest of its line names what the next save
@@ -330,6 +331,8 @@ class _OurSteps(_Steps):
         model_only: bool,
         t0: float,
         skipped: Collection[str] = (),
+        *,
+        shared: bool = False,
     ) -> None:
         self.manager, self.ctx, self.path, self.source, self.model_only, self.t0 = (
             manager, ctx, path, source, model_only, t0,
@@ -339,7 +342,12 @@ class _OurSteps(_Steps):
         level = config.verify_on_load
         meta = self.meta = read_checkpoint_json(path, verify_checksum=level != "off")
         t_verify = time.perf_counter()
-        check(path, meta, level)
+        if not (shared and dist.world_size > 1 and not dist.is_coordinator):
+            # Of several ranks reading one directory, rank 0 checks every file of it, and the vote
+            # that ends this phase brings its verdict to every rank; each rank checks what it reads
+            # itself (its JSON, the index, the records it reads). Every rank checking every file
+            # read each rank's JSON once per rank: ranks squared reads in all.
+            check(path, meta, level)
         self.t_verify = time.perf_counter() - t_verify
         self.engine = manager._engine_for(meta, path)
         # Everything below is read, checked and decoded before the read fills the live tensors.

@@ -251,6 +251,32 @@ class DefaultCheckpointManager(DiscoveryMixin, SavingMixin, BackgroundMixin, Loa
                 if self._writer_lock is not None:
                     self._writer_lock.release()
 
+    def branch_at(self, step: int) -> list[str]:
+        """The run's state is that of ``step``, loaded from elsewhere (another manager's directory, such
+        as the other tier of a tiered manager): the next save descends from this directory's newest
+        checkpoint of the current line at or before ``step`` (kept by retention while this run lives,
+        as a loaded one is), or starts a line of its own where there is none. Returns the names of
+        the current line's checkpoints past ``step``: the ones that save supersedes (the same list on
+        every rank). Collective."""
+        self._check_open()
+        self._collect_background(wait=True)  # an async save in flight would move the parent again
+
+        def find() -> list[Any]:
+            line = [i for i in self.list_checkpoints() if not i.superseded]
+            before = [i.name for i in line if i.step <= step]
+            return [before[-1] if before else None, [i.name for i in line if i.step > step]]
+
+        name, newer = self._dist.on_coordinator(find, f"branch at step {step}")
+        parent = None
+        if name is not None and self._dist.is_coordinator:  # the lineage is rank 0's to write
+            parent = next((i for i in self.list_checkpoints() if i.name == name), None)
+        self._parent, self._parent_known = parent, True
+        self._resumed_from = name
+        self._last_saved_step, self._last_saved_known = step, True
+        if parent is not None:
+            self._warn_going_back(parent)
+        return list(newer)
+
     def _in_save_dir(self, location: str) -> bool:
         """Whether the checkpoint at ``location`` is one of save_dir's (retention then protects it)."""
         return self._storage.contains(location)

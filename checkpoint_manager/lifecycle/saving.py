@@ -18,7 +18,7 @@ import torch
 
 from checkpoint_manager._version import __version__
 from checkpoint_manager.core.codec import encode
-from checkpoint_manager.core.dist import DistContext
+from checkpoint_manager.core.dist import VOTE_SLOT, DistContext, vote_outcome
 from checkpoint_manager.core.gcpause import paused_gc
 from checkpoint_manager.core.integrity import file_crc32
 from checkpoint_manager.core.layout import (
@@ -50,13 +50,13 @@ from checkpoint_manager.lifecycle.frozen import FrozenPlan, summarize
 from checkpoint_manager.lifecycle.observe import SaveStartEvent
 from checkpoint_manager.protocol import SaveContext, SaveResult
 from checkpoint_manager.state.training import GatheredState, frozen_keys, gather_state
-from checkpoint_manager.storage import LocalStorage, basename
+from checkpoint_manager.storage import basename
 from checkpoint_manager.storage.lock import CheckpointLockError
 
 if TYPE_CHECKING:
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager  # noqa: F401
 
-__all__ = ["SaveJob", "SavingMixin"]
+__all__ = ["SaveJob", "SavingMixin", "checkpoint_record", "vote_report", "voted_records"]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -123,6 +123,69 @@ def _own_records(pending: Path, shared: Collection[str] = ()) -> dict[str, FileR
             if file.is_file() and not file.is_symlink() and not (name.startswith("rank_") and name.endswith(".json")):
                 out[rel] = {"size": file.stat().st_size, "crc32": file_crc32(file)}
     return out
+
+
+def vote_report(
+    records: dict[str, FileRecord], rank_json: str, rank_json_record: FileRecord, *, frozen: Any = None
+) -> dict[str, Any]:
+    """What a rank votes with when its part is written: its files' records, its JSON's own, and
+    (``save_frozen="once"``) its part of the frozen-group summary."""
+    report: dict[str, Any] = {"files": {**records, rank_json: rank_json_record}}
+    if frozen is not None:
+        report["frozen"] = frozen
+    return report
+
+
+def voted_records(votes: list[Any]) -> dict[str, dict[str, int]]:
+    """The file records of every rank, from the votes."""
+    known: dict[str, dict[str, int]] = {}
+    for vote in votes:
+        report = vote.get("report") if isinstance(vote, dict) else None
+        if isinstance(report, dict):
+            known.update(report.get("files", {}))
+    return known
+
+
+def checkpoint_record(
+    job: SaveJob,
+    *,
+    engine: str,
+    engine_record: dict[str, Any],
+    world_size: int,
+    lineage: Lineage,
+    parent: CheckpointInfo | None,
+    ranking: dict[str, Any] | None,
+    files: dict[str, dict[str, int]],
+) -> dict[str, Any]:
+    """``checkpoint.json`` of the save ``job`` (unsealed: see :func:`seal_checkpoint_json`), with the
+    ``files`` records of every rank."""
+    created_unix, created = now_stamp()
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "library_version": __version__,
+        "torch_version": torch.__version__,
+        "engine": engine,
+        **engine_record,
+        "step": job.step,
+        "name": job.name,
+        "created": created,
+        "created_unix": created_unix,
+        "world_size": world_size,
+        "train_state": job.state.train_state,
+        "metrics": encode(job.metrics),
+        "bytes": job.nbytes,
+        "lineage": lineage.to_json(),
+        "parent": parent.name if parent is not None else None,
+        # how this run ranks its checkpoints: what `ckpt prune` checks a --monitor/--mode against
+        "ranking": ranking,
+        "files": files,
+    }
+    if job.finite_checked:
+        meta["finite"] = {"checked": list(job.finite_checked), "ok": True}
+    if job.frozen_summary:
+        meta["frozen"] = job.frozen_summary
+    return meta
 
 
 class SavingMixin(ManagerCore):
@@ -314,6 +377,7 @@ class SavingMixin(ManagerCore):
     def _write_and_commit_paused(self, job: SaveJob) -> SaveResult:
         io = self._io_dist
         failure: BaseException | None = None
+        report: dict[str, Any] | None = None
         t0 = time.perf_counter()
         if job.pending_dir is None:
             job.pending_dir = self._new_pending(io, job.name, job.step)  # every rank, or none, gets it
@@ -349,7 +413,13 @@ class SavingMixin(ManagerCore):
             rank_json = {**job.state.rank_json, "files": records}
             if plan is not None and plan.rank_record:
                 rank_json["frozen"] = plan.rank_record
-            self._storage.write_json(job.pending / rank_file(io.rank), rank_json)
+            own = job.pending / rank_file(io.rank)
+            self._storage.write_json(own, rank_json)
+            # what the coordinator records of this rank's files, its JSON included (read back: it is small)
+            report = vote_report(
+                records, rank_file(io.rank), {"size": own.stat().st_size, "crc32": file_crc32(own)},
+                frozen=plan.record if plan is not None else None,
+            )
             self._storage.upload_part(job.pending, io.rank, list(records))  # object stores
         except BaseException as exc:
             if finite is not None:
@@ -364,10 +434,17 @@ class SavingMixin(ManagerCore):
         job.timings.update(ctx.timings)
         try:
             # collective commit: rank 0 commits only once every rank has written its part
-            parts = io.vote(failure, f"step {job.step}: all ranks written", plan.record if plan is not None else None)
-            if any(part is not None for part in parts):
-                job.frozen_summary = summarize(parts)
-            final = io.on_coordinator(lambda: self._commit(job), f"step {job.step}: commit")
+            phase = f"step {job.step}: all ranks written"
+            votes = io.vote(failure, phase, report)
+            job.timings["vote"] = time.perf_counter() - t1
+            answer = io.on_coordinator(lambda: self._commit(job, votes, failure), f"step {job.step}: commit")
+            if "more" in answer:  # a vote did not fit its slot: every rank votes again, in larger ones
+                t_vote = time.perf_counter()
+                votes = io.vote(failure, phase, report, slot=int(answer["more"]))
+                job.timings["vote"] += time.perf_counter() - t_vote
+                answer = io.on_coordinator(lambda: self._commit(job, votes, failure), f"step {job.step}: commit")
+            final = str(answer["path"])
+            job.frozen_summary = dict(answer.get("frozen") or {})
         except PostCommitError:
             with self._lock:  # it is committed: the policy must not save this step again
                 self._last_saved_step, self._last_saved_known = job.step, True
@@ -378,10 +455,13 @@ class SavingMixin(ManagerCore):
                     self._storage.remove_tree(job.pending)
             if exc is not failure:  # the commit's own error (this rank's write error is named above)
                 _name_failure(exc, job.step, job.pending_dir)
+                if failure is not None and exc.__cause__ is None:
+                    raise exc from failure  # the verdict names every failed rank; the cause is this one's
             raise
-        # rank 0's commit includes the export and retention, reported as their own phases
-        job.timings["commit"] = (
-            time.perf_counter() - t1 - job.timings.get("export", 0.0) - job.timings.get("prune", 0.0)
+        # rank 0's commit includes the vote, checkpoint.json, the rename, the export and retention,
+        # reported as their own phases
+        job.timings["commit"] = time.perf_counter() - t1 - sum(
+            job.timings.get(part, 0.0) for part in ("vote", "checkpoint_json", "rename", "export", "prune")
         )
         with self._lock:
             if self._last_saved_step is None or job.step >= self._last_saved_step:
@@ -410,8 +490,24 @@ class SavingMixin(ManagerCore):
             frozen=dict(job.frozen_summary),
         )
 
-    def _commit(self, job: SaveJob) -> str:
-        """Rank 0: describe the pending directory in checkpoint.json, rename it into place, move pointers."""
+    def _commit(self, job: SaveJob, votes: list[Any] | None, failure: BaseException | None) -> dict[str, Any]:
+        """Rank 0: judge the vote, describe the pending directory in checkpoint.json (the file records
+        the ranks voted with), rename it into place, move pointers. Returns ``{"path": ...}`` (and
+        the frozen-group summary), or ``{"more": bytes}`` when a vote did not fit its slot: then the
+        ranks vote again in slots that large, and nothing is done yet."""
+        assert votes is not None  # the coordinator's
+        phase = f"step {job.step}: all ranks written"
+        larger = max((int(v["more"]) for v in votes if isinstance(v, dict) and "more" in v), default=0)
+        if larger:
+            return {"more": larger + VOTE_SLOT}
+        error = vote_outcome(votes, phase)
+        if error is not None:
+            if failure is not None:
+                raise error from failure
+            raise error
+        parts = [v["report"].get("frozen") for v in votes if isinstance(v.get("report"), dict)]
+        if any(part is not None for part in parts):
+            job.frozen_summary = summarize(parts)
         pending = job.pending
         self._storage.write_json(pending / STATE_JSON, job.state.global_json)
         self._hf_configs.write(pending, job.hf_configs, self._storage.write_json)
@@ -426,36 +522,24 @@ class SavingMixin(ManagerCore):
         # inside: committed with the rest; read by the engine that wrote it, as checkpoint.json will say
         if export_consolidated(self.config, pending, final=job.final, engine=self._engine, meta=written):
             job.timings["export"] = time.perf_counter() - t_export
-        files = self._storage.describe_files(pending, self._checksums_from_ranks(pending))
+        t_files = time.perf_counter()
+        files = self._storage.describe_files(pending, voted_records(votes))
         parent, lineage = self._lineage()
-        created_unix, created = now_stamp()
-        meta = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "library_version": __version__,
-            "torch_version": torch.__version__,
-            "engine": self._engine.name,
-            **(record() if record is not None else {}),
-            "step": job.step,
-            "name": job.name,
-            "created": created,
-            "created_unix": created_unix,
-            "world_size": self._io_dist.world_size,
-            "train_state": job.state.train_state,
-            "metrics": encode(job.metrics),
-            "bytes": job.nbytes,
-            "lineage": lineage.to_json(),
-            "parent": parent.name if parent is not None else None,
-            # how this run ranks its checkpoints: what `ckpt prune` checks a --monitor/--mode against
-            "ranking": {"monitor": self.config.monitor, "mode": self.config.mode} if self.config.monitor else None,
-            "files": files,
-        }
-        if job.finite_checked:
-            meta["finite"] = {"checked": list(job.finite_checked), "ok": True}
-        if job.frozen_summary:
-            meta["frozen"] = job.frozen_summary
+        meta = checkpoint_record(
+            job,
+            engine=self._engine.name,
+            engine_record=record() if record is not None else {},
+            world_size=self._io_dist.world_size,
+            lineage=lineage,
+            parent=parent,
+            ranking={"monitor": self.config.monitor, "mode": self.config.mode} if self.config.monitor else None,
+            files=files,
+        )
         self._storage.write_json(pending / CHECKPOINT_JSON, seal_checkpoint_json(meta))  # sealed as written
+        job.timings["checkpoint_json"] = time.perf_counter() - t_files
+        t_rename = time.perf_counter()
         final = self._storage.commit(pending, job.name)  # object stores: the marker is written last
+        job.timings["rename"] = time.perf_counter() - t_rename
         final_name = basename(final)
         try:
             # the pointer records the lineage too: the line survives a damaged checkpoint.json of the head
@@ -468,7 +552,7 @@ class SavingMixin(ManagerCore):
         t_prune = time.perf_counter()
         if self._retain(final_name, job):
             job.timings["prune"] = time.perf_counter() - t_prune
-        return str(final)
+        return {"path": str(final), "frozen": job.frozen_summary or None}
 
     def _lineage(self) -> tuple[CheckpointInfo | None, Lineage]:
         """Rank 0, at commit: the save's parent and lineage (numbered after every save on disk)."""
@@ -501,14 +585,3 @@ class SavingMixin(ManagerCore):
                 "retention after committing %s failed (retried after the next save): %r", committed, exc
             )
         return True
-
-    def _checksums_from_ranks(self, pending: Path) -> dict[str, dict[str, int]]:
-        """The CRC32s every rank computed while writing its files (recorded in its rank JSON)."""
-        known: dict[str, dict[str, int]] = {}
-        for rank in range(self._io_dist.world_size):
-            file = pending / rank_file(rank)
-            if file.exists():
-                known.update(LocalStorage.read_json(file).get("files", {}))
-        return known
-
-
