@@ -37,7 +37,7 @@ from checkpoint_manager.testing import CONFORMANCE_CHECKS, run_conformance_check
 from tests.helpers.process import child_env
 from tests.helpers.s3_server import MotoS3, storage_options
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # a hang guard: child processes start slowly on a busy machine
 
 
 # ---- a deterministic training rig (also run by the child process) ------------------------------
@@ -205,13 +205,13 @@ def _run_child_and_kill(root: Path, steps: int) -> None:
         env=child_env(),
     )
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 240  # a hang guard: the wait ends at the child's last step
         while not ready.exists():
             if child.poll() is not None:
                 out = child.stdout.read().decode() if child.stdout else ""
                 pytest.fail(f"the training child exited with {child.returncode} before step {steps}:\n{out}")
             if time.monotonic() > deadline:
-                pytest.fail("the training child did not reach its last step in 90 s")
+                pytest.fail("the training child did not reach its last step in 240 s")
             time.sleep(0.05)
     finally:
         child.send_signal(signal.SIGKILL)  # the job dies: no finalize, no cleanup
