@@ -9,10 +9,8 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ from checkpoint_manager.lifecycle.retention import (
 from checkpoint_manager.storage.local import LocalStorage
 from checkpoint_manager.storage.lock import LOCK_FILE, CheckpointLockError
 from tests.helpers.machine import missing_capability, mounted_tmpfs
+from tests.helpers.threads import wait_until_blocked_in
 
 _clock = itertools.count(1)
 
@@ -217,18 +216,6 @@ def test_background_deletion_hides_at_once_and_frees_the_disk_later(tmp_path: Pa
     assert list(storage.pending_root.iterdir()) == []
 
 
-def _waiting_in(thread: threading.Thread, function: str) -> bool:
-    """Whether ``thread`` is blocked in a wait called (at any depth) from ``function``."""
-    frame = sys._current_frames().get(thread.ident or -1)
-    if frame is None or frame.f_code.co_name != "wait":
-        return False
-    names = []
-    while frame is not None:
-        names.append(frame.f_code.co_name)
-        frame = frame.f_back
-    return function in names
-
-
 def test_slow_background_deletion_slows_the_next_prunes_rather_than_filling_the_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -255,11 +242,8 @@ def test_slow_background_deletion_slows_the_next_prunes_rather_than_filling_the_
     commit(storage, 40)
     third = threading.Thread(target=pruner.after_commit)
     third.start()
-    deadline = time.monotonic() + 60  # until the third pass waits on the backlog, however slow the machine
-    while not _waiting_in(third, "_bound_backlog"):
-        assert third.is_alive(), "the third pass went on while the first pass's removal was stuck"
-        assert time.monotonic() < deadline, "the third pass never reached the backlog's wait"
-        time.sleep(0.01)
+    # the third pass waits for the first pass's stuck removal, however slow the machine
+    wait_until_blocked_in(third, "_bound_backlog", "the third pass")
     assert listed(storage.root) == ["step_00000030", "step_00000040"]  # it has not hidden step 30 yet
     release.set()
     third.join(30)
