@@ -63,8 +63,8 @@ if TYPE_CHECKING:
         open_bundle,
         pack_bundle,
     )
-    from checkpoint_manager.formats.dcp_stream import open_checkpoint
     from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
+    from checkpoint_manager.formats.tensor_groups import open_checkpoint
     from checkpoint_manager.lifecycle.finite import NonFiniteCheckpointError, NonFiniteStateError
     from checkpoint_manager.lifecycle.frozen import FrozenChangedError
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
@@ -147,7 +147,7 @@ _EXPORTS: dict[str, str] = {
     "TensorInfo": "checkpoint_manager.engine.base",
     "TensorReader": "checkpoint_manager.engine.base",
     "CheckpointTensors": "checkpoint_manager.engine.reading",
-    "open_checkpoint": "checkpoint_manager.formats.dcp_stream",
+    "open_checkpoint": "checkpoint_manager.formats.tensor_groups",
     "Continuous": "checkpoint_manager.lifecycle.policy",
     "EveryNSeconds": "checkpoint_manager.lifecycle.policy",
     "EveryNSteps": "checkpoint_manager.lifecycle.policy",

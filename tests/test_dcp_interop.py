@@ -450,9 +450,9 @@ def test_two_rank_ddp_save_loads_through_the_plain_recipe(tmp_path: Path) -> Non
     assert_same(expected, {"model": model_sd, "optim": optim_sd, "sched": fresh_sched.state_dict()})
 
 
-@pytest.mark.parametrize("upload_mode", ["stream", "staged"])
+@pytest.mark.parametrize("upload_mode", ["stream", "scratch"])
 def test_s3_upload_holds_the_entries(tmp_path: Path, upload_mode: str) -> None:
-    """Saved to S3 (moto on loopback), streamed from memory or staged: the downloaded checkpoint
+    """Saved to S3 (moto on loopback), streamed from memory or written to scratch first: the downloaded checkpoint
     loads through the plain recipe."""
     from tests.s3_server import MotoS3, storage_options
 
@@ -461,7 +461,7 @@ def test_s3_upload_holds_the_entries(tmp_path: Path, upload_mode: str) -> None:
     with MotoS3() as s3:
         url = f"s3://{s3.make_bucket()}/runs"
         options = storage_options(s3.endpoint)
-        config = CheckpointConfig(save_dir=url, storage_options=options, staging_dir=str(tmp_path / "staging"),
+        config = CheckpointConfig(save_dir=url, storage_options=options, scratch_dir=str(tmp_path / "staging"),
                                   upload_mode=upload_mode, fsync=False)
         with DefaultCheckpointManager(config) as mgr:
             remote = mgr.save(SaveContext(model=model, optimizer=opt, scheduler=sched,

@@ -509,7 +509,7 @@ def test_an_object_store_sweep_skips_this_process_uploads_and_refuses_a_linked_s
     fs = fsspec.filesystem("memory")
     root = url.removeprefix("memory://")
     staging = tmp_path / "staging"
-    cfg = CheckpointConfig(save_dir=url, staging_dir=str(staging))
+    cfg = CheckpointConfig(save_dir=url, scratch_dir=str(staging))
     first = DefaultCheckpointManager(cfg)
     save(first, 1)
     writing = first._storage.new_pending("step_00000002")  # a save of `first`, uploading

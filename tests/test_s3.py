@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +114,7 @@ def s3_config(url: str, endpoint: str, staging: str | Path, **kw: Any) -> Checkp
     return CheckpointConfig(
         save_dir=url,
         storage_options=storage_options(endpoint, botocore_retries=False),
-        staging_dir=str(staging),
+        scratch_dir=str(staging),
         storage_retry_backoff_s=0.01,
         **kw,
     )
@@ -151,7 +152,7 @@ def objects(storage: FsspecStorage) -> list[str]:
 
 # -- the full cycle -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("async_save", "upload_mode"), [(False, "staged"), (False, "stream"), (True, "staged"), (True, "stream")]
+    ("async_save", "upload_mode"), [(False, "scratch"), (False, "stream"), (True, "scratch"), (True, "stream")]
 )
 def test_save_load_resume_retention(
     async_save: bool, upload_mode: str, s3: MotoS3, url: str, tmp_path: Path
@@ -296,7 +297,7 @@ def test_writer_lock_on_the_store(s3: MotoS3, url: str, tmp_path: Path, caplog: 
 
 
 # -- crashes and failures -------------------------------------------------------------------------------
-@pytest.mark.parametrize("upload_mode", ["staged"])
+@pytest.mark.parametrize("upload_mode", ["scratch"])
 def test_kill_during_upload_is_never_listed(
     upload_mode: str, s3: MotoS3, proxy: FaultProxy, url: str, tmp_path: Path
 ) -> None:
@@ -385,7 +386,7 @@ def test_two_ranks_each_upload_their_shard(s3: MotoS3, url: str, tmp_path: Path)
     assert all("crc32" in entry for entry in meta["files"].values())
 
 
-@pytest.mark.parametrize(("async_save", "upload_mode"), [(False, "staged"), (True, "stream")])
+@pytest.mark.parametrize(("async_save", "upload_mode"), [(False, "scratch"), (True, "stream")])
 def test_transient_failures_are_retried(
     async_save: bool, upload_mode: str, s3: MotoS3, proxy: FaultProxy, url: str, tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
@@ -416,7 +417,7 @@ def test_transient_failures_are_retried(
     assert storage.list_names() == ["step_00000003"]
 
 
-@pytest.mark.parametrize(("async_save", "upload_mode"), [(False, "staged"), (True, "staged"), (True, "stream")])
+@pytest.mark.parametrize(("async_save", "upload_mode"), [(False, "scratch"), (True, "scratch"), (True, "stream")])
 def test_permanent_failure_surfaces_and_commits_nothing(
     async_save: bool, upload_mode: str, s3: MotoS3, proxy: FaultProxy, url: str, tmp_path: Path
 ) -> None:
@@ -502,8 +503,8 @@ def test_config_fields_validate_and_hide_credentials(tmp_path: Path) -> None:
     cfg = CheckpointConfig(save_dir="s3://b/p", storage_options={"secret": DUMMY_SECRET})
     assert DUMMY_SECRET not in repr(cfg) and cfg.storage_options == {"secret": DUMMY_SECRET}
     assert "storage_options" not in cfg.model_dump() and DUMMY_SECRET not in cfg.model_dump_json()
-    assert (cfg.upload_mode, cfg.storage_retries, cfg.storage_retry_backoff_s, cfg.staging_dir) == (
-        "staged", 4, 0.5, None,
+    assert (cfg.upload_mode, cfg.storage_retries, cfg.storage_retry_backoff_s, cfg.scratch_dir) == (
+        "scratch", 4, 0.5, None,
     )
     with pytest.raises(ValidationError, match="upload_mode"):
         CheckpointConfig(save_dir="s3://b/p", upload_mode="fast")  # type: ignore[arg-type]
@@ -511,7 +512,42 @@ def test_config_fields_validate_and_hide_credentials(tmp_path: Path) -> None:
         CheckpointConfig(save_dir="s3://b/p", storage_retries=-1)
     with pytest.raises(ValidationError, match="storage_retries must be an integer, not a boolean"):
         CheckpointConfig(save_dir="s3://b/p", storage_retries=True)
-    with pytest.raises(ValidationError, match="staging_dir must be a local directory"):
-        CheckpointConfig(save_dir="s3://b/p", staging_dir="s3://b/staging")
-    with pytest.raises(ValueError, match="upload_mode must be 'staged' or 'stream'"):
+    with pytest.raises(ValidationError, match="scratch_dir must be a local directory"):
+        CheckpointConfig(save_dir="s3://b/p", scratch_dir="s3://b/scratch")
+    with pytest.raises(ValueError, match="upload_mode must be 'scratch' or 'stream'"):
         FsspecStorage("memory://x", upload_mode="fast")  # type: ignore[arg-type]
+
+
+def _deprecations(call: Any) -> tuple[Any, list[str]]:
+    """``call()``'s value and the DeprecationWarnings it raised, each checked to point at this file."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = call()
+    found = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert all(w.filename == __file__ for w in found), [w.filename for w in found]  # the user's line
+    return value, [str(w.message) for w in found]
+
+
+def test_the_deprecated_spellings_of_scratch_dir_and_upload_mode_still_work(tmp_path: Path) -> None:
+    """``staging_dir`` and ``upload_mode="staged"`` (staging names the host buffers of async saves
+    only): a user's config, file or call keeps working, with a DeprecationWarning naming the new name."""
+    scratch = str(tmp_path / "scratch")
+    renamed = (
+        "staging_dir is deprecated: call it scratch_dir (the local directory object-store saves are written to "
+        "before upload, and loads download to)"
+    )
+    staged = "upload_mode='staged' is deprecated: call it upload_mode='scratch'"
+    cfg, said = _deprecations(lambda: CheckpointConfig(save_dir="s3://b/p", staging_dir=scratch, upload_mode="staged"))
+    assert (cfg.scratch_dir, cfg.upload_mode, said) == (scratch, "scratch", [renamed, staged])
+    value, said = _deprecations(lambda: cfg.staging_dir)
+    assert (value, said) == (scratch, ["config field staging_dir is deprecated: read scratch_dir"])
+    config_file = tmp_path / "ckpt.yaml"
+    config_file.write_text(f"save_dir: s3://b/p\nstaging_dir: {scratch}\n")
+    with pytest.warns(DeprecationWarning, match="call it scratch_dir"):
+        assert CheckpointConfig.from_file(config_file).scratch_dir == scratch
+    with pytest.raises(ValidationError, match="staging_dir is the deprecated name of scratch_dir: give scratch_dir only"):
+        CheckpointConfig(save_dir="s3://b/p", staging_dir=scratch, scratch_dir=scratch)
+    storage, said = _deprecations(
+        lambda: FsspecStorage("memory://deprecated", staging_dir=scratch, upload_mode="staged")  # type: ignore[arg-type]
+    )
+    assert (storage.scratch_root, storage.upload_mode, said) == (Path(scratch), "scratch", [renamed, staged])

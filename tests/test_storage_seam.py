@@ -24,7 +24,7 @@ from s3_server import MotoS3, storage_options
 from checkpoint_manager.core.integrity import verify
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, FORMAT_NAME, FORMAT_VERSION, PENDING_DIR
 from checkpoint_manager.core.naming import LATEST_LINK
-from checkpoint_manager.engine.dcp.stream import StreamingWriter
+from checkpoint_manager.engine.dcp.stream_writer import StreamingWriter
 from checkpoint_manager.lifecycle.retention import KeepLast, Pruner
 from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage
 from checkpoint_manager.storage.base import DELETING, deleted_name, is_deleting
@@ -188,9 +188,9 @@ def s3() -> Iterator[MotoS3]:
 def test_stream_open_output_uploads_on_close_and_discards_on_error(s3: MotoS3, tmp_path: Path) -> None:
     url = f"s3://{s3.make_bucket()}/run"
     options = storage_options(s3.endpoint)
-    storage = open_storage(url, options, staging_dir=tmp_path / "staging", upload_mode="stream")
+    storage = open_storage(url, options, scratch_dir=tmp_path / "staging", upload_mode="stream")
     assert storage.streams is True
-    assert open_storage(url, options, staging_dir=tmp_path / "staging2").streams is False  # "staged"
+    assert open_storage(url, options, scratch_dir=tmp_path / "staging2").streams is False  # "scratch"
     pending = storage.new_pending("step_00000001")
     with storage.open_output(pending, "__0_0.distcp") as out:
         out.write(b"tensor bytes")
@@ -261,7 +261,7 @@ def test_the_public_verify_takes_paths_and_urls(tmp_path: Path) -> None:
     name = commit(storage, 1)
     assert public_verify(tmp_path / "run" / name) == [] == verify(tmp_path / "run" / name)
     url = f"memory://seam-{os.getpid()}-{next(_clock)}/run"
-    remote = open_storage(url, staging_dir=tmp_path / "staging")
+    remote = open_storage(url, scratch_dir=tmp_path / "staging")
     remote_name = commit(remote, 1)
     assert public_verify(f"{url}/{remote_name}", "full") == []
     assert public_verify(f"{url}/step_00000009") == [f"{url}/step_00000009/{CHECKPOINT_JSON}: missing (not a committed checkpoint)"]

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 from checkpoint_manager.engine.base import Engine
 from checkpoint_manager.engine.reading import open_directory
 from checkpoint_manager.errors import CheckpointMismatchError, UnsupportedAdapterError
-from checkpoint_manager.formats.dcp_stream import model_keys, tensor_entries
 from checkpoint_manager.formats.hf import HFWeights, check_hf_weights, export_hf, is_hf_weights
 from checkpoint_manager.formats.lora import adapter_tensor_names
 from checkpoint_manager.formats.model_config import HFConfigRecorder
 from checkpoint_manager.formats.resolve import resolve_checkpoint_path
+from checkpoint_manager.formats.tensor_groups import model_keys, tensor_entries
 from checkpoint_manager.protocol import LoadContext, LoadResult
 from checkpoint_manager.state.keys import extra_key
 

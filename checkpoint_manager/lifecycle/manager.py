@@ -141,7 +141,7 @@ class DefaultCheckpointManager(DiscoveryMixin, SavingMixin, BackgroundMixin, Loa
         return open_storage(
             root,
             c.storage_options,
-            staging_dir=c.staging_dir,
+            scratch_dir=c.scratch_dir,
             upload_mode=c.upload_mode,
             retries=c.storage_retries,
             retry_backoff_s=c.storage_retry_backoff_s,
