@@ -12,11 +12,25 @@ from typing import TYPE_CHECKING, Any
 from checkpoint_manager._version import __version__
 
 if TYPE_CHECKING:
-    from checkpoint_manager.config import CheckpointConfig, LoadMode
-    from checkpoint_manager.core.dist import CollectiveTimeoutError
-    from checkpoint_manager.core.layout import CheckpointInfo, Lineage
+    from checkpoint_manager.config import CheckpointConfig, LoadMode, fields_set
+    from checkpoint_manager.core.checksum import crc32
+    from checkpoint_manager.core.dist import CollectiveTimeoutError, DistContext
+    from checkpoint_manager.core.integrity import VerifyLevel
+    from checkpoint_manager.core.layout import (
+        CHECKPOINT_JSON,
+        CheckpointInfo,
+        Lineage,
+        order_checkpoints,
+        seal_checkpoint_json,
+    )
     from checkpoint_manager.core.naming import format_name, parse_name
-    from checkpoint_manager.core.safe_io import parse_json, read_json
+    from checkpoint_manager.core.safe_io import (
+        UnsafeFileError,
+        open_regular,
+        parse_json,
+        path_inside,
+        read_json,
+    )
     from checkpoint_manager.engine.base import (
         Engine,
         EngineContext,
@@ -113,9 +127,21 @@ if TYPE_CHECKING:
     from checkpoint_manager.state.data_order import ResumableDistributedSampler
     from checkpoint_manager.state.train_state import TrainState
     from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage, verify
+    from checkpoint_manager.storage.base import set_aside_names
     from checkpoint_manager.storage.lock import CheckpointLockError, WriterLock
 
 _EXPORTS: dict[str, str] = {
+    "CHECKPOINT_JSON": "checkpoint_manager.core.layout",
+    "DistContext": "checkpoint_manager.core.dist",
+    "UnsafeFileError": "checkpoint_manager.core.safe_io",
+    "VerifyLevel": "checkpoint_manager.core.integrity",
+    "crc32": "checkpoint_manager.core.checksum",
+    "fields_set": "checkpoint_manager.config",
+    "open_regular": "checkpoint_manager.core.safe_io",
+    "order_checkpoints": "checkpoint_manager.core.layout",
+    "path_inside": "checkpoint_manager.core.safe_io",
+    "seal_checkpoint_json": "checkpoint_manager.core.layout",
+    "set_aside_names": "checkpoint_manager.storage.base",
     "AnyOf": "checkpoint_manager.lifecycle.policy",
     "AsyncSaveError": "checkpoint_manager.errors",
     "BundleCacheError": "checkpoint_manager.errors",
@@ -217,6 +243,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "CHECKPOINT_JSON",
     "ENGINE_ENTRY_POINT_GROUP",
     "ENTRY_POINT_GROUP",
     "AnyOf",
@@ -239,6 +266,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "Continuous",
     "DefaultCheckpointManager",
+    "DistContext",
     "Engine",
     "EngineContext",
     "EngineNotAvailableError",
@@ -284,19 +312,23 @@ __all__ = [
     "TensorReader",
     "TrainState",
     "UnsafeCheckpointError",
+    "UnsafeFileError",
     "UnsupportedAdapterError",
     "UnsupportedConfigWarning",
     "UserPolicy",
+    "VerifyLevel",
     "WriterLock",
     "YoungDaly",
     "__version__",
     "convert",
+    "crc32",
     "create_checkpoint_manager",
     "create_engine",
     "export_hf",
     "export_peft",
     "export_peft_adapter",
     "extract_bundle",
+    "fields_set",
     "format_name",
     "load_engine_class",
     "load_hf_weights",
@@ -304,10 +336,13 @@ __all__ = [
     "local_checkpoint",
     "open_bundle",
     "open_checkpoint",
+    "open_regular",
     "open_storage",
+    "order_checkpoints",
     "pack_bundle",
     "parse_json",
     "parse_name",
+    "path_inside",
     "plan_retention",
     "prune",
     "read_event_log",
@@ -315,6 +350,8 @@ __all__ = [
     "resolve_checkpoint",
     "resolve_manager_class",
     "save_record",
+    "seal_checkpoint_json",
+    "set_aside_names",
     "verify",
 ]
 

@@ -1,12 +1,15 @@
 """The package's shape: no import cycle, imports run down the layers, no class over 400 lines.
 
-Every import counts, function-local ones too (a lazy import is still a dependency), except those
-under ``if TYPE_CHECKING:``, which never run.
+Every import counts, function-local ones too (a lazy import is still a dependency); those under
+``if TYPE_CHECKING:``, which never run, count for the cycles (a type-only cycle is still two
+modules that cannot be read apart) but not for the layers.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "checkpoint_manager"
@@ -66,8 +69,15 @@ def _runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, those only type checkers see included."""
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
+
+
+def _graph(*, type_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules it imports (``type_only``: those under ``TYPE_CHECKING`` too)."""
     modules = _modules()
+    imports = _all_imports if type_only else _runtime_imports
 
     def known(name: str) -> str | None:
         while name and name not in modules:
@@ -77,7 +87,7 @@ def _graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, file in modules.items():
         package = name if file.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _runtime_imports(ast.parse(file.read_text(), str(file))):
+        for node in imports(ast.parse(file.read_text(), str(file))):
             targets: list[str | None] = []
             if isinstance(node, ast.Import):
                 targets = [known(alias.name) for alias in node.names]
@@ -146,6 +156,15 @@ def test_the_graph_sees_function_local_imports_but_not_type_checking_ones() -> N
 
 def test_no_import_cycle() -> None:
     assert _cycles(_graph()) == []
+
+
+def test_no_import_cycle_even_among_type_only_imports() -> None:
+    """Parts that name each other's types for the checker are still tangled: none."""
+    assert _cycles(_graph(type_only=True)) == []
+
+
+def test_the_type_only_graph_sees_type_checking_imports() -> None:
+    assert "checkpoint_manager.config" in _graph(type_only=True)["checkpoint_manager.lifecycle.retention"]
 
 
 def test_imports_run_down_the_layers() -> None:
@@ -258,4 +277,78 @@ def test_the_dcp_check_sees_what_it_looks_for() -> None:
         "imports torch.distributed.checkpoint.metadata",
         "line 5: '.metadata'",
         "line 6: METADATA_FILE",
+    ]
+
+
+# -- the plugin API: what a plugin may import ----------------------------------------------------------
+ROOT = PACKAGE.parent
+PLUGINS = ROOT / "plugins"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _plugin_api_modules() -> set[str]:
+    """The modules ``docs/architecture.md``'s seams section names as the plugin API (besides
+    ``checkpoint_manager`` itself, whose ``__all__`` is public)."""
+    seams = ARCHITECTURE.read_text().split("## The seams", 1)[1]
+    named = set(re.findall(r"`(checkpoint_manager(?:\.[a-z_]+)+)`", seams))
+    return {name for name in named if name in _modules()}
+
+
+def _plugin_imports(source: str) -> list[tuple[str, str | None]]:
+    """``(module, name)`` of every import of ``checkpoint_manager`` in ``source`` (name None: the module)."""
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names if alias.name.split(".")[0] == "checkpoint_manager"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "checkpoint_manager":
+            found += [(str(node.module), alias.name) for alias in node.names]
+    return found
+
+
+def _outside_the_plugin_api(source: str, api: set[str]) -> list[str]:
+    import checkpoint_manager
+
+    bad: list[str] = []
+    for module, name in _plugin_imports(source):
+        if module == "checkpoint_manager":
+            if name is not None and name not in checkpoint_manager.__all__:
+                bad.append(f"checkpoint_manager.{name}")
+        elif module not in api:
+            bad.append(module if name is None else f"{module}.{name}")
+        elif name is not None and name not in importlib.import_module(module).__all__:
+            bad.append(f"{module}.{name}")
+    return bad
+
+
+def test_plugins_import_only_the_plugin_api() -> None:
+    api = _plugin_api_modules()
+    assert {"checkpoint_manager.engine.base", "checkpoint_manager.engine.dcp", "checkpoint_manager.errors",
+            "checkpoint_manager.testing"} <= api
+    sources = sorted(PLUGINS.glob("*/src/*/*.py"))
+    assert {p.parts[-4] for p in sources} >= {
+        "checkpoint-manager-safetensors", "checkpoint-manager-tiered", "checkpoint-manager-torch-checkpointing",
+        "checkpoint-manager-torchtitan",
+    }
+    offenders = {
+        str(p.relative_to(PLUGINS)): bad for p in sources if (bad := _outside_the_plugin_api(p.read_text(), api))
+    }
+    assert offenders == {}
+
+
+def test_the_plugin_api_check_sees_what_it_looks_for() -> None:
+    api = {"checkpoint_manager.engine.dcp"}
+    source = (
+        "import checkpoint_manager\n"
+        "from checkpoint_manager import DefaultCheckpointManager, ManagerCore\n"
+        "from checkpoint_manager.core.dist import DistContext\n"
+        "import checkpoint_manager.lifecycle.saving\n"
+        "from checkpoint_manager.engine.dcp import read_dcp_metadata, _RestrictedUnpickler\n"
+        "def f():\n    from checkpoint_manager.protocol import FinalizeOnExit\n"
+    )
+    assert _outside_the_plugin_api(source, api) == [
+        "checkpoint_manager.ManagerCore",
+        "checkpoint_manager.core.dist.DistContext",
+        "checkpoint_manager.lifecycle.saving",
+        "checkpoint_manager.engine.dcp._RestrictedUnpickler",
+        "checkpoint_manager.protocol.FinalizeOnExit",
     ]

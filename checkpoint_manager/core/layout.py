@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, TypeGuard
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from checkpoint_manager.core.naming import LATEST_POINTER, format_name, validate_template
-from checkpoint_manager.core.safe_io import UnsafeFileError, inside, parse_json, read_small
+from checkpoint_manager.core.safe_io import UnsafeFileError, parse_json, path_inside, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointVersionError
 
 __all__ = [
@@ -465,7 +465,7 @@ def file_record_problems(files: Any) -> list[str]:
             problems.append(f"entry for {rel!r} is malformed")
             continue
         try:
-            inside(".", rel)
+            path_inside(".", rel)
         except UnsafeFileError:
             problems.append(f"entry {rel!r} points outside the checkpoint directory")
     return problems

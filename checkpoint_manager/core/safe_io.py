@@ -23,10 +23,10 @@ __all__ = [
     "JSON_DEPTH_LIMIT",
     "SMALL_FILE_LIMIT",
     "UnsafeFileError",
-    "inside",
     "json_deeper_than",
     "open_regular",
     "parse_json",
+    "path_inside",
     "read_json",
     "read_small",
 ]
@@ -44,7 +44,7 @@ class UnsafeFileError(UnsafeCheckpointError):
         self.reason = reason or message
 
 
-def inside(root: str | Path, relative: str) -> Path:
+def path_inside(root: str | Path, relative: str) -> Path:
     """``root / relative`` after checking that ``relative`` cannot leave ``root``.
 
     Refuses absolute paths, ``..`` parts, empty names and NUL bytes; a symlink that leaves ``root`` is

@@ -23,14 +23,14 @@ from checkpoint_manager import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     DefaultCheckpointManager,
+    FinalizeOnExit,
     LoadContext,
     LoadResult,
     ManagerClosedError,
     SaveContext,
     SaveResult,
+    fields_set,
 )
-from checkpoint_manager.factory import fields_set
-from checkpoint_manager.protocol import FinalizeOnExit
 from cm_tiered.config import LOCAL_POLICY_FIELDS, SHARED_FIELDS, TieredConfig
 from cm_tiered.replicas import NodeLocalManager, ReplicationStats, Replicator, Resumer
 

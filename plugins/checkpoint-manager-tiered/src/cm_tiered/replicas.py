@@ -51,26 +51,25 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_manager import (
+    CHECKPOINT_JSON,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointInfo,
     DefaultCheckpointManager,
+    DistContext,
     KeepLast,
     Pruner,
-)
-from checkpoint_manager.core.checksum import crc32
-from checkpoint_manager.core.dist import DistContext
-from checkpoint_manager.core.layout import (
-    CHECKPOINT_JSON,
-    CheckpointInfo,
+    crc32,
+    open_regular,
     order_checkpoints,
+    read_json,
     seal_checkpoint_json,
+    set_aside_names,
 )
-from checkpoint_manager.core.safe_io import open_regular, read_json
-from checkpoint_manager.storage.base import set_aside_names
 from cm_tiered.untrusted import marker_problem, regular_files, share_rank
 
 if TYPE_CHECKING:
-    from checkpoint_manager.core.integrity import VerifyLevel
+    from checkpoint_manager import VerifyLevel
 
 __all__ = [
     "NodeLocalManager",
