@@ -14,7 +14,7 @@ per node, each rank holding ``--mib`` MiB of its own parameters.
   says which durable tiers: ``local`` (a directory on this machine, its files evicted from the page
   cache first with ``posix_fadvise(DONTNEED)``, as a shared file system's would not be in this
   node's memory), ``s3`` (an S3 server on loopback: moto, in a process of its own, as
-  ``tests/s3_server.py`` starts it), or ``both`` (the default).
+  ``tests/helpers/s3_server.py`` starts it), or ``both`` (the default).
 
     python benchmarks/bench_replicas.py --mib 256 --nproc 1 --out /tmp/bench_replicas
 
@@ -74,8 +74,8 @@ def worker(root: Path, out: Path, phase: str, mib: int, replicas: int, durable: 
         "collective_timeout_s": 180,
     }
     if durable.startswith("s3://"):
-        sys.path.insert(0, str(REPO / "tests"))
-        from s3_server import storage_options
+        sys.path.insert(0, str(REPO))
+        from tests.helpers.s3_server import storage_options
 
         config["storage_options"] = storage_options(os.environ["BENCH_S3_ENDPOINT"])
         config["scratch_dir"] = str(root / "staging" / os.environ.get("GROUP_RANK", "0"))
@@ -210,8 +210,8 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         endpoint, bucket = "", ""
         if "s3" in kinds:
-            sys.path.insert(0, str(REPO / "tests"))
-            from s3_server import MotoS3
+            sys.path.insert(0, str(REPO))
+            from tests.helpers.s3_server import MotoS3
 
             s3 = stack.enter_context(MotoS3(process=True))  # its own process: not this one's GIL
             endpoint, bucket = s3.endpoint, s3.make_bucket()

@@ -1,6 +1,6 @@
 """Object-storage benchmark: save and load throughput to an S3 server on loopback, in one run.
 
-Against moto's S3 server (its own process on 127.0.0.1, tests/s3_server.py) with s3fs as the client,
+Against moto's S3 server (its own process on 127.0.0.1, tests/helpers/s3_server.py) with s3fs as the client,
 on the same model + AdamW state (benchmarks/state.py):
 
 * local: ``DefaultCheckpointManager`` on local disk (the O_DIRECT writer, rename commit) -- no network;
@@ -32,12 +32,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-for extra in (ROOT, ROOT / "tests"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from s3_server import MotoS3, storage_options  # noqa: E402
 
 from benchmarks.state import build  # noqa: E402
 from checkpoint_manager import (  # noqa: E402
@@ -47,6 +45,7 @@ from checkpoint_manager import (  # noqa: E402
     SaveContext,
     TrainState,
 )
+from tests.helpers.s3_server import MotoS3, storage_options  # noqa: E402
 
 MIB = 1 << 20
 

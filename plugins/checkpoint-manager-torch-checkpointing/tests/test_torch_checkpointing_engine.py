@@ -53,7 +53,7 @@ from checkpoint_manager import (
 
 pytestmark = pytest.mark.timeout(120)
 PLUGIN = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("cm_core_tests_conftest", PLUGIN.parent.parent / "tests" / "conftest.py")
+_spec = importlib.util.spec_from_file_location("cm_core_tests_machine", PLUGIN.parent.parent / "tests" / "helpers" / "machine.py")
 assert _spec is not None and _spec.loader is not None
 _core_tests = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_core_tests)

@@ -305,8 +305,8 @@ def test_save_frozen_once_shares_a_frozen_embedding(tmp_path: Path) -> None:
 
 
 def test_a_folder_in_object_storage(reference: Ref) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))  # the repository's S3 server
-    from s3_server import MotoS3, storage_options
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository's S3 server
+    from tests.helpers.s3_server import MotoS3, storage_options
 
     with MotoS3() as s3:
         url = f"s3://{s3.make_bucket()}/run"
