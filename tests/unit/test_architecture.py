@@ -283,7 +283,6 @@ def test_the_dcp_check_sees_what_it_looks_for() -> None:
 
 
 # -- the plugin API: what a plugin may import ----------------------------------------------------------
-ROOT = PACKAGE.parent
 PLUGINS = ROOT / "plugins"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -519,38 +518,3 @@ def test_config_fields_validate_and_hide_credentials(tmp_path: Path) -> None:
         CheckpointConfig(save_dir="s3://b/p", scratch_dir="s3://b/scratch")
     with pytest.raises(ValueError, match="upload_mode must be 'scratch' or 'stream'"):
         FsspecStorage("memory://x", upload_mode="fast")  # type: ignore[arg-type]
-
-
-def _deprecations(call: Any) -> tuple[Any, list[str]]:
-    """``call()``'s value and the DeprecationWarnings it raised, each checked to point at this file."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        value = call()
-    found = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert all(w.filename == __file__ for w in found), [w.filename for w in found]  # the user's line
-    return value, [str(w.message) for w in found]
-
-
-def test_the_deprecated_spellings_of_scratch_dir_and_upload_mode_still_work(tmp_path: Path) -> None:
-    """``staging_dir`` and ``upload_mode="staged"`` (staging names the host buffers of async saves
-    only): a user's config, file or call keeps working, with a DeprecationWarning naming the new name."""
-    scratch = str(tmp_path / "scratch")
-    renamed = (
-        "staging_dir is deprecated: call it scratch_dir (the local directory object-store saves are written to "
-        "before upload, and loads download to)"
-    )
-    staged = "upload_mode='staged' is deprecated: call it upload_mode='scratch'"
-    cfg, said = _deprecations(lambda: CheckpointConfig(save_dir="s3://b/p", staging_dir=scratch, upload_mode="staged"))
-    assert (cfg.scratch_dir, cfg.upload_mode, said) == (scratch, "scratch", [renamed, staged])
-    value, said = _deprecations(lambda: cfg.staging_dir)
-    assert (value, said) == (scratch, ["config field staging_dir is deprecated: read scratch_dir"])
-    config_file = tmp_path / "ckpt.yaml"
-    config_file.write_text(f"save_dir: s3://b/p\nstaging_dir: {scratch}\n")
-    with pytest.warns(DeprecationWarning, match="call it scratch_dir"):
-        assert CheckpointConfig.from_file(config_file).scratch_dir == scratch
-    with pytest.raises(ValidationError, match="staging_dir is the deprecated name of scratch_dir: give scratch_dir only"):
-        CheckpointConfig(save_dir="s3://b/p", staging_dir=scratch, scratch_dir=scratch)
-    storage, said = _deprecations(
-        lambda: FsspecStorage("memory://deprecated", staging_dir=scratch, upload_mode="staged")  # type: ignore[arg-type]
-    )
-    assert (storage.scratch_root, storage.upload_mode, said) == (Path(scratch), "scratch", [renamed, staged])
