@@ -90,6 +90,7 @@ if TYPE_CHECKING:
         read_event_log,
         save_record,
     )
+    from checkpoint_manager.lifecycle.pending import PendingDirectories
     from checkpoint_manager.lifecycle.policy import (
         AnyOf,
         AtSteps,
@@ -131,6 +132,7 @@ if TYPE_CHECKING:
     from checkpoint_manager.storage.lock import CheckpointLockError, WriterLock
 
 _EXPORTS: dict[str, str] = {
+    "PendingDirectories": "checkpoint_manager.lifecycle.pending",
     "CHECKPOINT_JSON": "checkpoint_manager.core.layout",
     "DistContext": "checkpoint_manager.core.dist",
     "UnsafeFileError": "checkpoint_manager.core.safe_io",
@@ -294,6 +296,7 @@ __all__ = [
     "MissingConfigWarning",
     "NonFiniteCheckpointError",
     "NonFiniteStateError",
+    "PendingDirectories",
     "PostCommitError",
     "Prunable",
     "Pruner",

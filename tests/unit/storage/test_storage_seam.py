@@ -24,6 +24,7 @@ from checkpoint_manager.core.integrity import verify
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, FORMAT_NAME, FORMAT_VERSION, PENDING_DIR
 from checkpoint_manager.core.naming import LATEST_LINK
 from checkpoint_manager.engine.dcp.stream_writer import StreamingWriter
+from checkpoint_manager.lifecycle.pointers import Pointers
 from checkpoint_manager.lifecycle.retention import KeepLast, Pruner
 from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage
 from checkpoint_manager.storage.base import DELETING, deleted_name, is_deleting
@@ -70,8 +71,10 @@ def test_a_storage_of_another_kind_gets_retention_pointers_and_the_lock(tmp_path
     assert isinstance(storage, Storage) and not isinstance(storage, LocalStorage | FsspecStorage)
     for step in (1, 2, 3):
         commit(storage, step)
-    pruner = Pruner(storage, KeepLast(1), pointer_symlinks=True)
-    plan = pruner.after_commit()
+    pruner = Pruner(storage, KeepLast(1))
+    infos = pruner.scan()
+    Pointers(storage, monitor=None, mode="min", symlinks=True).refresh(infos)
+    plan = pruner.after_commit(infos=infos)
     assert [c.name for c in plan.delete] == ["step_00000001", "step_00000002"] and plan.failed == []
     # no metric is monitored: no best, so no best symlink
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".pending", LATEST_LINK, "step_00000003"]

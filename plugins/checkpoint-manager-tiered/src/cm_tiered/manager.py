@@ -32,7 +32,7 @@ from checkpoint_manager import (
     fields_set,
 )
 from cm_tiered.config import LOCAL_POLICY_FIELDS, SHARED_FIELDS, TieredConfig
-from cm_tiered.replicas import NodeLocalManager, ReplicationStats, Replicator, Resumer
+from cm_tiered.replicas import NodePending, ReplicationStats, Replicator, Resumer
 
 __all__ = ["TieredCheckpointManager", "tier_configs"]
 
@@ -83,14 +83,16 @@ class TieredCheckpointManager(FinalizeOnExit):
             config = TieredConfig.model_validate(fields_set(config))
         self.config: TieredConfig = config
         local_cfg, durable_cfg = tier_configs(config)
-        self.local = NodeLocalManager(local_cfg) if config.replicas else DefaultCheckpointManager(local_cfg)
+        pending = NodePending() if config.replicas else None
+        self.local = DefaultCheckpointManager(local_cfg, pending=pending)
         self._replicator: Replicator | None = None
         self._committed: list[SaveResult] = []  # local commits waiting to be replicated
         try:
             self.durable = DefaultCheckpointManager(durable_cfg)
             if config.replicas:
+                assert pending is not None
                 self._replicator = Replicator(
-                    self.local,  # type: ignore[arg-type]
+                    pending,
                     config.local_dir,
                     config.replicas,
                     config.local_keep_last,
