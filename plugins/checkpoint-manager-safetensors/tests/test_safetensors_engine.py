@@ -370,10 +370,12 @@ def test_full_round_trip_through_the_lifecycle(tmp_path: Path, async_save: bool)
     assert_same(resumed.snapshot(), after_one_more)
 
 
-def test_the_manager_name_saves_with_this_engine(tmp_path: Path) -> None:
+def test_the_deprecated_manager_name_saves_with_this_engine(tmp_path: Path) -> None:
     run = Run(seed=0)
     run.step()
-    with create_checkpoint_manager({"save_dir": str(tmp_path), "manager": "safetensors", "fsync": False}) as manager:
+    with pytest.warns(DeprecationWarning, match=r"manager='safetensors' is deprecated"):
+        manager = create_checkpoint_manager({"save_dir": str(tmp_path), "manager": "safetensors", "fsync": False})
+    with manager:
         result = manager.save(SaveContext(**run.ctx_kwargs(), force=True))
     assert result is not None and "state_0.safetensors" in os.listdir(result.path)
 
