@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointVersionError",
     "EngineNotAvailableError",
+    "ExceedsReadLimitsError",
     "ManagerClosedError",
     "PostCommitError",
     "UnsafeCheckpointError",
@@ -52,6 +53,12 @@ class BundleTooLargeError(UnsafeCheckpointError):
 
 class BundleCacheError(CheckpointError):
     """The bundle cache directory cannot be trusted (someone else's, or a symlink); nothing in it is used."""
+
+
+class ExceedsReadLimitsError(CheckpointError, ValueError):
+    """What a save (or a pack) would write lies past the bounds this library's readers apply (JSON
+    nested or sized past them, a bundle past its limits): refused before anything is committed, since
+    every load would refuse it. The message names the key path or file, and the limit."""
 
 
 class CheckpointMismatchError(CheckpointError):

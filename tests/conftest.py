@@ -1,4 +1,4 @@
-"""Shared fixtures: the example trainer as a module, a reference run, a tmpfs.
+"""Shared fixtures: the example trainer as a module, a reference run, a tmpfs, the S3 server.
 
 The helpers these build on live in ``tests/helpers/`` (import them from there, never from here).
 """
@@ -14,6 +14,7 @@ import torch
 
 from tests.helpers.machine import mounted_tmpfs
 from tests.helpers.process import run_python
+from tests.helpers.s3_server import FaultProxy, MotoS3
 from tests.helpers.training import SMALL_RUN, ReferenceRun, load_example_trainer
 
 
@@ -63,3 +64,25 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 2 MiB tmpfs."""
     with mounted_tmpfs(tmp_path / "tmpfs", "2m") as mount:
         yield mount
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[MotoS3]:
+    """moto's S3 server on loopback, in its own process, once per session (per xdist worker): each
+    test makes its own bucket (``make_bucket``), so nothing leaks between tests."""
+    with MotoS3(process=True) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def _s3_fault_proxy(moto_s3: MotoS3) -> Iterator[FaultProxy]:
+    with FaultProxy(moto_s3.port) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def s3_proxy(_s3_fault_proxy: FaultProxy) -> Iterator[FaultProxy]:
+    """The fault proxy in front of ``moto_s3``: nothing armed at the start, disarmed again at the end."""
+    _s3_fault_proxy.reset()
+    yield _s3_fault_proxy
+    _s3_fault_proxy.reset()

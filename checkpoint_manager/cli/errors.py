@@ -15,6 +15,7 @@ from checkpoint_manager.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    ExceedsReadLimitsError,
     ManagerClosedError,
     PostCommitError,
 )
@@ -74,8 +75,8 @@ def classify(exc: BaseException) -> ExitCode:
         return ExitCode.CONFLICT
     if isinstance(exc, CheckpointCorruptError):  # damaged, unsafe, a newer format, an engine not here
         return ExitCode.CORRUPT
-    if isinstance(exc, CheckpointMismatchError):  # the checkpoint is fine: the options do not fit it
-        return ExitCode.USAGE
+    if isinstance(exc, (CheckpointMismatchError, ExceedsReadLimitsError)):  # the input is fine: the options
+        return ExitCode.USAGE  # do not fit it, or what they ask to write would never read back
     # the cache directory, a collective, a save's background or post-commit step: not the checkpoint
     if isinstance(exc, (BundleCacheError, CollectiveTimeoutError, AsyncSaveError, PostCommitError, ManagerClosedError)):
         return ExitCode.IO_ERROR

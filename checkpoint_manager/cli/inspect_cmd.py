@@ -104,7 +104,7 @@ def _count_files(path: Path) -> int:
 def _read_state(path: Path) -> dict[str, Any] | str | None:
     """``state.json`` decoded (tensors left as None), None if there is none, or what is wrong with it."""
     from checkpoint_manager.core.codec import decode
-    from checkpoint_manager.core.layout import STATE_JSON
+    from checkpoint_manager.core.layout import STATE_JSON, STATE_JSON_LIMIT
     from checkpoint_manager.core.safe_io import read_json
     from checkpoint_manager.errors import CheckpointCorruptError
 
@@ -112,7 +112,7 @@ def _read_state(path: Path) -> dict[str, Any] | str | None:
     if not path.is_dir() or not file.exists():
         return None
     try:
-        data = decode(read_json(file), tensor_hook=lambda placeholder: None)
+        data = decode(read_json(file, limit=STATE_JSON_LIMIT), tensor_hook=lambda placeholder: None)
     except CheckpointCorruptError as exc:  # names the file: damaged JSON, a FIFO, a symlink ...
         return str(exc)
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from checkpoint_manager.core.safe_io import JSON_DEPTH_LIMIT
+from checkpoint_manager.errors import ExceedsReadLimitsError
+
 try:  # numpy is optional: only needed to checkpoint numpy values (e.g. numpy's RNG state)
     import numpy as np
 except ImportError:  # pragma: no cover - depends on the environment
@@ -74,9 +77,48 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unknown tensor dtype {name!r}") from None
 
 
-def encode(obj: Any, *, tensor_hook: Callable[[str, torch.Tensor], Any] | None = None, path: str = "") -> Any:
-    """Turn ``obj`` into JSON-safe data; ``tensor_hook(path, t)`` may replace tensors (e.g. to send them to DCP)."""
+def encode(
+    obj: Any, *, tensor_hook: Callable[[str, torch.Tensor], Any] | None = None, path: str = "", depth: int = 0
+) -> Any:
+    """Turn ``obj`` into JSON-safe data; ``tensor_hook(path, t)`` may replace tensors (e.g. to send them to DCP).
+
+    ``depth``: how many JSON arrays and objects enclose ``obj`` in the file it is written into. A
+    value that would nest deeper than :data:`~checkpoint_manager.core.safe_io.JSON_DEPTH_LIMIT`
+    (what every reader of the file accepts) is an :class:`ExceedsReadLimitsError` naming ``path``,
+    raised before anything is written.
+    """
+    try:
+        return _encode(obj, tensor_hook, path, depth)
+    except _TooDeep as deep:
+        raise deep.error(path_prefix="") from None
+
+
+class _TooDeep(Exception):
+    """Internal: a value nests past the JSON depth readers accept (where, how deep)."""
+
+    def __init__(self, path: str, level: int) -> None:
+        super().__init__(path)
+        self.path, self.level = path, level
+
+    def error(self, path_prefix: str) -> ExceedsReadLimitsError:
+        parts = _join(path_prefix, self.path).split(".") if (path_prefix or self.path) else ["<root>"]
+        shown = ".".join(parts) if len(parts) <= 12 else f"{'.'.join(parts[:6])} ... {'.'.join(parts[-4:])}"
+        return ExceedsReadLimitsError(
+            f"cannot checkpoint the value at {shown!r} ({len(parts)} keys deep): it nests {self.level} JSON "
+            f"levels deep, more than the {JSON_DEPTH_LIMIT} every reader of a checkpoint accepts; flatten it "
+            "(or keep it in a tensor)"
+        )
+
+
+def _nest(level: int, path: str) -> None:
+    if level > JSON_DEPTH_LIMIT:
+        raise _TooDeep(path, level)
+
+
+def _encode(obj: Any, tensor_hook: Callable[[str, torch.Tensor], Any] | None, path: str, depth: int) -> Any:
+    """:func:`encode`, with the JSON nesting of each container checked as it is made."""
     if isinstance(obj, torch.Tensor):  # first: most leaves of a large state dict are tensors
+        _nest(depth + 2, path)  # {"shape": [...]}
         if tensor_hook is not None:
             return tensor_hook(path, obj)
         return _encode_tensor(obj)
@@ -87,29 +129,36 @@ def encode(obj: Any, *, tensor_hook: Callable[[str, torch.Tensor], Any] | None =
     if isinstance(obj, float):
         if math.isfinite(obj):
             return obj
+        _nest(depth + 1, path)
         return {_TAG: "float", "v": repr(obj)}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj) and _TAG not in obj:
-            return {k: encode(v, tensor_hook=tensor_hook, path=_join(path, k)) for k, v in obj.items()}
+            _nest(depth + 1, path)
+            return {k: _encode(v, tensor_hook, _join(path, k), depth + 1) for k, v in obj.items()}
+        _nest(depth + 3, path)  # {"items": [[key, value], ...]}
         return {
             _TAG: "dict",
             "items": [
-                [encode(k, path=path), encode(v, tensor_hook=tensor_hook, path=_join(path, str(k)))]
+                [_encode(k, None, path, depth + 3), _encode(v, tensor_hook, _join(path, str(k)), depth + 3)]
                 for k, v in obj.items()
             ],
         }
     if isinstance(obj, list):
+        _nest(depth + 1, path)
         if _atoms(obj):
             return list(obj)
-        return [encode(v, tensor_hook=tensor_hook, path=_join(path, str(i))) for i, v in enumerate(obj)]
+        return [_encode(v, tensor_hook, _join(path, str(i)), depth + 1) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
+        _nest(depth + 2, path)  # {"items": [...]}
         if _atoms(obj):
             return {_TAG: "tuple", "items": list(obj)}
-        items = [encode(v, tensor_hook=tensor_hook, path=_join(path, str(i))) for i, v in enumerate(obj)]
+        items = [_encode(v, tensor_hook, _join(path, str(i)), depth + 2) for i, v in enumerate(obj)]
         return {_TAG: "tuple", "items": items}
     if isinstance(obj, (bytes, bytearray)):
+        _nest(depth + 1, path)
         return {_TAG: "bytes", "b64": base64.b64encode(bytes(obj)).decode("ascii")}
     if np is not None and isinstance(obj, np.ndarray):
+        _nest(depth + 2, path)  # {"shape": [...]}
         arr = np.ascontiguousarray(obj)
         return {
             _TAG: "ndarray",
@@ -118,8 +167,9 @@ def encode(obj: Any, *, tensor_hook: Callable[[str, torch.Tensor], Any] | None =
             "b64": base64.b64encode(arr.tobytes()).decode("ascii"),
         }
     if np is not None and isinstance(obj, np.generic):
-        return encode(obj.item(), tensor_hook=tensor_hook, path=path)
+        return _encode(obj.item(), tensor_hook, path, depth)
     if isinstance(obj, torch.dtype):
+        _nest(depth + 1, path)
         return {_TAG: "dtype", "v": dtype_name(obj)}
     if isinstance(obj, (set, frozenset)):
         raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path or '<root>'}: use a list")
@@ -243,13 +293,15 @@ def check_placeholder(node: dict[str, Any]) -> None:
 
 
 def split_tensors(
-    tree: Any, prefix: str, *, leaves: list[tuple[str, Any]] | None = None
+    tree: Any, prefix: str, *, leaves: list[tuple[str, Any]] | None = None, depth: int = 0
 ) -> tuple[dict[str, torch.Tensor], Any]:
     """Pull every tensor out of ``tree`` into a flat dict keyed ``prefix.path``; leave JSON placeholders.
 
     ``leaves`` receives ``(prefix.path, value)`` for each value of a string-keyed dict that is
     neither a tensor nor such a dict (and each dict with other keys), found on the same walk: the
-    non-tensor state, without another pass over the tensors.
+    non-tensor state, without another pass over the tensors. ``depth``: as :func:`encode`'s (the
+    skeleton's place in its file); a value nested past what readers accept raises
+    :class:`ExceedsReadLimitsError` naming ``prefix.path``.
     """
     tensors: dict[str, torch.Tensor] = {}
 
@@ -262,28 +314,35 @@ def split_tensors(
 
     tensor = torch.Tensor
 
-    def walk(obj: Any, path: str) -> Any:
+    def walk(obj: Any, path: str, depth: int) -> Any:
         # what encode(obj, tensor_hook=hook) returns; string-keyed dicts (nearly all of a state
         # dict's nodes, OrderedDicts included) are walked here and their tensors placed without an
         # encode call each
         if isinstance(obj, dict) and _TAG not in obj and all(map(_is_str, obj)):
+            if depth + 3 > JSON_DEPTH_LIMIT:  # this dict, a placeholder in it, its shape: else checked below
+                _nest(depth + 1, path)
+                if any(isinstance(v, tensor) for v in obj.values()):
+                    _nest(depth + 3, path)
             out: dict[str, Any] = {}
             base = f"{prefix}.{path}." if prefix and path else (f"{prefix or path}." if prefix or path else "")
             for k, v in obj.items():
                 if isinstance(v, tensor):
                     out[k] = place(base + k, v)
                 elif isinstance(v, dict):
-                    out[k] = walk(v, f"{path}.{k}" if path else k)
+                    out[k] = walk(v, f"{path}.{k}" if path else k, depth + 1)
                 else:
                     if leaves is not None:
                         leaves.append((base + k, v))
-                    out[k] = encode(v, tensor_hook=hook, path=f"{path}.{k}" if path else k)
+                    out[k] = _encode(v, hook, f"{path}.{k}" if path else k, depth + 1)
             return out
         if leaves is not None:
             leaves.append((_join(prefix, path), obj))
-        return encode(obj, tensor_hook=hook, path=path)
+        return _encode(obj, hook, path, depth)
 
-    return tensors, walk(tree, "")
+    try:
+        return tensors, walk(tree, "", depth)
+    except _TooDeep as deep:
+        raise deep.error(path_prefix=prefix) from None
 
 
 def _is_str(value: object) -> bool:

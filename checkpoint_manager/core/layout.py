@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 import threading
 import time
@@ -22,8 +23,14 @@ from typing import Annotated, Any, Literal, TypeGuard
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from checkpoint_manager.core.naming import LATEST_POINTER, format_name, validate_template
-from checkpoint_manager.core.safe_io import UnsafeFileError, parse_json, path_inside, read_small
-from checkpoint_manager.errors import CheckpointCorruptError, CheckpointVersionError
+from checkpoint_manager.core.safe_io import (
+    SMALL_FILE_LIMIT,
+    UnsafeFileError,
+    parse_json,
+    path_inside,
+    read_small,
+)
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointVersionError, ExceedsReadLimitsError
 
 __all__ = [
     "CHECKPOINT_JSON",
@@ -36,7 +43,9 @@ __all__ = [
     "CheckpointInfo",
     "Lineage",
     "canonical_digest",
+    "check_json_size",
     "format_name",
+    "json_read_limit",
     "order_checkpoints",
     "parse_checkpoint_json",
     "pointer_lineage",
@@ -63,6 +72,35 @@ CHECKSUM_KEY = "checksum"
 CHECKPOINT_JSON_LIMIT = 64 * 1024 * 1024
 #: ``state.json`` and the rank JSONs: a skeleton entry per tensor, ~100 bytes each
 STATE_JSON_LIMIT = 1 << 30
+
+
+_RANK_JSON_NAME = re.compile(r"rank_\d{5}\.json")
+
+
+def json_read_limit(name: str) -> int:
+    """The largest JSON file called ``name`` inside a checkpoint that its readers accept, in bytes:
+    what a save may write (``checkpoint.json``, ``state.json`` and the rank JSONs have their own)."""
+    if name == CHECKPOINT_JSON:
+        return CHECKPOINT_JSON_LIMIT
+    if name == STATE_JSON or _RANK_JSON_NAME.fullmatch(name):
+        return STATE_JSON_LIMIT
+    return SMALL_FILE_LIMIT
+
+
+def check_json_size(file: str | Path, size: int, data: Any) -> None:
+    """Refuse to write ``data`` (``size`` bytes of JSON) as ``file`` when its readers would refuse it:
+    an :class:`ExceedsReadLimitsError` naming the file, the limit and its largest parts."""
+    limit = json_read_limit(Path(file).name)
+    if size <= limit:
+        return
+    parts = ""
+    if isinstance(data, dict):  # only on the way to an error: what made it that large
+        sizes = sorted(((len(json.dumps(v, allow_nan=True)), str(k)) for k, v in data.items()), reverse=True)
+        parts = "; its largest parts: " + ", ".join(f"{k!r} {n} bytes" for n, k in sizes[:3])
+    raise ExceedsReadLimitsError(
+        f"{file}: {size} bytes of JSON, more than the {limit} a load of it accepts{parts}: keep large "
+        "state in tensors (they go to the engine's files), not in Python values"
+    )
 
 
 @dataclass(frozen=True)

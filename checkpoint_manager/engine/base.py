@@ -22,7 +22,9 @@ Call order of a save, on every rank (``ctx.process_group`` joins them, as in ``d
    relative to ``directory``) or ``None``, in which case the lifecycle reads the files to checksum
    them. Raising fails the save on every rank and nothing is published.
 4. ``record()`` (optional): extra top-level fields for ``checkpoint.json`` (e.g. the writer's
-   version), next to ``"engine"``; JSON values only.
+   version), next to ``"engine"``; JSON values only. Every setting a reader needs to find or decode
+   the files belongs here: a reader outside a run builds the engine without the run's config, and
+   gets ``checkpoint.json`` as ``ctx.meta`` (untrusted).
 
 Call order of a load, on every rank:
 

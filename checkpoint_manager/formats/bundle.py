@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from checkpoint_manager.core.layout import CHECKPOINT_JSON, STATE_JSON
+from checkpoint_manager.core.layout import CHECKPOINT_JSON, STATE_JSON, json_read_limit
 from checkpoint_manager.core.safe_io import SMALL_FILE_LIMIT, open_regular, parse_json, read_json, read_small
 from checkpoint_manager.errors import (
     BundleCacheError,
@@ -329,7 +329,7 @@ def read_bundle_metadata(bundle: str | Path, dest: str | Path, *, limits: Bundle
         members = _checked_members(path, tar, limits)
         target.mkdir(parents=True, exist_ok=True)
         wanted = [m for m in members if m.isdir() or posixpath.basename(m.name.rstrip("/")) in _METADATA_NAMES]
-        too_big = [m for m in wanted if m.size > SMALL_FILE_LIMIT]
+        too_big = [m for m in wanted if m.size > json_read_limit(posixpath.basename(m.name.rstrip("/")))]
         if too_big:
             raise CheckpointCorruptError(
                 f"{path}: member {too_big[0].name!r} is {too_big[0].size} bytes, more than such a file may hold"

@@ -28,6 +28,7 @@ from checkpoint_manager.core.layout import (
     FORMAT_NAME,
     FORMAT_VERSION,
     STATE_JSON,
+    json_read_limit,
     now,
     rank_file,
     seal_checkpoint_json,
@@ -185,11 +186,12 @@ def convert_engine(
 
 
 def _json_file(directory: Path, name: str) -> Any:
-    """A small JSON file of a checkpoint, or None where there is none."""
+    """A JSON file of a checkpoint (bounded as a load bounds it), or None where there is none."""
     file = directory / name
     if not file.exists():
         return None
-    return parse_json(read_small(file, root=directory), file)
+    limit = json_read_limit(name)
+    return parse_json(read_small(file, root=directory, limit=limit), file, limit=limit)
 
 
 def _writing_engine(engine: str | Engine) -> Engine:

@@ -15,11 +15,11 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from checkpoint_manager._version import __version__
 from checkpoint_manager.core.layout import read_checkpoint_json
-from checkpoint_manager.errors import CheckpointNotFoundError
+from checkpoint_manager.errors import CheckpointNotFoundError, ExceedsReadLimitsError, UnsafeCheckpointError
 from checkpoint_manager.formats.bundle import (
     _COMPRESSIONS,
     ARTIFACTS_DIR,
@@ -28,7 +28,10 @@ from checkpoint_manager.formats.bundle import (
     BUNDLE_VERSION,
     CHECKPOINT_DIR,
     CONFIG_JSON,
+    BundleLimits,
     Compression,
+    _check_expansion,
+    _check_member,
 )
 from checkpoint_manager.formats.resolve import resolve_checkpoint
 
@@ -47,7 +50,10 @@ def pack_bundle(
     """Pack a committed checkpoint (plus optional config and artifacts) into one tar file.
 
     ``config`` is a :class:`CheckpointConfig` (or any JSON-able mapping). The file appears in one
-    rename once complete; an existing file is replaced only with ``overwrite``.
+    rename once complete; an existing file is replaced only with ``overwrite``. A bundle that
+    reading it would refuse (:class:`~checkpoint_manager.formats.bundle.BundleLimits`, from this
+    environment: member names, depth and count, expanded bytes and the compression ratio) is an
+    :class:`ExceedsReadLimitsError`, the members checked before anything is written.
     """
     found = resolve_checkpoint(checkpoint)  # a save directory: its newest checkpoint
     if found.url is not None:
@@ -65,6 +71,13 @@ def pack_bundle(
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=True to replace it)")
     config_data = _config_data(config)
+    art = Path(artifacts_dir) if artifacts_dir is not None else None
+    if art is not None and not art.is_dir():
+        raise FileNotFoundError(f"artifacts_dir {str(art)!r} is not a directory")
+    members = [*(_tree_members(art, ARTIFACTS_DIR) if art is not None else []), *_tree_members(src, CHECKPOINT_DIR)]
+    limits = BundleLimits.from_env()
+    written = [_Member(BUNDLE_JSON, None, 0), *([_Member(CONFIG_JSON, None, 0)] if config_data is not None else [])]
+    _check_readable(out, [*written, *members], limits)
     manifest = {
         "format": BUNDLE_FORMAT,
         "format_version": BUNDLE_VERSION,
@@ -84,12 +97,10 @@ def pack_bundle(
             _add_bytes(tar, BUNDLE_JSON, json.dumps(manifest, indent=1).encode("utf-8"))
             if config_data is not None:
                 _add_bytes(tar, CONFIG_JSON, json.dumps(config_data, indent=1).encode("utf-8"))
-            if artifacts_dir is not None:
-                art = Path(artifacts_dir)
-                if not art.is_dir():
-                    raise FileNotFoundError(f"artifacts_dir {str(art)!r} is not a directory")
-                _add_tree(tar, art, ARTIFACTS_DIR)
-            _add_tree(tar, src, CHECKPOINT_DIR)
+            for member in members:
+                _add_member(tar, member)
+            expanded, count = tar.offset, len(tar.getmembers())
+        _check_ratio(out, tmp, expanded, count, limits)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)
@@ -127,27 +138,69 @@ def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(_tar_info(name, size=len(data)), io.BytesIO(data))
 
 
-def _add_tree(tar: tarfile.TarFile, root: Path, arcroot: str) -> None:
-    """Directories and regular files only; a symlinked file is stored as the file it points to."""
-    tar.addfile(_tar_info(arcroot, directory=True, mtime=root.stat().st_mtime))
+class _Member(NamedTuple):
+    name: str  # in the bundle
+    path: Path | None  # None: written from memory (the manifest, the config)
+    size: int
+    directory: bool = False
+
+
+def _tree_members(root: Path, arcroot: str) -> list[_Member]:
+    """``root`` and every directory and regular file below it, in the order they are written; a
+    symlinked file is stored as the file it points to, a linked directory is never followed (loops,
+    escapes)."""
+    out = [_Member(arcroot, root, 0, True)]
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         rel = Path(dirpath).relative_to(root)
         for name in sorted(filenames):
             path = Path(dirpath) / name
             st = path.stat()  # follows links
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            arcname = posixpath.join(arcroot, *rel.parts, name)
-            with open(path, "rb") as f:
-                tar.addfile(_tar_info(arcname, size=st.st_size, mtime=st.st_mtime), f)
+            if stat.S_ISREG(st.st_mode):
+                out.append(_Member(posixpath.join(arcroot, *rel.parts, name), path, st.st_size))
         for name in list(dirnames):
             path = Path(dirpath) / name
             if path.is_symlink():
-                dirnames.remove(name)  # never follow directory links (loops, escapes)
+                dirnames.remove(name)
                 continue
-            arcname = posixpath.join(arcroot, *rel.parts, name)
-            tar.addfile(_tar_info(arcname, directory=True, mtime=path.stat().st_mtime))
+            out.append(_Member(posixpath.join(arcroot, *rel.parts, name), path, 0, True))
+    return out
+
+
+def _check_readable(out: Path, members: list[_Member], limits: BundleLimits) -> None:
+    """Every member as reading the bundle checks it (name, depth, count), and the bytes it expands to
+    at least, before anything is written."""
+    seen: set[str] = set()
+    try:
+        for m in members:
+            _check_member(out, _tar_info(m.name, size=m.size, directory=m.directory), seen, limits.max_depth)
+        # each member: a 512-byte header, its data padded to 512 (the exact figure is checked once written)
+        expanded = sum(512 + -(-m.size // 512) * 512 for m in members)
+        _check_expansion(out, expanded, 1 << 62, len(members), limits)
+    except UnsafeCheckpointError as exc:
+        raise ExceedsReadLimitsError(f"cannot pack {out}: reading it would refuse it ({exc})") from None
+
+
+def _check_ratio(out: Path, tmp: Path, expanded: int, count: int, limits: BundleLimits) -> None:
+    """The written bundle's expansion over its size (compressed, a state of zeros grows past the ratio
+    a reader allows): refused before the bundle takes its name."""
+    try:
+        _check_expansion(out, expanded, tmp.stat().st_size, count, limits)
+    except UnsafeCheckpointError as exc:
+        raise ExceedsReadLimitsError(
+            f"cannot pack {out}: reading it would refuse it ({exc}); pack it without compression, or read "
+            "it with a larger $CHECKPOINT_MANAGER_BUNDLE_MAX_RATIO"
+        ) from None
+
+
+def _add_member(tar: tarfile.TarFile, member: _Member) -> None:
+    assert member.path is not None
+    st = member.path.stat()  # follows links
+    if member.directory:
+        tar.addfile(_tar_info(member.name, directory=True, mtime=st.st_mtime))
+        return
+    with open(member.path, "rb") as f:
+        tar.addfile(_tar_info(member.name, size=st.st_size, mtime=st.st_mtime), f)
 
 
 # -- reading ----------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from checkpoint_manager.core.safe_io import parse_json
-from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError
+from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError, ExceedsReadLimitsError
 
 __all__ = ["SafetensorsFile", "SafetensorsWriter", "save_safetensors", "st_dtype", "torch_dtype"]
 
@@ -106,6 +106,12 @@ class SafetensorsWriter:
             offset += size
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % _ALIGN)
+        if len(raw) > _MAX_HEADER:  # every reader (ours, the reference one) refuses such a file
+            raise ExceedsReadLimitsError(
+                f"{self.path}: the safetensors header of its {len(specs)} tensors is {len(raw)} bytes, more than "
+                f"the {_MAX_HEADER} safetensors readers accept; write them in smaller shards (max_shard_size) "
+                "or with shorter names"
+            )
         self._data_start = 8 + len(raw)
         self.total_bytes = offset
         self._written: set[str] = set()

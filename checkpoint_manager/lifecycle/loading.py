@@ -91,7 +91,7 @@ def _read_state_json(path: Path, meta: dict[str, Any], level: VerifyLevel) -> di
         raise CheckpointCorruptError(f"{file}: unreadable ({exc.strerror or exc})") from exc
     try:
         with paused_gc():  # one JSON object per tensor: a GC pass over them cost 10x the parse
-            data = parse_json(raw, file)
+            data = parse_json(raw, file, limit=STATE_JSON_LIMIT)
     except CheckpointCorruptError as exc:
         raise CheckpointCorruptError(f"{file}: damaged state ({exc})") from exc
     if not isinstance(data, dict):

@@ -145,33 +145,35 @@ def _gather_state(ctx: SaveContext) -> GatheredState:
     models = ctx.models()
     state_dicts = _state_dicts(models, ctx.optimizers(), with_optim=True)
     for key, (msd, _) in zip(model_keys(len(models)), state_dicts, strict=True):
-        part, skeleton = split_tensors(msd, key, leaves=leaves)
+        part, skeleton = split_tensors(msd, key, leaves=leaves, depth=1)
         tensors.update(part)
         global_json[key] = skeleton
     for i, (_, osd) in enumerate(sd for sd in state_dicts if sd[1] is not None):
         key = numbered(OPTIM, i)
-        part, skeleton = split_tensors(osd, key, leaves=leaves)
+        part, skeleton = split_tensors(osd, key, leaves=leaves, depth=1)
         tensors.update(part)
         global_json[key] = skeleton
     for i, sched in enumerate(ctx.schedulers()):
         key = numbered(SCHEDULER, i)
-        part, skeleton = split_tensors(sched.state_dict(), key, leaves=leaves)
+        part, skeleton = split_tensors(sched.state_dict(), key, leaves=leaves, depth=1)
         tensors.update(part)
         global_json[key] = skeleton
     extras: dict[str, Any] = {}
     for name, obj in ctx.extra.items():
         if not isinstance(obj, Stateful):
             raise TypeError(f"extra[{name!r}] has no state_dict/load_state_dict ({type(obj).__name__})")
-        part, skeleton = split_tensors(obj.state_dict(), extra_key(name), leaves=leaves)
+        part, skeleton = split_tensors(obj.state_dict(), extra_key(name), leaves=leaves, depth=2)
         tensors.update(part)
         extras[name] = skeleton
     if extras:
         global_json["extra"] = extras
     objects = dict(leaves)  # an engine may write them too (DCP: as byte entries plain dcp.load reads)
-    rank_json: dict[str, Any] = {"rng": encode(capture_rng())}
+    # depth: each part's place in its file (state.json {"model": ...}, {"extra": {name: ...}}; the
+    # rank JSON {"dataloader": ...}): nested past what readers accept, the save is refused here
+    rank_json: dict[str, Any] = {"rng": encode(capture_rng(), path="rng", depth=1)}
     dl = ctx.dataloader
     if dl is not None and isinstance(dl, Stateful):
-        rank_json["dataloader"] = encode(dl.state_dict(), path="dataloader")
+        rank_json["dataloader"] = encode(dl.state_dict(), path="dataloader", depth=1)
     train_state = ctx.train_state.state_dict() if ctx.train_state is not None else None
     return GatheredState(tensors, global_json, rank_json, train_state, objects)
 
@@ -233,7 +235,7 @@ def read_rank_json(
         return None
     except OSError as exc:
         raise CheckpointCorruptError(f"{file}: unreadable ({exc.strerror or exc})") from exc
-    data = parse_json(raw, file)
+    data = parse_json(raw, file, limit=STATE_JSON_LIMIT)
     if not isinstance(data, dict):
         raise CheckpointCorruptError(f"{file}: holds a JSON {type(data).__name__}, not an object")
     return data

@@ -25,6 +25,7 @@ from checkpoint_manager.core.layout import (
     PENDING_DIR,
     POINTER_LIMIT,
     CheckpointInfo,
+    check_json_size,
     info_from_meta,
     read_checkpoint_json,
     scan_checkpoints,
@@ -476,8 +477,10 @@ class LocalStorage:
 
     # -- files ------------------------------------------------------------------------------------
     def write_json(self, path: Path, data: Any) -> int:
-        """Write JSON durably; returns its size."""
+        """Write JSON durably; returns its size. A checkpoint file larger than its readers accept is
+        refused before it is written (:func:`~checkpoint_manager.core.layout.check_json_size`)."""
         raw = json_bytes(data)
+        check_json_size(path, len(raw), data)
         with open(path, "wb") as f:
             f.write(raw)
             if self.fsync:

@@ -37,6 +37,7 @@ from checkpoint_manager.core.layout import (
     LATEST_POINTER,
     METADATA_FILE,
     PENDING_DIR,
+    STATE_JSON_LIMIT,
     CheckpointInfo,
     info_from_meta,
     order_checkpoints,
@@ -511,7 +512,7 @@ class FsspecStorage(_ObjectRoot):
         for rel in sizes:
             if _RANK_JSON.match(rel) and not (pending / rel).is_file():  # a rank on another host
                 raw = self._call(f"read {rel}", self.fs.cat_file, f"{remote}/{rel}")
-                known.update(parse_json(bytes(raw), f"{remote}/{rel}").get("files", {}))
+                known.update(parse_json(bytes(raw), f"{remote}/{rel}", limit=STATE_JSON_LIMIT).get("files", {}))
         out = describe_files(pending, known)
         for rel, size in sizes.items():
             if rel in out or rel == CHECKPOINT_JSON or not rel:

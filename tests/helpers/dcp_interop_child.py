@@ -1,4 +1,4 @@
-"""One rank of tests/system/distributed/test_dcp_interop.py's two-rank job: DDP over gloo, saved through the manager.
+"""One rank of tests/system/distributed/test_dcp_interop_ranks.py's two-rank job: DDP over gloo, saved through the manager.
 
 ``python tests/helpers/dcp_interop_child.py OUT`` with RANK, WORLD_SIZE and CM_TEST_STORE (a FileStore path)
 set: train a few steps, save, and (rank 0) write ``OUT/report.json`` (the checkpoint's path) and
@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from checkpoint_manager import CheckpointConfig, DefaultCheckpointManager, SaveContext, TrainState
-from tests.system.distributed.test_dcp_interop import build, train
+from tests.unit.engine.dcp.test_dcp_interop import build, train
 
 warnings.filterwarnings("ignore")
 

@@ -1,7 +1,7 @@
 """A real S3 server on loopback for tests and benchmarks: moto's server mode, plus a fault proxy.
 
-``MotoS3`` starts ``moto.server.ThreadedMotoServer`` on 127.0.0.1 at a free port and waits (bounded)
-until it answers. ``FaultProxy`` sits in front of it and forwards every request unchanged, except
+``MotoS3`` starts moto's server on 127.0.0.1 (a thread, or its own process) on a port the server
+binds itself, and waits (bounded) until it answers. ``FaultProxy`` sits in front of it and forwards every request unchanged, except
 that it can fail every k-th request with a transient 503, deny matching requests with a permanent
 403, or hold matching requests until released (so a test can kill a writer mid-upload). s3fs talks
 to either through ``client_kwargs={"endpoint_url": ...}`` with dummy credentials.
@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -21,17 +23,11 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["FaultProxy", "MotoS3", "free_port", "storage_options"]
+__all__ = ["FaultProxy", "MotoS3", "storage_options"]
 
-STARTUP_TIMEOUT_S = 30.0
+STARTUP_TIMEOUT_S = 120.0  # a hang guard only: every wait ends as soon as the server answers
 DUMMY_KEY = "testing-key-id"
 DUMMY_SECRET = "testing-secret-do-not-log"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_listening(port: int, timeout_s: float) -> None:
@@ -60,36 +56,60 @@ def storage_options(endpoint: str, *, botocore_retries: bool = True) -> dict[str
 
 
 class MotoS3:
-    """moto's S3 server on 127.0.0.1 at a free port: a thread of this process (tests), or its own
-    process (``process=True``, benchmarks: the server then does not compete for this process's GIL)."""
+    """moto's S3 server on 127.0.0.1: a thread of this process, or its own process (``process=True``:
+    the server then does not compete for this process's GIL).
+
+    The server binds port 0 and the port is read back from it (the thread's socket, or the line the
+    process prints): no other server can take the port between choosing and binding it.
+    """
 
     def __init__(self, *, process: bool = False) -> None:
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.port = 0
+        self.endpoint = ""
+        self._process = process
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
         self.server: Any = None
-        if process:
-            self._argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
-        else:
-            from moto.server import ThreadedMotoServer
-
-            self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
 
     def __enter__(self) -> MotoS3:
-        if self.server is not None:
-            self.server.start()
-        else:
-            self._proc = subprocess.Popen(self._argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
+            self.port = self._start_process() if self._process else self._start_thread()
             _wait_listening(self.port, STARTUP_TIMEOUT_S)
         except BaseException:
             self.__exit__()
             raise
+        self.endpoint = f"http://127.0.0.1:{self.port}"
         return self
+
+    def _start_thread(self) -> int:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        return int(self.server.get_host_and_port()[1])
+
+    def _start_process(self) -> int:
+        """Start ``python -m moto.server -p 0`` and read its port from the line it prints once bound."""
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in __exit__) a file, not a pipe: a full pipe would stall the server
+        argv = [sys.executable, "-u", "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"]
+        self._proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            self._log.seek(0)
+            found = re.search(rb"Running on http://127\.0\.0\.1:(\d+)", self._log.read())
+            if found:
+                return int(found.group(1))
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self._log.seek(0)
+                output = self._log.read().decode(errors="replace")[-2000:]
+                state = f"exited {self._proc.returncode}" if self._proc.poll() is not None else "never bound a port"
+                raise RuntimeError(f"moto's S3 server {state} (within {STARTUP_TIMEOUT_S}s):\n{output}")
+            time.sleep(0.05)
 
     def __exit__(self, *exc: object) -> None:
         if self.server is not None:
             self.server.stop()
+            self.server = None
         if self._proc is not None:
             self._proc.terminate()
             try:
@@ -97,6 +117,10 @@ class MotoS3:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=10)
+            self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def make_bucket(self) -> str:
         """A fresh, empty bucket (each test its own: no state leaks between tests)."""
@@ -122,8 +146,6 @@ class FaultProxy:
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
         self.fail_every = 0  # every k-th request (when k > 0) gets a 503 ServiceUnavailable
         self.fail_match: Matcher | None = None  # ... counting only requests this matches
         self.deny: Matcher | None = None  # matching requests get a 403 AccessDenied
@@ -213,7 +235,9 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _safe
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)  # port 0: no race for a free one
+        self.port = int(self.server.server_address[1])
+        self.endpoint = f"http://127.0.0.1:{self.port}"
         self.server.daemon_threads = True
         self._thread = threading.Thread(target=self.server.serve_forever, name="s3-fault-proxy", daemon=True)
 

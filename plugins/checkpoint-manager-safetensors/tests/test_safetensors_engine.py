@@ -391,3 +391,44 @@ def test_lifecycle_conformance(tmp_path: Path) -> None:
     from checkpoint_manager.testing import run_lifecycle_suite  # type: ignore[attr-defined]
 
     run_lifecycle_suite("safetensors", tmp_path)
+
+
+def test_a_changed_filename_is_recorded_and_read_without_the_run_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint written with another ``filename`` says so in checkpoint.json: ``ckpt`` (no run
+    config), a manager configured with the default name and the engine alone all read it."""
+    from checkpoint_manager.cli.app import main
+
+    run = Run(seed=0)
+    run.step()
+    with make(tmp_path, filename="w_{rank}.safetensors") as manager:
+        result = manager.save(SaveContext(**run.ctx_kwargs(), force=True))
+    assert result is not None
+    ckpt = Path(result.path)
+    meta = json.loads((ckpt / "checkpoint.json").read_text())
+    assert meta["safetensors"] == {"filename": "w_{rank}.safetensors"}
+    expected = run.snapshot()
+
+    assert main(["inspect", str(ckpt), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    shown = {t["name"]: t for t in report["tensors"]}
+    weight = expected["model"]["0.weight"]
+    assert (shown["model_0.0.weight"]["shape"], shown["model_0.0.weight"]["dtype"]) == (list(weight.shape), "float32")
+    assert main(["verify", str(ckpt), "--finite"]) == 0
+    capsys.readouterr()
+
+    engine = SafetensorsEngine(None)  # the default name: the recorded one wins
+    index = engine.read_index(ckpt, ctx(meta=meta))
+    assert index["model_0.0.weight"] == TensorInfo(tuple(weight.shape), weight.dtype)
+    resumed = Run(seed=123)
+    loaded = make(tmp_path).load(LoadContext(**resumed.ctx_kwargs()))
+    assert loaded.step == 1
+    assert_same(resumed.snapshot(), expected)
+
+
+@pytest.mark.parametrize("recorded", [{"filename": "../w_{rank}.safetensors"}, {"filename": 3}, "w_{rank}.safetensors"])
+def test_a_recorded_filename_is_untrusted(tmp_path: Path, recorded: Any) -> None:
+    directory = saved(tmp_path)
+    with pytest.raises(CheckpointCorruptError, match=r"checkpoint\.json's 'safetensors' .* filename"):
+        SafetensorsEngine(None).read_index(directory, ctx(meta={"safetensors": recorded}))

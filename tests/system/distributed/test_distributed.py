@@ -413,3 +413,28 @@ def test_sigkill_of_the_whole_job_during_a_save_resumes_bit_exact(
     assert not (save_dir / ".pending").exists() or not any((save_dir / ".pending").iterdir())
     shutil.rmtree(save_dir)
     assert not os.path.exists(save_dir)
+
+
+@pytest.mark.timeout(300)
+def test_save_and_load_bytes_count_the_same_global_bytes_under_fsdp(tmp_path: Path) -> None:
+    """Two real gloo ranks, FSDP2 (DTensor shards): each rank's SaveResult.bytes and LoadResult.bytes
+    is the checkpoint's global tensor bytes, the same on every rank and the same for save and load."""
+    jobs: list[Job] = []
+    try:
+        ckpt = str(tmp_path / "ckpt")
+        job = start(jobs, tmp_path, "bytes", 2, [
+            {"op": "save", "kind": "fsdp", "dir": ckpt, "tag": "saved"},
+            {"op": "load", "kind": "fsdp", "dir": ckpt, "tag": "loaded"},
+        ])
+        job.wait()
+        reports = [job.report(r) for r in range(2)]
+    finally:
+        for j in jobs:
+            j.kill()
+    saved = [r["saved"]["bytes"] for r in reports]
+    loaded = [r["loaded"]["bytes"] for r in reports]
+    full = load_file(str(tmp_path / "saved.safetensors"))
+    total = sum(t.nbytes for k, t in full.items() if k != "sched/last_lr")  # the scheduler's lr: not a tensor
+    assert saved == loaded == [total, total]
+    meta = json.loads((Path(ckpt) / "step_00000003" / "checkpoint.json").read_text())
+    assert meta["bytes"] == total

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,23 +121,14 @@ def s3_config(url: str, endpoint: str, staging: str | Path, **kw: Any) -> Checkp
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[MotoS3, FaultProxy]]:
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with MotoS3(process=True) as s3, FaultProxy(s3.port) as proxy:  # its own process: not our GIL
-        yield s3, proxy
+@pytest.fixture
+def s3(moto_s3: MotoS3) -> MotoS3:
+    return moto_s3
 
 
 @pytest.fixture
-def s3(server: tuple[MotoS3, FaultProxy]) -> Iterator[MotoS3]:
-    yield server[0]
-
-
-@pytest.fixture
-def proxy(server: tuple[MotoS3, FaultProxy]) -> Iterator[FaultProxy]:
-    server[1].reset()
-    yield server[1]
-    server[1].reset()
+def proxy(s3_proxy: FaultProxy) -> FaultProxy:
+    return s3_proxy
 
 
 @pytest.fixture

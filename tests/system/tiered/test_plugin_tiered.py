@@ -34,6 +34,8 @@ from checkpoint_manager import (
     create_checkpoint_manager,
 )
 from checkpoint_manager.testing import CONFORMANCE_CHECKS, run_conformance_check
+from tests.helpers.process import child_env
+from tests.helpers.s3_server import MotoS3, storage_options
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -200,6 +202,7 @@ def _run_child_and_kill(root: Path, steps: int) -> None:
         [sys.executable, __file__, str(root), str(steps)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        env=child_env(),
     )
     try:
         deadline = time.monotonic() + 90
@@ -273,31 +276,29 @@ def test_killed_async_job_resumes_bit_exact(tmp_path: Path, killed_run: Path) ->
     manager.finalize_async_saves(terminate=True)
 
 
-def test_durable_tier_in_an_object_store_survives_a_lost_node(tmp_path: Path) -> None:
+def test_durable_tier_in_an_object_store_survives_a_lost_node(tmp_path: Path, moto_s3: MotoS3) -> None:
     """The durable tier is the default manager, so an fsspec URL works there as it does there."""
-    from tests.helpers.s3_server import MotoS3, storage_options
-
-    with MotoS3() as s3:
-        url = f"s3://{s3.make_bucket()}/runs/exp1"
-        durable = {
-            "save_dir": url,
-            "storage_options": storage_options(s3.endpoint),
-            "scratch_dir": str(tmp_path / "staging"),
-            "durable_every_n_steps": 2,
-        }
-        manager = create_checkpoint_manager(tiered_fields(tmp_path, **durable))
-        assert isinstance(manager, TieredCheckpointManager)
-        rig = Rig(seed=0)
-        for _ in range(3):
-            rig.step()
-            manager.save(SaveContext(**rig.kwargs()))
-        manager.finalize_async_saves(blocking=True, terminate=True)
-        assert manager.list_checkpoints() == {"local": [2, 3], "durable": [2]}
-        shutil.rmtree(tmp_path / "local")  # the node is lost
-        rig, result, manager = _resume(tmp_path, **durable)
-        assert result.step == 2 and result.path.startswith(url)
-        assert_same(rig.snapshot(), replay(2))
-        manager.finalize_async_saves(terminate=True)
+    s3 = moto_s3
+    url = f"s3://{s3.make_bucket()}/runs/exp1"
+    durable = {
+        "save_dir": url,
+        "storage_options": storage_options(s3.endpoint),
+        "scratch_dir": str(tmp_path / "staging"),
+        "durable_every_n_steps": 2,
+    }
+    manager = create_checkpoint_manager(tiered_fields(tmp_path, **durable))
+    assert isinstance(manager, TieredCheckpointManager)
+    rig = Rig(seed=0)
+    for _ in range(3):
+        rig.step()
+        manager.save(SaveContext(**rig.kwargs()))
+    manager.finalize_async_saves(blocking=True, terminate=True)
+    assert manager.list_checkpoints() == {"local": [2, 3], "durable": [2]}
+    shutil.rmtree(tmp_path / "local")  # the node is lost
+    rig, result, manager = _resume(tmp_path, **durable)
+    assert result.step == 2 and result.path.startswith(url)
+    assert_same(rig.snapshot(), replay(2))
+    manager.finalize_async_saves(terminate=True)
 
 
 # ---- retention per tier, fallback past damage ----------------------------------------------------

@@ -18,6 +18,10 @@ Each group is one promise, and its tests are named after it:
   (4 for damaged or unsafe, never a traceback without ``--debug``, never 1 for an error: 1 means
   "tensors differ" or "verification failed"); ``ckpt verify`` fails what a load would refuse; a name
   template that cannot format a step is refused when the config is built.
+- ``test_read_limits_*``: a save never commits what a load refuses: state nested past the JSON
+  reader's depth is refused by the gather, naming the key path, before anything is written; the
+  state files' readers accept every size a save writes, and a save refuses a file past them; ``pack``
+  refuses a bundle its readers would refuse; a safetensors header readers refuse is never written.
 """
 
 from __future__ import annotations
@@ -802,7 +806,7 @@ EXIT_CODES = {
     "BundleTooLargeError": 4, "EngineNotAvailableError": 4, "UnsafeFileError": 4, "NonFiniteStateError": 4,
     "NonFiniteCheckpointError": 4,
     "CheckpointError": 4, "FrozenChangedError": 4,
-    "CheckpointMismatchError": 2, "UnsupportedAdapterError": 2, "MissingConfigWarning": 2,
+    "CheckpointMismatchError": 2, "UnsupportedAdapterError": 2, "MissingConfigWarning": 2, "ExceedsReadLimitsError": 2,
     "CheckpointLockError": 5,
     "BundleCacheError": 6, "CollectiveTimeoutError": 6, "AsyncSaveError": 6, "PostCommitError": 6,
     "ManagerClosedError": 6,
@@ -845,3 +849,189 @@ def test_cli_exit_a_name_template_that_cannot_format_is_refused_when_the_config_
         CheckpointConfig(save_dir=str(tmp_path), name_template=template)
     for fine in ("step_{step:08d}", "{step}-{val_loss:.3f}", "{epoch:03d}_{step}", "{step:>6}", "{step!r}"):
         assert CheckpointConfig(save_dir=str(tmp_path), name_template=fine).name_template == fine
+
+
+# -- a save never commits what a load refuses -----------------------------------------------------------
+
+
+class Holder:
+    """An extra (or a dataloader) whose whole state is one value."""
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
+
+
+def nested(kind: str, levels: int) -> Any:
+    """``levels`` containers of one kind around a leaf (a tensor leaf for ``tensor``)."""
+    value: Any = torch.arange(3.0) if kind == "tensor" else 7
+    for _ in range(levels):
+        value = {
+            "dict": lambda v: {"a": v}, "tensor": lambda v: {"a": v}, "list": lambda v: [v, 1],
+            "tuple": lambda v: (v,), "int_keys": lambda v: {1: v},
+        }[kind](value)
+    return value
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _save_nested(root: Path, where: str, value: Any) -> None:
+    model, opt, ts = build(1)
+    parts: dict[str, Any] = {"extra": {"h": Holder(value)}} if where == "extra" else {"dataloader": Holder(value)}
+    with mgr(root) as m:
+        m.save(SaveContext(model=model, optimizer=opt, train_state=ts, force=True, **parts))
+
+
+@pytest.mark.parametrize("kind", ["dict", "tensor", "list", "tuple", "int_keys"])
+@pytest.mark.parametrize("where", ["extra", "dataloader"])
+def test_read_limits_state_nested_past_the_reader_is_refused_at_save(tmp_path: Path, where: str, kind: str) -> None:
+    """The deepest state that saves loads back equal; one level more is refused by the gather, with the
+    key path named and nothing written; far deeper is the same typed error, never a RecursionError."""
+    from checkpoint_manager import ExceedsReadLimitsError
+
+    def saves(levels: int) -> bool:
+        try:
+            _save_nested(tmp_path / f"run{levels}", where, nested(kind, levels))
+        except ExceedsReadLimitsError:
+            assert not (tmp_path / f"run{levels}" / STEP1).exists()
+            assert list((tmp_path / f"run{levels}").glob(".pending/*")) == []  # gathered, refused, nothing written
+            return False
+        return True
+
+    low, high = 1, 300  # the deepest that saves lies in [low, high)
+    assert saves(low) and not saves(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if saves(mid) else (low, mid)
+    assert low > 80  # a few levels of the file's own, and up to 3 per Python container (int-keyed dicts)
+    model, opt, ts = build(5)
+    holder = Holder()
+    parts: dict[str, Any] = {"extra": {"h": holder}} if where == "extra" else {"dataloader": holder}
+    with mgr(tmp_path / f"run{low}") as m:
+        assert m.load(LoadContext(model=model, optimizer=opt, train_state=ts, **parts)).step == 1
+    assert same(holder.value, nested(kind, low))
+    for levels in (high, 5_000):
+        with pytest.raises(ExceedsReadLimitsError) as info:
+            _save_nested(tmp_path / "deeper", where, nested(kind, levels))
+        shown = str(info.value)
+        prefix = "extra.h.value" if where == "extra" else "dataloader.value"
+        assert shown.startswith(f"cannot checkpoint the value at '{prefix}."), shown
+        assert "more than the 256 every reader of a checkpoint accepts" in shown
+    assert not (tmp_path / "deeper" / STEP1).exists()
+
+
+def test_read_limits_state_json_past_the_small_file_bound_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 70 MB ``state.json`` (more than the 64 MiB of small files, less than the state files' bound)
+    loads, and ``ckpt inspect``, ``ckpt verify`` and a bundle of it read it."""
+    blob = bytes(range(256)) * (52 * 4096)  # 52 MiB: 70 MB of base64
+    model, opt, ts = build(1)
+    with mgr(tmp_path / "run") as m:
+        m.save(SaveContext(model=model, optimizer=opt, train_state=ts, force=True, extra={"h": Holder(blob)}))
+    step = tmp_path / "run" / STEP1
+    assert (step / "state.json").stat().st_size > 64 * 1024 * 1024
+    model, opt, ts = build(5)
+    holder = Holder()
+    with mgr(tmp_path / "run") as m:
+        assert m.load(LoadContext(model=model, optimizer=opt, train_state=ts, extra={"h": holder})).step == 1
+    assert holder.value == blob
+    bundle = tmp_path / "b.tar"
+    assert ckpt(["pack", str(step), str(bundle)]) == 0
+    capsys.readouterr()
+    for shown in (step, bundle):
+        assert ckpt(["inspect", str(shown), "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        summary = report["summary"]
+        assert "problems" not in summary and summary["optimizers"]["optim"]["param_groups"][0]["lr"] == 1e-2, shown
+    assert ckpt(["verify", str(step)]) == 0
+
+
+@pytest.mark.parametrize("part", ["dataloader", "extra"])
+def test_read_limits_json_larger_than_its_readers_accept_is_refused_at_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part: str
+) -> None:
+    """A rank JSON or ``state.json`` past the bound its readers apply (lowered here to 1 MiB, so that
+    the state need not be 1 GiB) fails the save, naming the file and its largest part; the
+    checkpoint before it stays the newest and loads."""
+    from checkpoint_manager import ExceedsReadLimitsError
+    from checkpoint_manager.core import layout
+
+    root = tmp_path / "run"
+    model, opt, ts = build(1)
+    with mgr(root) as m:
+        m.save(SaveContext(model=model, optimizer=opt, train_state=ts, force=True))
+    monkeypatch.setattr(layout, "STATE_JSON_LIMIT", 1 << 20)
+    big = Holder("x" * (2 << 20))
+    parts: dict[str, Any] = {"dataloader": big} if part == "dataloader" else {"extra": {"big": big}}
+    model, opt, ts = build(2)
+    file, largest = ("rank_00000.json", "'dataloader'") if part == "dataloader" else ("state.json", "'extra'")
+    with mgr(root) as m, pytest.raises(ExceedsReadLimitsError, match=rf"{file}: \d+ bytes of JSON, more than the "
+                                       rf"1048576 a load of it accepts; its largest parts: {largest} \d+ bytes"):
+        m.save(SaveContext(model=model, optimizer=opt, train_state=ts, force=True, **parts))
+    monkeypatch.undo()
+    assert sorted(p.name for p in root.glob("step_*")) == [STEP1]
+    assert list(root.glob(".pending/*")) == []
+    model, opt, ts = build(5)
+    with mgr(root) as m:
+        assert m.load(LoadContext(model=model, optimizer=opt, train_state=ts)).step == 1
+
+
+def test_read_limits_pack_refuses_a_bundle_its_readers_refuse(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Artifacts nested or named past the unpacking limits, a bundle past the byte limit, a compressed
+    bundle past the ratio limit: refused by ``pack`` (exit 2, no bundle left), not by every reader later."""
+    from checkpoint_manager import ExceedsReadLimitsError, pack_bundle
+    from checkpoint_manager.formats.bundle import extract_bundle
+
+    step = saved / STEP2
+    deep_dir = tmp_path / "deep"
+    (deep_dir / ("d/" * 33)).mkdir(parents=True)
+    (deep_dir / ("d/" * 33) / "f").write_text("x")
+    long_dir = tmp_path / "long"
+    (long_dir / "/".join("n" * 230 for _ in range(5))).mkdir(parents=True)
+    (long_dir / "/".join("n" * 230 for _ in range(5)) / "f").write_text("x")
+    out = tmp_path / "out"
+    out.mkdir()
+    for artifacts, problem in ((deep_dir, "nested more than 32 directories deep"), (long_dir, "characters (at most 1024)")):
+        with pytest.raises(ExceedsReadLimitsError, match=re.escape(problem)):
+            pack_bundle(step, out / "b.tar", artifacts_dir=artifacts)
+        assert ckpt(["pack", str(step), str(out / "b.tar"), "--artifacts-dir", str(artifacts)]) == 2
+        assert problem in capsys.readouterr().err
+    monkeypatch.setenv("CHECKPOINT_MANAGER_BUNDLE_MAX_BYTES", "4KB")
+    with pytest.raises(ExceedsReadLimitsError, match="expands to more than 4000 bytes"):
+        pack_bundle(step, out / "b.tar")
+    monkeypatch.delenv("CHECKPOINT_MANAGER_BUNDLE_MAX_BYTES")
+    zeros = tmp_path / "zeros"
+    with mgr(zeros) as m:
+        model = nn.Linear(4096, 4200, bias=False)
+        nn.init.zeros_(model.weight)
+        m.save(SaveContext(model=model, train_state=TrainState(step=1), force=True))
+    with pytest.raises(ExceedsReadLimitsError, match=r"expands to more than 100 times .*; pack it without compression"):
+        pack_bundle(zeros / STEP1, out / "z.tar.gz", compression="gz")
+    assert sorted(p.name for p in out.iterdir()) == []  # nothing left, not even a temporary
+    extract_bundle(pack_bundle(zeros / STEP1, out / "z.tar"), tmp_path / "unpacked")  # uncompressed: fine
+
+
+def test_read_limits_a_safetensors_header_readers_refuse_is_never_written(tmp_path: Path) -> None:
+    """Names that make the header larger than the 100 MiB every safetensors reader accepts."""
+    from checkpoint_manager import ExceedsReadLimitsError
+    from checkpoint_manager.formats.safetensors_io import SafetensorsWriter
+
+    specs = {f"{i}." + "k" * (11 << 20): (torch.float32, (1,)) for i in range(10)}
+    with pytest.raises(ExceedsReadLimitsError, match=r"w\.safetensors: the safetensors header of its 10 tensors is \d+ "
+                                                     r"bytes, more than the 104857600 safetensors readers accept"):
+        SafetensorsWriter(tmp_path / "w.safetensors", specs)
+    assert list(tmp_path.iterdir()) == []

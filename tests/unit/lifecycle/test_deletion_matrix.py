@@ -25,7 +25,7 @@ import os
 import shutil
 import socket
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -491,10 +491,9 @@ def test_the_replica_stores_retention(case_name: str, templates: dict[str, Path]
 S3_CASES = [k for k, c in CASES.items() if c.s3]
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[MotoS3]:
-    with MotoS3(process=True) as server:  # its own process: not this one's GIL
-        yield server
+@pytest.fixture
+def s3(moto_s3: MotoS3) -> MotoS3:
+    return moto_s3
 
 
 @pytest.mark.parametrize("case_name", S3_CASES)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -239,11 +238,8 @@ def test_cli_bundles_exports_and_fallback_work_on_a_checkpoint_that_shares_its_b
 
 
 @pytest.fixture
-def s3_server() -> Iterator[Any]:
-    from tests.helpers.s3_server import MotoS3
-
-    with MotoS3() as s3:
-        yield s3
+def s3_server(moto_s3: Any) -> Any:
+    return moto_s3
 
 
 @pytest.mark.parametrize(("async_save", "upload_mode"), [(False, "scratch"), (True, "stream")],

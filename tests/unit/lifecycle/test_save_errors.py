@@ -40,7 +40,7 @@ from tests.system.faults.test_storage_faults import (  # noqa: F401 (the faults 
     pending,
     trace_clean_save,
 )
-from tests.system.s3.test_s3 import make_run, proxy, s3, s3_config, server, url  # noqa: F401 (fixtures)
+from tests.system.s3.test_s3 import make_run, proxy, s3, s3_config, url  # noqa: F401 (fixtures)
 
 
 class Errors(CheckpointCallback):

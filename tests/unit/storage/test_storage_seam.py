@@ -12,7 +12,7 @@ import ast
 import io
 import itertools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -183,10 +183,9 @@ def test_local_open_output_is_the_pending_file(tmp_path: Path) -> None:
     assert (pending / "sub" / "file.bin").read_bytes() == b"abc"
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[MotoS3]:
-    with MotoS3(process=True) as server:
-        yield server
+@pytest.fixture
+def s3(moto_s3: MotoS3) -> MotoS3:
+    return moto_s3
 
 
 def test_stream_open_output_uploads_on_close_and_discards_on_error(s3: MotoS3, tmp_path: Path) -> None:

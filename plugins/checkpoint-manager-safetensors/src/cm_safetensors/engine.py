@@ -22,7 +22,7 @@ import re
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import BinaryIO, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 import safetensors
 import safetensors.torch
@@ -39,7 +39,7 @@ from checkpoint_manager import (
     TensorInfo,
     parse_json,
 )
-from cm_safetensors.config import SafetensorsConfig
+from cm_safetensors.config import SafetensorsConfig, check_filename
 
 __all__ = ["FORMAT", "SafetensorsEngine"]
 
@@ -64,7 +64,11 @@ class SafetensorsEngine:
 
     def __init__(self, config: CheckpointConfig | None = None) -> None:
         self.filename = str(getattr(config, "filename", "state_{rank}.safetensors"))
-        self._pattern = re.compile(re.escape(self.filename).replace(re.escape("{rank}"), r"(\d+)"))
+
+    def record(self) -> dict[str, Any]:
+        """``checkpoint.json``'s ``"safetensors"``: the file name it was saved with, so that any reader
+        (``ckpt``, a run configured with another name) finds the files without the run's config."""
+        return {"safetensors": {"filename": self.filename}}
 
     def save(self, state: EngineState, directory: Path, ctx: EngineContext) -> Mapping[str, FileRecord]:
         """Serialize this rank's tensors, write them as one file, and report its size and CRC-32."""
@@ -138,12 +142,30 @@ class SafetensorsEngine:
 
     def _own_file(self, directory: Path, ctx: EngineContext) -> Path:
         """This rank's file, after checking the checkpoint was saved by as many ranks as load it."""
-        saved = sum(1 for entry in os.listdir(directory) if self._pattern.fullmatch(entry))
-        file = directory / self.filename.format(rank=ctx.rank)
+        filename = _recorded_filename(ctx.meta, directory) or self.filename
+        pattern = re.compile(re.escape(filename).replace(re.escape("{rank}"), r"(\d+)"))
+        saved = sum(1 for entry in os.listdir(directory) if pattern.fullmatch(entry))
+        file = directory / filename.format(rank=ctx.rank)
         if saved != ctx.world_size or not file.is_file():
             raise CheckpointMismatchError(
-                f"{directory} holds {saved} file(s) named like {self.filename!r} and is being loaded by "
+                f"{directory} holds {saved} file(s) named like {filename!r} and is being loaded by "
                 f"{ctx.world_size} rank(s): the safetensors engine writes one file per rank (named by its "
                 "filename setting) and does not reshard"
             )
         return file
+
+
+def _recorded_filename(meta: Mapping[str, Any], directory: Path) -> str | None:
+    """The file name ``checkpoint.json`` records (untrusted: checked like the config's), or None when
+    it records none (a checkpoint written before the name was recorded: the config's name is used)."""
+    if "safetensors" not in meta:
+        return None
+    recorded = meta["safetensors"]
+    try:
+        if not isinstance(recorded, Mapping) or not isinstance(recorded.get("filename"), str):
+            raise ValueError(f"expected {{'filename': str}}, got {recorded!r:.80}")
+        return check_filename(recorded["filename"])
+    except ValueError as exc:
+        raise CheckpointCorruptError(
+            f"{directory}: checkpoint.json's 'safetensors' does not record a usable filename: {exc}"
+        ) from exc

@@ -46,7 +46,7 @@ from checkpoint_manager.state.training import gather_state
 
 def _check_files(path: Path, flat: dict[str, torch.Tensor]) -> None:
     """``path`` holds exactly ``flat``: same keys, shapes and dtypes in .metadata, same values read back
-    (besides the non-tensor entries of a manager's save: tests/system/distributed/test_dcp_interop.py)."""
+    (besides the non-tensor entries of a manager's save: tests/unit/engine/dcp/test_dcp_interop.py)."""
     md = {k: v for k, v in read_dcp_metadata(path).state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     assert set(md) == set(flat)
     for key, t in flat.items():

@@ -4,15 +4,14 @@ The recipe under test is DCP's own: ``get_state_dict(model, optim)`` -> ``dcp.lo
 "optim": ...})`` -> ``set_state_dict``, and ``dcp.load({"scheduler": sched.state_dict()})`` ->
 ``sched.load_state_dict``. It asks for every non-tensor value by key (``optim.param_groups.0.lr``),
 which our writer stores as DCP byte entries (checkpoint_manager/engine/dcp/objects.py) that
-``torch.load(weights_only=True)`` reads; our own loader never reads them.
+``torch.load(weights_only=True)`` reads; our own loader never reads them. A checkpoint of two gloo
+ranks: tests/system/distributed/test_dcp_interop_ranks.py.
 """
 
 from __future__ import annotations
 
 import copy
 import io
-import json
-import os
 import pickle
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from checkpoint_manager.engine.dcp.io import read_dcp_metadata
 from checkpoint_manager.engine.dcp.objects import plain_entries, render
 from checkpoint_manager.state.training import gather_state
 from tests.helpers.process import ROOT, child_env
+from tests.helpers.s3_server import MotoS3, storage_options
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -421,56 +421,25 @@ def test_gather_renders_no_entry_per_tensor() -> None:
     assert len(gathered.tensors) == 100 and gathered.objects == {}
 
 
-@pytest.mark.timeout(240)
-def test_two_rank_ddp_save_loads_through_the_plain_recipe(tmp_path: Path) -> None:
-    """Two gloo ranks (DDP) save through the manager (rank 0, the coordinator, writes the entries);
-    one process without a process group loads it with the plain recipe: the state of rank 0."""
-    store = tmp_path / "store"
-    procs = []
-    for rank in range(2):
-        env = {**child_env(), "RANK": str(rank), "WORLD_SIZE": "2", "CM_TEST_STORE": str(store),
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "dcp_interop_child.py"), str(tmp_path)],
-                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=180)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)[-4000:]
-    report = json.loads((tmp_path / "report.json").read_text())
-    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
-    fresh, fresh_opt, fresh_sched = build("adamw", seed=8)
-    plain_load(report["path"], fresh, fresh_opt, fresh_sched)
-    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
-    assert_same(expected, {"model": model_sd, "optim": optim_sd, "sched": fresh_sched.state_dict()})
-
-
 @pytest.mark.parametrize("upload_mode", ["stream", "scratch"])
-def test_s3_upload_holds_the_entries(tmp_path: Path, upload_mode: str) -> None:
+def test_s3_upload_holds_the_entries(tmp_path: Path, upload_mode: str, moto_s3: MotoS3) -> None:
     """Saved to S3 (moto on loopback), streamed from memory or written to scratch first: the downloaded checkpoint
     loads through the plain recipe."""
-    from tests.helpers.s3_server import MotoS3, storage_options
-
     model, opt, sched = build("adamw")
     train(model, opt, sched, 2)
-    with MotoS3() as s3:
-        url = f"s3://{s3.make_bucket()}/runs"
-        options = storage_options(s3.endpoint)
-        config = CheckpointConfig(save_dir=url, storage_options=options, scratch_dir=str(tmp_path / "staging"),
-                                  upload_mode=upload_mode, fsync=False)
-        with DefaultCheckpointManager(config) as mgr:
-            remote = mgr.save(SaveContext(model=model, optimizer=opt, scheduler=sched,
-                                          train_state=TrainState(step=2), force=True)).path
-        import fsspec
+    s3 = moto_s3
+    url = f"s3://{s3.make_bucket()}/runs"
+    options = storage_options(s3.endpoint)
+    config = CheckpointConfig(save_dir=url, storage_options=options, scratch_dir=str(tmp_path / "staging"),
+                              upload_mode=upload_mode, fsync=False)
+    with DefaultCheckpointManager(config) as mgr:
+        remote = mgr.save(SaveContext(model=model, optimizer=opt, scheduler=sched,
+                                      train_state=TrainState(step=2), force=True)).path
+    import fsspec
 
-        fs = fsspec.filesystem("s3", **options)
-        local = tmp_path / "downloaded"
-        fs.get(remote.removeprefix("s3://"), str(local), recursive=True)
+    fs = fsspec.filesystem("s3", **options)
+    local = tmp_path / "downloaded"
+    fs.get(remote.removeprefix("s3://"), str(local), recursive=True)
     fresh, fresh_opt, fresh_sched = build("adamw", seed=6)
     plain_load(local, fresh, fresh_opt, fresh_sched)
     assert_same(snapshot(model, opt, sched), snapshot(fresh, fresh_opt, fresh_sched))
