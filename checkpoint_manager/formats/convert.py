@@ -20,16 +20,13 @@ from typing import Any, Literal, cast
 
 import torch
 
-from checkpoint_manager._version import __version__
 from checkpoint_manager.core.codec import split_tensors
 from checkpoint_manager.core.integrity import describe_files
 from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     STATE_JSON,
     json_read_limit,
-    now,
+    new_checkpoint_json,
     rank_file,
     seal_checkpoint_json,
 )
@@ -374,25 +371,17 @@ def _write_checkpoint(
             for name in names:
                 shutil.copyfile(src / name, draft / name)
         files = describe_files(draft, dict(records or {}))  # sizes and CRC32s, as the manager records them
-        created_unix, created = now()
         record = getattr(engine, "record", None)
-        meta: dict[str, Any] = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "library_version": __version__,
-            "torch_version": torch.__version__,
-            "engine": engine.name,
-            **(record() if record is not None else {}),
-            "step": step,
-            "name": out.name,
-            "created": created,
-            "created_unix": created_unix,
-            "world_size": 1,
+        meta = new_checkpoint_json(
+            {"engine": engine.name, **(record() if record is not None else {})},
+            step=step,
+            name=out.name,
+            world_size=1,
             **extra_meta,
-            "bytes": sum(int(t.numel() * t.element_size()) for t in tensors.values()),
-            "files": files,
-            "converted_from": source,
-        }
+            bytes=sum(int(t.numel() * t.element_size()) for t in tensors.values()),
+            files=files,
+            converted_from=source,
+        )
         storage.write_json(draft / CHECKPOINT_JSON, seal_checkpoint_json(meta))
         publish_dir(draft, out, overwrite=overwrite, fsync=fsync)
     except BaseException:

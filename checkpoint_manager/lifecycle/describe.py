@@ -7,19 +7,48 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from checkpoint_manager._version import __version__
 from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.core.codec import encode
-from checkpoint_manager.core.layout import FORMAT_NAME, FORMAT_VERSION, Lineage, rank_file
-from checkpoint_manager.core.layout import now as now_stamp
+from checkpoint_manager.core.layout import CheckpointInfo, Lineage, new_checkpoint_json, rank_file
 from checkpoint_manager.engine.base import Engine
 from checkpoint_manager.lifecycle.job import SaveJob
 from checkpoint_manager.lifecycle.lineage import SaveLineage
 from checkpoint_manager.storage import LocalStorage, Storage
 
-__all__ = ["Describer"]
+__all__ = ["Describer", "checkpoint_record"]
+
+
+def checkpoint_record(
+    job: SaveJob,
+    *,
+    engine: dict[str, Any],
+    world_size: int,
+    lineage: Lineage,
+    parent: CheckpointInfo | None,
+    ranking: dict[str, Any] | None,
+    files: dict[str, dict[str, int]],
+) -> dict[str, Any]:
+    """``checkpoint.json`` of the save ``job`` (unsealed), with the ``files`` records of every rank;
+    ``engine``: the engine's name and record (:meth:`Describer.engine_record`)."""
+    meta = new_checkpoint_json(
+        engine,
+        step=job.step,
+        name=job.name,
+        world_size=world_size,
+        train_state=job.state.train_state,
+        metrics=encode(job.metrics),
+        bytes=job.nbytes,
+        lineage=lineage.to_json(),
+        parent=parent.name if parent is not None else None,
+        # how this run ranks its checkpoints: what `ckpt prune` checks a --monitor/--mode against
+        ranking=ranking,
+        files=files,
+    )
+    if job.finite_checked:
+        meta["finite"] = {"checked": list(job.finite_checked), "ok": True}
+    if job.frozen_summary:
+        meta["frozen"] = job.frozen_summary
+    return meta
 
 
 class Describer:
@@ -46,35 +75,18 @@ class Describer:
 
     def describe(self, job: SaveJob, engine_record: dict[str, Any]) -> tuple[dict[str, Any], Lineage]:
         """``checkpoint.json`` of ``job``'s pending directory (unsealed), and the save's lineage."""
-        pending = job.pending
-        files = self.storage.describe_files(pending, self._checksums_from_ranks(pending))
+        files = self.storage.describe_files(job.pending, self._checksums_from_ranks(job.pending))
         parent, lineage = self.lineage.at_commit()
-        created_unix, created = now_stamp()
         config = self.config
-        meta = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "library_version": __version__,
-            "torch_version": torch.__version__,
-            **engine_record,
-            "step": job.step,
-            "name": job.name,
-            "created": created,
-            "created_unix": created_unix,
-            "world_size": self.world_size,
-            "train_state": job.state.train_state,
-            "metrics": encode(job.metrics),
-            "bytes": job.nbytes,
-            "lineage": lineage.to_json(),
-            "parent": parent.name if parent is not None else None,
-            # how this run ranks its checkpoints: what `ckpt prune` checks a --monitor/--mode against
-            "ranking": {"monitor": config.monitor, "mode": config.mode} if config.monitor else None,
-            "files": files,
-        }
-        if job.finite_checked:
-            meta["finite"] = {"checked": list(job.finite_checked), "ok": True}
-        if job.frozen_summary:
-            meta["frozen"] = job.frozen_summary
+        meta = checkpoint_record(
+            job,
+            engine=engine_record,
+            world_size=self.world_size,
+            lineage=lineage,
+            parent=parent,
+            ranking={"monitor": config.monitor, "mode": config.mode} if config.monitor else None,
+            files=files,
+        )
         return meta, lineage
 
     def _checksums_from_ranks(self, pending: Path) -> dict[str, dict[str, int]]:

@@ -63,7 +63,7 @@ from checkpoint_manager.state.training import (
 )
 from checkpoint_manager.storage import basename, is_url
 
-__all__ = ["Loader", "total_bytes"]
+__all__ = ["CheckpointLoad", "HFWeightsLoad", "LoadSteps", "Loader", "PlainDCPLoad", "total_bytes"]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -254,10 +254,10 @@ class Loader:
         watch.start(location, model_only)
         self.roots.release_copies()
         with fresh_optimizers_kept(ctx.optimizers()):  # DCP makes up a fresh one's state for its targets
-            steps: _Steps | None = None
+            steps: LoadSteps | None = None
             failure: BaseException | None = None
             try:
-                steps = self._check_load(ctx, location, model_only, t0, skip)
+                steps = self.check_first(ctx, location, model_only, t0, skip)
             except Exception as exc:
                 failure = exc
             try:
@@ -274,9 +274,9 @@ class Loader:
                 if steps is not None:
                     steps.close()
 
-    def _check_load(
+    def check_first(
         self, ctx: LoadContext, location: str, model_only: bool, t0: float, skipped: Collection[str] = ()
-    ) -> _Steps:
+    ) -> LoadSteps:
         """Everything a load checks before it reads a tensor; nothing live is changed."""
         source = location
         if is_url(location):  # object store: download, then the fast reader and the CRC check run locally
@@ -285,10 +285,10 @@ class Loader:
         if not is_url(source):
             source = str(path)
         if model_only and is_hf_weights(path):  # initial weights from a Hugging Face directory
-            return _HFSteps(self, ctx, path, t0)
+            return HFWeightsLoad(self, ctx, path, t0)
         if is_plain_dcp(path):  # written by plain dcp.save: weights (and optimizer state) imported
-            return _PlainSteps(self, ctx, path, model_only, t0)
-        return _OurSteps(self, ctx, path, source, model_only, t0, skipped)
+            return PlainDCPLoad(self, ctx, path, model_only, t0)
+        return CheckpointLoad(self, ctx, path, source, model_only, t0, skipped)
 
     def resumed(
         self,
@@ -357,7 +357,7 @@ class Loader:
         return tuple(sorted(groups))
 
 
-class _Steps:
+class LoadSteps:
     """One load after its checks: :meth:`read` fills what it reads, :meth:`apply` sets the objects."""
 
     def read(self) -> None:
@@ -371,7 +371,7 @@ class _Steps:
         """Release what the load holds open, whatever happened."""
 
 
-class _OurSteps(_Steps):
+class CheckpointLoad(LoadSteps):
     """A checkpoint of this library: read by the engine that wrote it, then applied by :class:`StateLoader`."""
 
     def __init__(
@@ -482,7 +482,7 @@ class _OurSteps(_Steps):
         )
 
 
-class _PlainSteps(_Steps):
+class PlainDCPLoad(LoadSteps):
     """A directory plain ``dcp.save`` wrote (:mod:`checkpoint_manager.formats.plain_dcp`), read by the
     engine whose files it holds; nothing live changes before every record was read."""
 
@@ -517,7 +517,7 @@ class _PlainSteps(_Steps):
         return result.replace(seconds=time.perf_counter() - self.t0)
 
 
-class _HFSteps(_Steps):
+class HFWeightsLoad(LoadSteps):
     """Initial weights from a Hugging Face directory: every file checked (and, with ``check_finite``,
     every value) before the model is set, one file at a time."""
 

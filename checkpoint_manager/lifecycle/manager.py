@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import warnings
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -24,7 +22,7 @@ from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.core.dist import DistContext
 from checkpoint_manager.core.gcpause import paused_gc
 from checkpoint_manager.core.layout import CheckpointInfo, validate_template
-from checkpoint_manager.errors import ManagerClosedError, UnsupportedConfigWarning
+from checkpoint_manager.errors import ManagerClosedError
 from checkpoint_manager.formats.model_config import HFConfigRecorder
 from checkpoint_manager.lifecycle.after_commit import AfterCommit
 from checkpoint_manager.lifecycle.async_save import AsyncSaves
@@ -37,7 +35,7 @@ from checkpoint_manager.lifecycle.discovery import Discovery
 from checkpoint_manager.lifecycle.engines import create_engine
 from checkpoint_manager.lifecycle.exports import ConsolidatedExport
 from checkpoint_manager.lifecycle.failures import SaveFailures
-from checkpoint_manager.lifecycle.frozen import FrozenSaves
+from checkpoint_manager.lifecycle.frozen import FrozenSaves, check_frozen_support
 from checkpoint_manager.lifecycle.gather import Gatherer
 from checkpoint_manager.lifecycle.job import engine_context
 from checkpoint_manager.lifecycle.lineage import SaveLineage
@@ -54,7 +52,6 @@ from checkpoint_manager.lifecycle.vote import Vote
 from checkpoint_manager.lifecycle.write import Writer
 from checkpoint_manager.lifecycle.writer_lock import WriterLockHolder
 from checkpoint_manager.protocol import FinalizeOnExit, LoadContext, LoadResult, SaveContext, SaveResult
-from checkpoint_manager.storage.lock import CheckpointLockError
 
 __all__ = ["DefaultCheckpointManager"]
 
@@ -97,14 +94,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         self._discovery = discovery = Discovery(config, dist, roots)
         self._decision = SaveDecision(config, dist, cursor, discovery.newest_step, busy=lambda: writer.save_in_flight)
         self._engine = engine = create_engine(config)
-        if config.save_frozen == "once" and not getattr(engine, "places_groups", False):
-            message = (
-                f"engine={config.engine!r} keeps no tensor group in files of its own (no places_groups): "
-                "save_frozen='once' has no effect, every checkpoint writes the frozen parameters"
-            )
-            if config.on_unsupported_field == "error":
-                raise ValueError(message + " (on_unsupported_field='error')")
-            warnings.warn(message, UnsupportedConfigWarning, stacklevel=2)
+        check_frozen_support(config, engine)
         frozen = FrozenSaves()  # save_frozen="once": the checkpoint whose frozen files the next save shares
         hf_configs = HFConfigRecorder()  # config.json / adapter config into each checkpoint
         self._preemption = PreemptionWatcher() if config.save_on_preemption else None
@@ -198,12 +188,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
             self._attempt = None
 
     def _save(self, ctx: SaveContext) -> SaveResult | None:
-        if self.config.writer_lock and os.getpid() != self._lock.pid:
-            raise CheckpointLockError(
-                f"this manager was created by process {self._lock.pid}, which holds the writer lock of "
-                f"{self.config.save_dir!r}; a forked child does not inherit it: create a manager in the "
-                f"child (on another save_dir) to save from there"
-            )
+        self._lock.check_owner()
         step = checked_step(ctx)
         preempting = self._preemption is not None and self._dist.any_true(self._preemption.requested, "preemption")
         if not self._decision.decide(step, ctx, preempting):

@@ -10,6 +10,7 @@ from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.core.dist import DistContext
 from checkpoint_manager.storage import Storage
 from checkpoint_manager.storage.base import RootLock
+from checkpoint_manager.storage.lock import CheckpointLockError
 
 __all__ = ["WriterLockHolder"]
 
@@ -45,6 +46,15 @@ class WriterLockHolder:
         except BaseException:  # a manager that fails to start leaves the directory unlocked
             self.release()
             raise
+
+    def check_owner(self) -> None:
+        """Raise in a forked child of the process that took the lock: it cannot save from a copy."""
+        if self.config.writer_lock and os.getpid() != self.pid:
+            raise CheckpointLockError(
+                f"this manager was created by process {self.pid}, which holds the writer lock of "
+                f"{self.config.save_dir!r}; a forked child does not inherit it: create a manager in the "
+                f"child (on another save_dir) to save from there"
+            )
 
     def _take(self) -> None:
         self.lock = self.storage.writer_lock(stale_after_s=self.config.lock_stale_after_s).acquire()

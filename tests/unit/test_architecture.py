@@ -353,3 +353,98 @@ def test_the_plugin_api_check_sees_what_it_looks_for() -> None:
         "checkpoint_manager.engine.dcp._RestrictedUnpickler",
         "checkpoint_manager.protocol.FinalizeOnExit",
     ]
+
+
+# -- the lifecycle: a facade over collaborators ---------------------------------------------------------
+MAX_FACADE_LINES = 250
+
+
+def test_the_default_manager_is_a_facade_without_mixins() -> None:
+    """``DefaultCheckpointManager`` delegates: at most 250 lines, and no base class but the
+    finalize-on-exit protocol (no mixins, no core of shared fields)."""
+    from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
+    from checkpoint_manager.protocol import FinalizeOnExit
+
+    size = _class_sizes()["checkpoint_manager.lifecycle.manager.DefaultCheckpointManager"]
+    assert size <= MAX_FACADE_LINES, size
+    assert DefaultCheckpointManager.__bases__ == (FinalizeOnExit,)
+    assert not (PACKAGE / "lifecycle" / "core.py").exists()
+
+
+def _builds_checkpoint_json(tree: ast.Module) -> bool:
+    """A dict display with the keys only a ``checkpoint.json`` record has (its format's, the
+    library's and torch's versions; a bundle's manifest has no torch version)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            if {"format_version", "library_version", "torch_version"} <= keys:
+                return True
+    return False
+
+
+def test_checkpoint_json_is_built_in_one_place() -> None:
+    builders = sorted(name for name, p in _modules().items() if _builds_checkpoint_json(ast.parse(p.read_text())))
+    assert builders == ["checkpoint_manager.core.layout"]
+
+
+def _writes_pointers(tree: ast.Module) -> bool:
+    """Calls that write or remove a ``latest``/``best`` pointer (or their symlinks)."""
+    return any(
+        isinstance(node, ast.Attribute) and node.attr in ("write_pointer", "remove_pointer", "link_pointers")
+        for node in ast.walk(tree)
+    )
+
+
+def test_pointers_move_in_one_place() -> None:
+    """In the lifecycle only ``Pointers`` moves ``latest`` and ``best`` (retention only deletes)."""
+    movers = sorted(
+        name
+        for name, p in _modules().items()
+        if name.startswith("checkpoint_manager.lifecycle.") and _writes_pointers(ast.parse(p.read_text()))
+    )
+    assert movers == ["checkpoint_manager.lifecycle.pointers"]
+
+
+# -- docs/architecture.md names the function of each step -------------------------------------------------
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
+#: "(`Name.attr`, `pkg/module.py`" or "`name` of `pkg/module.py`": a function and where it lives
+_NAMED_AT = re.compile(r"`([A-Za-z_][\w.]*)`(?:, | of )`([\w/]+)\.py`")
+
+
+def _steps(section: str) -> list[str]:
+    body = ARCHITECTURE_DOC.read_text().split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.split(r"\n(?=\d+\. \*\*)", body)[1:]
+
+
+def _named_functions(step: str) -> list[tuple[str, str]]:
+    return [(name, "checkpoint_manager." + path.replace("/", ".")) for name, path in _NAMED_AT.findall(step)]
+
+
+def _resolves(name: str, module: str) -> bool:
+    obj: object = importlib.import_module(module)
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return callable(obj)
+
+
+def test_each_step_of_a_save_and_a_load_names_the_function_that_does_it() -> None:
+    for section in ("A save, step by step", "A load, step by step"):
+        steps = _steps(section)
+        assert len(steps) >= 6, section
+        for number, step in enumerate(steps, start=1):
+            lead = re.match(r"\d+\. \*\*.+?\*\* \(`[A-Za-z_][\w.]*`, `[\w/]+\.py`", step, re.S)
+            assert lead is not None, f"{section}, step {number} names no function first: {step[:120]!r}"
+            missing = [f"{m}.{n}" for n, m in _named_functions(step) if not _resolves(n, m)]
+            assert missing == [], f"{section}, step {number}"
+
+
+def test_the_step_name_check_sees_what_it_looks_for() -> None:
+    step = "1. **Writes** (`Writer.write`, `lifecycle/write.py`, with `nothing_here` of `core/layout.py`)"
+    named = _named_functions(step)
+    assert named == [
+        ("Writer.write", "checkpoint_manager.lifecycle.write"),
+        ("nothing_here", "checkpoint_manager.core.layout"),
+    ]
+    assert [_resolves(n, m) for n, m in named] == [True, False]
