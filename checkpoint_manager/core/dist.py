@@ -26,7 +26,15 @@ from checkpoint_manager import errors
 from checkpoint_manager.core.safe_io import parse_json
 from checkpoint_manager.errors import CheckpointError
 
-__all__ = ["CollectiveTimeoutError", "DistContext"]
+__all__ = [
+    "VOTE_SLOT",
+    "CollectiveTimeoutError",
+    "DistContext",
+    "decode_slots",
+    "encode_slot",
+    "error_type",
+    "vote_outcome",
+]
 
 T = TypeVar("T")
 
@@ -36,6 +44,9 @@ except ImportError:  # pragma: no cover - torch without DCP
     CheckpointException = None  # type: ignore[assignment,misc]
 
 # Errors a rank may re-raise as the same type when rank 0 reports them (everything else: CheckpointError).
+#: the bytes of one rank's vote: its file records while they fit (a few hundred bytes), else where they are
+VOTE_SLOT = 1024
+
 _BUILTIN_ERRORS = (
     ValueError,
     TypeError,
@@ -132,23 +143,23 @@ class DistContext:
         except Exception as exc:
             raise self._failed(phase, exc) from exc
 
-    def broadcast_json(self, value: Any, phase: str) -> Any:
-        """Rank 0's ``value`` on every rank: one collective when it is small (the usual case)."""
+    def broadcast_json(self, value: Any, phase: str, *, src: int = 0) -> Any:
+        """Rank ``src``'s ``value`` on every rank: one collective when it is small (the usual case)."""
         if self.world_size == 1:
             return value
-        payload = json.dumps(value).encode("utf-8") if self.rank == 0 else b""
+        payload = json.dumps(value).encode("utf-8") if self.rank == src else b""
         try:
             slot = _slot(payload)
-            self._wait(dist.broadcast(slot, src=0, group=self._group, async_op=True))
+            self._wait(dist.broadcast(slot, src=src, group=self._group, async_op=True))
             size = _slot_size(slot)
             if size <= _INLINE:
                 return _decode(slot[_HEADER : _HEADER + size])
             rest = (
                 torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                if self.rank == 0
+                if self.rank == src
                 else torch.empty(size, dtype=torch.uint8)
             )
-            self._wait(dist.broadcast(rest, src=0, group=self._group, async_op=True))
+            self._wait(dist.broadcast(rest, src=src, group=self._group, async_op=True))
         except Exception as exc:
             raise self._failed(phase, exc) from exc
         return _decode(rest)
@@ -172,6 +183,17 @@ class DistContext:
         except Exception as exc:
             raise self._failed(phase, exc) from exc
         return [_decode(b[:n]) for b, n in zip(bufs, sizes, strict=True)]
+
+    def min_ints(self, values: list[int], phase: str) -> list[int]:
+        """The element-wise minimum of every rank's ``values`` (int64), on every rank: one small all-reduce."""
+        if self.world_size == 1:
+            return list(values)
+        flags = torch.tensor(values, dtype=torch.int64)
+        try:
+            self._wait(dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group, async_op=True))
+        except Exception as exc:
+            raise self._failed(phase, exc) from exc
+        return [int(v) for v in flags.tolist()]
 
     def all_ok(self, ok: bool, phase: str) -> bool:
         """True only if every rank reports ``ok``."""
@@ -212,31 +234,79 @@ class DistContext:
         result: T = answer["ok"]
         return result
 
-    def vote(self, failure: BaseException | None, phase: str, payload: Any = None) -> list[Any]:
-        """The commit vote: returns only if every rank wrote its part; otherwise raises on every rank.
+    def gather_json(self, value: Any, phase: str, *, slot: int = VOTE_SLOT) -> list[Any] | None:
+        """Every rank's ``value`` on the coordinator, in rank order (None on the other ranks): one
+        gather of ``slot`` bytes per rank, so the coordinator alone receives the ranks' values.
 
-        The error names the ranks that failed and why. A rank whose own write already failed in a
-        collective does not vote: its group is broken, and waiting again would double the time the
-        survivors take to give up. ``payload`` (small JSON) travels with the vote: every rank's comes
-        back, in rank order.
+        A value whose JSON does not fit in the slot arrives as ``{"more": bytes}``: the caller
+        gathers again in slots that large (see :func:`encode_slot`).
+        """
+        if self.world_size == 1:
+            return [value]
+        mine = encode_slot(value, slot)
+        try:
+            if self.is_coordinator:
+                slots = [torch.empty(slot, dtype=torch.uint8) for _ in range(self.world_size)]
+                self._wait(dist.gather(mine, gather_list=slots, dst=0, group=self._group, async_op=True))
+            else:
+                self._wait(dist.gather(mine, dst=0, group=self._group, async_op=True))
+        except Exception as exc:
+            raise self._failed(phase, exc) from exc
+        if not self.is_coordinator:
+            return None
+        return decode_slots(slots)
+
+    def vote(
+        self, failure: BaseException | None, phase: str, report: Any = None, *, slot: int = VOTE_SLOT
+    ) -> list[Any] | None:
+        """The commit vote: every rank's ``report`` (or why its write failed) on the coordinator, in
+        ``slot``-byte slots (one that did not fit arrives as ``{"more": bytes}``).
+
+        Returns the votes on the coordinator, None elsewhere; the coordinator judges them
+        (:func:`vote_outcome`) before it commits, and :meth:`on_coordinator` brings its verdict to every
+        rank. A rank whose own write already failed in a collective does not vote: its group is
+        broken, and waiting again would double the time the survivors take to give up.
         """
         if isinstance(failure, CollectiveTimeoutError):
             raise failure
         if self.world_size == 1:
             if failure is not None:
                 raise _as_error(failure, phase)
-            return [payload]
-        mine = None if failure is None else describe(failure)
-        gathered = self.all_gather_json([mine, payload], phase)
-        reports = [g[0] for g in gathered]
-        bad = {rank: text for rank, text in enumerate(reports) if text is not None}
-        if not bad:
-            return [g[1] for g in gathered]
-        detail = "; ".join(f"rank {rank}: {text}" for rank, text in bad.items())
-        error = CheckpointError(f"{phase}: not committed, {len(bad)} of {self.world_size} rank(s) failed ({detail})")
-        if failure is not None:
-            raise error from failure
-        raise error
+            return [{"report": report}]
+        mine = {"error": describe(failure)} if failure is not None else {"report": report}
+        return self.gather_json(mine, phase, slot=slot)
+
+
+def vote_outcome(votes: list[Any], phase: str) -> CheckpointError | None:
+    """The commit vote's verdict from every rank's vote (:meth:`DistContext.vote`), in rank order:
+    None when every rank wrote its part, else the error naming the ranks that failed and why."""
+    bad = {
+        rank: (v["error"] if isinstance(v, dict) else f"unreadable vote {v!r}")
+        for rank, v in enumerate(votes)
+        if not isinstance(v, dict) or "error" in v
+    }
+    if not bad:
+        return None
+    detail = "; ".join(f"rank {rank}: {text}" for rank, text in bad.items())
+    return CheckpointError(f"{phase}: not committed, {len(bad)} of {len(votes)} rank(s) failed ({detail})")
+
+
+def decode_slots(slots: list[torch.Tensor]) -> list[Any]:
+    """The JSON values of gathered slots (each an 8-byte length, then that many bytes of JSON)."""
+    return [_decode(s[_HEADER : _HEADER + _slot_size(s)]) for s in slots]
+
+
+def encode_slot(value: Any, slot: int) -> torch.Tensor:
+    """``value`` as JSON in a ``slot``-byte buffer (see :func:`decode_slots`); one that does not fit
+    is replaced by ``{"more": bytes}``, its size."""
+    payload = json.dumps(value).encode("utf-8")
+    if len(payload) > slot - _HEADER:
+        payload = json.dumps({"more": len(payload)}).encode()
+    out = torch.zeros(slot, dtype=torch.uint8)
+    out[:_HEADER] = torch.frombuffer(bytearray(struct.pack("<q", len(payload))), dtype=torch.uint8)
+    if payload:
+        out[_HEADER : _HEADER + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return out
 
 
 # Small JSON travels inline in one fixed-size slot: an 8-byte length, then up to _INLINE bytes.
@@ -266,6 +336,11 @@ def _bytes(t: torch.Tensor) -> bytes:
     """A CPU uint8 tensor's bytes (without numpy, which is not a dependency)."""
     t = t.contiguous()
     return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
+
+
+def error_type(name: str) -> type[BaseException] | None:
+    """The library's (or a builtin's) error class of that name, which another rank reported."""
+    return _error_types().get(name)
 
 
 def _rebuild(type_name: str, message: str, phase: str) -> BaseException:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from checkpoint_manager.core.checksum import crc32
 from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
+    CHUNK_INDEX,
     METADATA_FILE,
     STATE_JSON,
     file_record_problems,
@@ -79,10 +81,14 @@ def _fd_crc32(fd: int) -> int:
 
 
 def _files_below(root: Path) -> list[str]:
+    """Every file below ``root``, by its path relative to it (``/``-separated), sorted. Plain strings:
+    a ``Path`` per file cost ~70 us, 1.2 s of a checkpoint of 8,192 ranks' 16,386 files."""
     out: list[str] = []
-    for dirpath, _dirs, names in os.walk(root):
-        for name in names:
-            out.append(Path(dirpath, name).relative_to(root).as_posix())
+    top = os.fspath(root)
+    for dirpath, _dirs, names in os.walk(top):
+        sub = os.path.relpath(dirpath, top)
+        prefix = "" if sub == os.curdir else sub.replace(os.sep, "/") + "/"
+        out.extend(prefix + name for name in names)
     return sorted(out)
 
 
@@ -92,15 +98,17 @@ def describe_files(root: Path, known: dict[str, dict[str, int]]) -> dict[str, di
     ``known`` holds checksums computed while writing (the large tensor files); the rest are read.
     """
     out: dict[str, dict[str, int]] = {}
+    top = os.fspath(root)
     for rel in _files_below(root):
         if rel == CHECKPOINT_JSON:
             continue
-        size = (root / rel).stat().st_size
+        file = os.path.join(top, rel)
+        size = os.stat(file).st_size
         entry = known.get(rel)
         if entry is not None and entry.get("size") == size and "crc32" in entry:
             out[rel] = {"size": size, "crc32": int(entry["crc32"])}
         else:
-            out[rel] = {"size": size, "crc32": file_crc32(root / rel)}
+            out[rel] = {"size": size, "crc32": file_crc32(file)}
     return out
 
 
@@ -160,7 +168,7 @@ def _problems(root: Path, meta: dict[str, Any], level: VerifyLevel) -> list[str]
                 problems.append(
                     f"{file}: size {size} bytes, {CHECKPOINT_JSON} records {desc['size']} (truncated or altered)"
                 )
-            elif (level == "full" or read_whole(rel)) and "crc32" in desc:
+            elif (level == "full" or read_whole(rel, files)) and "crc32" in desc:
                 crc = _fd_crc32(fd)
                 if crc != desc["crc32"]:
                     problems.append(
@@ -171,11 +179,15 @@ def _problems(root: Path, meta: dict[str, Any], level: VerifyLevel) -> list[str]
     return problems
 
 
-def read_whole(rel: str) -> bool:
-    """Whether a load reads file ``rel`` whole (its JSON state, the DCP metadata): ``sizes`` checks
-    its CRC32 too, since a same-size flip there would otherwise reach the decoder; these files are
-    small next to the tensor data, which ``sizes`` only stats."""
-    return rel in (METADATA_FILE, STATE_JSON) or _RANK_JSON.fullmatch(rel) is not None
+def read_whole(rel: str, files: Mapping[str, Any] = {}) -> bool:
+    """Whether a load reads file ``rel`` of a checkpoint of ``files`` whole (its JSON state, the DCP
+    metadata): ``sizes`` checks its CRC32 too, since a same-size flip there would otherwise reach
+    the decoder; these files are small next to the tensor data, which ``sizes`` only stats. A
+    checkpoint with a chunk index is loaded from the index (a few pages of it per rank), not from
+    its ``.metadata``, which plain DCP reads (and our tools check as they read it)."""
+    if rel == METADATA_FILE:
+        return CHUNK_INDEX not in files
+    return rel == STATE_JSON or _RANK_JSON.fullmatch(rel) is not None
 
 
 def read_recorded(root: Path, rel: str, meta: dict[str, Any], level: VerifyLevel, *, limit: int) -> bytes:

@@ -27,14 +27,15 @@ from checkpoint_manager.core.naming import LATEST_POINTER, format_name, validate
 from checkpoint_manager.core.safe_io import (
     SMALL_FILE_LIMIT,
     UnsafeFileError,
+    check_name,
     parse_json,
-    path_inside,
     read_small,
 )
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointVersionError, ExceedsReadLimitsError
 
 __all__ = [
     "CHECKPOINT_JSON",
+    "CHUNK_INDEX",
     "FORMAT_VERSION",
     "LATEST_POINTER",
     "METADATA_FILE",
@@ -62,6 +63,8 @@ CHECKPOINT_JSON = "checkpoint.json"
 STATE_JSON = "state.json"
 #: DCP's index of a checkpoint's tensors (plain ``dcp.save`` output has it too)
 METADATA_FILE = ".metadata"
+#: where each chunk of a checkpoint of several ranks lies, for loads (the DCP engine's, beside ``.metadata``)
+CHUNK_INDEX = ".chunks.safetensors"
 #: a pointer is a name and a few numbers
 POINTER_LIMIT = 64 * 1024
 #: where pending saves (and checkpoints being deleted) live, inside a save directory
@@ -531,7 +534,7 @@ def file_record_problems(files: Any) -> list[str]:
             problems.append(f"entry for {rel!r} is malformed")
             continue
         try:
-            path_inside(".", rel)
+            check_name(".", rel)
         except UnsafeFileError:
             problems.append(f"entry {rel!r} points outside the checkpoint directory")
     return problems

@@ -23,6 +23,7 @@ __all__ = [
     "JSON_DEPTH_LIMIT",
     "SMALL_FILE_LIMIT",
     "UnsafeFileError",
+    "check_name",
     "json_deeper_than",
     "open_regular",
     "parse_json",
@@ -50,12 +51,16 @@ def path_inside(root: str | Path, relative: str) -> Path:
     Refuses absolute paths, ``..`` parts, empty names and NUL bytes; a symlink that leaves ``root`` is
     caught when the file is opened (``open_regular(..., root=root)``).
     """
+    check_name(root, relative)
+    return Path(root) / relative
+
+
+def check_name(root: str | Path, relative: str) -> None:
+    """:func:`path_inside`'s check of ``relative`` alone, without building the path."""
     if not isinstance(relative, str) or not relative or "\x00" in relative:
         raise UnsafeFileError(f"{root}: invalid file name {relative!r}")
-    parts = relative.replace("\\", "/").split("/")
-    if relative.startswith(("/", "\\")) or os.path.isabs(relative) or ".." in parts:
+    if relative[0] in "/\\" or ".." in relative.replace("\\", "/").split("/") or os.path.isabs(relative):
         raise UnsafeFileError(f"{root}: file name {relative!r} leaves the checkpoint directory")
-    return Path(root) / relative
 
 
 def _check_within(path: Path, root: Path) -> None:
@@ -73,10 +78,10 @@ def open_regular(path: str | Path, *, root: str | Path | None = None, follow: bo
     file's real path must lie inside ``root`` (symlinks included). Missing files raise
     ``FileNotFoundError`` unchanged, so callers keep telling "absent" from "damaged".
     """
-    path = Path(path)
-    if root is not None and (follow or path.parent != Path(root)):
-        # a direct child opened with O_NOFOLLOW cannot leave root: no realpath needed for it
-        _check_within(path, Path(root))
+    if root is not None and (follow or os.path.dirname(os.fspath(path)) != os.fspath(root).rstrip(os.sep)):
+        # a direct child opened with O_NOFOLLOW cannot leave root: no realpath needed for it (plain
+        # strings: a Path per file cost ~50 us, seconds over the 16,000 files of 8,192 ranks)
+        _check_within(Path(path), Path(root))
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     if not follow:
         flags |= getattr(os, "O_NOFOLLOW", 0)

@@ -4,7 +4,9 @@ place (an object store: the marker last), then the ``latest`` pointer."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
@@ -45,8 +47,9 @@ class Committer:
         self.pointers = pointers
         self.cursor = cursor
 
-    def commit(self, job: SaveJob) -> str:
-        """Rank 0: describe the pending directory in checkpoint.json, rename it into place, move
+    def commit(self, job: SaveJob, votes: list[Any]) -> str:
+        """Rank 0, once every rank voted its part written: describe the pending directory in
+        checkpoint.json (the file records the ranks ``votes`` carry), rename it into place, move
         ``latest``; the committed location. A failure after the rename is a :class:`PostCommitError`."""
         storage, pending = self.storage, job.pending
         storage.write_json(pending / STATE_JSON, job.state.global_json)
@@ -54,9 +57,13 @@ class Committer:
         engine_record = self.describer.engine_record()
         # inside: committed with the rest; read by the engine that wrote it, as checkpoint.json will say
         self.export.run(job, self.describer.header(job, engine_record))
-        meta, lineage = self.describer.describe(job, engine_record)
+        t_json = time.perf_counter()
+        meta, lineage = self.describer.describe(job, engine_record, votes)
         storage.write_json(pending / CHECKPOINT_JSON, seal_checkpoint_json(meta))  # sealed as written
+        job.timings["checkpoint_json"] = time.perf_counter() - t_json
+        t_rename = time.perf_counter()
         final = storage.commit(pending, job.name)  # object stores: the marker is written last
+        job.timings["rename"] = time.perf_counter() - t_rename
         final_name = basename(final)
         try:
             self.pointers.committed(final_name, job.step, lineage)

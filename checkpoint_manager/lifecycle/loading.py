@@ -288,7 +288,8 @@ class Loader:
             return HFWeightsLoad(self, ctx, path, t0)
         if is_plain_dcp(path):  # written by plain dcp.save: weights (and optimizer state) imported
             return PlainDCPLoad(self, ctx, path, model_only, t0)
-        return CheckpointLoad(self, ctx, path, source, model_only, t0, skipped)
+        shared = not is_url(source) and path == Path(location)  # the very directory every rank reads
+        return CheckpointLoad(self, ctx, path, source, model_only, t0, skipped, shared=shared)
 
     def resumed(
         self,
@@ -383,6 +384,8 @@ class CheckpointLoad(LoadSteps):
         model_only: bool,
         t0: float,
         skipped: Collection[str] = (),
+        *,
+        shared: bool = False,
     ) -> None:
         self.loader, self.ctx, self.path, self.source, self.model_only, self.t0 = (
             loader, ctx, path, source, model_only, t0,
@@ -392,7 +395,12 @@ class CheckpointLoad(LoadSteps):
         level = config.verify_on_load
         meta = self.meta = read_checkpoint_json(path, verify_checksum=level != "off")
         t_verify = time.perf_counter()
-        check(path, meta, level)
+        if not (shared and dist.world_size > 1 and not dist.is_coordinator):
+            # Of several ranks reading one directory, rank 0 checks every file of it, and the vote
+            # that ends this phase brings its verdict to every rank; each rank checks what it reads
+            # itself (its JSON, the index, the records it reads). Every rank checking every file
+            # read each rank's JSON once per rank: ranks squared reads in all.
+            check(path, meta, level)
         self.t_verify = time.perf_counter() - t_verify
         self.engine = loader._engine_for(meta, path)
         # Everything below is read, checked and decoded before the read fills the live tensors.

@@ -76,9 +76,13 @@ class SavePipeline:
                     self.storage.remove_tree(job.pending)
             if exc is not written.failure:  # the commit's own error (this rank's write error is named)
                 name_failure(exc, job.step, job.pending_dir)
+                if written.failure is not None and exc.__cause__ is None:
+                    raise exc from written.failure  # the verdict names every failed rank; the cause is this one's
             raise
-        # rank 0's commit includes the export, reported as its own phase
-        job.timings["commit"] = time.perf_counter() - t1 - job.timings.get("export", 0.0)
+        # the vote, and rank 0's checkpoint.json, rename and export, are reported as their own phases
+        job.timings["commit"] = time.perf_counter() - t1 - sum(
+            job.timings.get(part, 0.0) for part in ("vote", "checkpoint_json", "rename", "export")
+        )
         if io.is_coordinator:
             t_prune = time.perf_counter()
             if self.after_commit.run(basename(final), job):

@@ -9,7 +9,9 @@ phases each end in a vote, after which every rank raises or none does.
 
 from __future__ import annotations
 
-from checkpoint_manager.core.dist import CollectiveTimeoutError, DistContext
+import contextlib
+
+from checkpoint_manager.core.dist import CollectiveTimeoutError, DistContext, error_type
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = ["Unloadable", "fail_together", "unloadable"]
@@ -33,7 +35,12 @@ class Unloadable(Exception):
 def fail_together(dist: DistContext, failure: BaseException | None, location: str, phase: str) -> None:
     """End a phase of a load on every rank alike: return if no rank failed; else raise on every rank
     (its own error, or the first failing rank's), as :class:`Unloadable` when every failing rank
-    found the checkpoint unloadable. A broken group (a rank died) raises at once, without a vote."""
+    found the checkpoint unloadable. A broken group (a rank died) raises at once, without a vote.
+
+    One all-reduce of two integers (the first failing rank, and whether every failing rank found the
+    checkpoint unloadable); only when a rank failed, that rank's error is broadcast to the others:
+    no rank receives every rank's report.
+    """
     if isinstance(failure, CollectiveTimeoutError):
         raise failure
     if dist.world_size == 1:
@@ -42,15 +49,21 @@ def fail_together(dist: DistContext, failure: BaseException | None, location: st
         if unloadable(failure):
             raise Unloadable(location, failure)
         raise failure
-    mine = None if failure is None else [type(failure).__name__, str(failure), unloadable(failure)]
-    reports = dist.all_gather_json(mine, phase)
-    bad = [(rank, report) for rank, report in enumerate(reports) if report is not None]
-    if not bad:
+    damaged = failure is not None and unloadable(failure)
+    first, all_damaged = dist.min_ints(
+        [dist.rank if failure is not None else dist.world_size, int(failure is None or damaged)], phase
+    )
+    if first >= dist.world_size:
         return
-    if failure is None:
-        rank, (name, message, damaged) = bad[0]
-        cls = CheckpointCorruptError if damaged else CheckpointError
-        failure = cls(f"rank {rank} could not load {location}: {name}: {message}")
-    if all(report[2] for _, report in bad):
+    mine = [type(failure).__name__, str(failure), damaged] if failure is not None else None
+    name, message, first_damaged = dist.broadcast_json(mine if dist.rank == first else None, phase, src=first)
+    if failure is None:  # the first failing rank's error, as its type where this rank knows it
+        text = f"rank {first} could not load {location}: {name}: {message}"
+        known = error_type(name)
+        failure = CheckpointCorruptError(text) if first_damaged else CheckpointError(text)
+        if known is not None and issubclass(known, CheckpointError):
+            with contextlib.suppress(TypeError):  # one built from other arguments keeps the generic class
+                failure = known(text)
+    if all_damaged:
         raise Unloadable(location, failure)
     raise failure

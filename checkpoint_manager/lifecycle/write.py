@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.core.dist import DistContext
@@ -22,7 +23,7 @@ from checkpoint_manager.lifecycle.frozen import FrozenPlan, FrozenSaves
 from checkpoint_manager.lifecycle.job import SaveJob
 from checkpoint_manager.storage import Storage
 
-__all__ = ["Writer", "Written", "name_failure"]
+__all__ = ["Writer", "Written", "name_failure", "vote_report"]
 
 
 def _io_error(exc: BaseException) -> BaseException:
@@ -58,6 +59,17 @@ def _own_records(pending: Path, shared: Collection[str] = ()) -> dict[str, FileR
     return out
 
 
+def vote_report(
+    records: dict[str, FileRecord], rank_json: str, rank_json_record: FileRecord, *, frozen: Any = None
+) -> dict[str, Any]:
+    """What a rank votes with when its part is written: its files' records, its JSON's own, and
+    (``save_frozen="once"``) its part of the frozen-group summary."""
+    report: dict[str, Any] = {"files": {**records, rank_json: rank_json_record}}
+    if frozen is not None:
+        report["frozen"] = frozen
+    return report
+
+
 @dataclass
 class Written:
     """This rank's part of a save, written or not: what the vote carries."""
@@ -65,6 +77,7 @@ class Written:
     failure: BaseException | None  # why this rank's part is not written (None: it is)
     plan: FrozenPlan | None  # save_frozen="once": how this rank's frozen group got into the save
     finished: float  # perf_counter() when the write ended
+    report: dict[str, Any] | None = None  # what this rank votes with (:func:`vote_report`), once written
 
 
 class Writer:
@@ -105,6 +118,7 @@ class Writer:
         ctx = self.engine_context(job.step)
         ctx.open_output = functools.partial(self.storage.open_output, job.pending)
         plan: FrozenPlan | None = None
+        report: dict[str, Any] | None = None
         try:
             if job.frozen:
                 plan = self.frozen.plan(job.frozen, state.tensors, self.storage, job.pending, ctx, live=job.frozen_live)
@@ -129,7 +143,13 @@ class Writer:
             rank_json = {**job.state.rank_json, "files": records}
             if plan is not None and plan.rank_record:
                 rank_json["frozen"] = plan.rank_record
-            self.storage.write_json(job.pending / rank_file(io.rank), rank_json)
+            own = job.pending / rank_file(io.rank)
+            self.storage.write_json(own, rank_json)
+            # what the coordinator records of this rank's files, its JSON included (read back: it is small)
+            report = vote_report(
+                records, rank_file(io.rank), {"size": own.stat().st_size, "crc32": file_crc32(own)},
+                frozen=plan.record if plan is not None else None,
+            )  # fmt: skip
             self.storage.upload_part(job.pending, io.rank, list(records))  # object stores
         except BaseException as exc:
             if finite is not None:
@@ -142,4 +162,4 @@ class Writer:
         job.timings["write"] = t1 - t0 - sum(ctx.timings.values())
         job.timings["fsync"] = fsync_s
         job.timings.update(ctx.timings)
-        return Written(failure, plan, t1)
+        return Written(failure, plan, t1, report)

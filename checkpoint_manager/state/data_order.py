@@ -274,7 +274,10 @@ def reshard_per_rank_state(
     out: dict[str, Any] = {}
     first = _decoded(path, 0, read)
     if DATALOADER in affected:
-        out[RESHARD_KEY] = encode(_agreed_position(path, first, saved_world_size, world_size, read))
+        # rank 0 reads every saved rank's state to check they agree (the load's vote brings its verdict
+        # to every rank); the others take rank 0's: every rank reading all of them was ranks squared reads
+        ranks = saved_world_size if rank == 0 else 1
+        out[RESHARD_KEY] = encode(_agreed_position(path, first, saved_world_size, world_size, read, ranks=ranks))
     if RNG in affected:
         rng = first.get(RNG)
         try:
@@ -306,10 +309,13 @@ def _agreed_position(
     saved_world_size: int,
     world_size: int,
     read: Callable[[Path, int], dict[str, Any] | None],
+    *,
+    ranks: int,
 ) -> dict[str, Any]:
-    """The one sampler state every saved rank holds; else CheckpointMismatchError saying why."""
+    """The one sampler state every saved rank holds (of the first ``ranks`` saved ranks, those it
+    reads); else CheckpointMismatchError saying why."""
     agreed: dict[str, Any] | None = None
-    for r in range(saved_world_size):
+    for r in range(ranks):
         data = first if r == 0 else _decoded(path, r, read)
         states = sampler_states(data.get(DATALOADER))
         if not states:

@@ -499,8 +499,9 @@ class FsspecStorage(_ObjectRoot):
         return "copy"
 
     def describe_files(self, pending: Path, known: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-        """Every rank's files as the store lists them (sizes), CRC32s from the rank JSONs; the small
-        files this process still holds (state, export) are described from the local copy."""
+        """Every rank's files as the store lists them (sizes), CRC32s from the ranks' votes (``known``;
+        a rank JSON is read only where they are missing); the small files this process still holds
+        (state, export) are described from the local copy."""
         remote = self.remote_dir(pending)
         self.fs.invalidate_cache(remote)
         try:
@@ -510,7 +511,8 @@ class FsspecStorage(_ObjectRoot):
         sizes = {str(p)[len(remote) + 1 :]: int(i.get("size") or 0) for p, i in listing.items()}
         known = dict(known)
         for rel in sizes:
-            if _RANK_JSON.match(rel) and not (pending / rel).is_file():  # a rank on another host
+            if _RANK_JSON.match(rel) and not (pending / rel).is_file() and rel not in known:
+                # a rank on another host whose records did not come with the vote
                 raw = self._call(f"read {rel}", self.fs.cat_file, f"{remote}/{rel}")
                 known.update(parse_json(bytes(raw), f"{remote}/{rel}", limit=STATE_JSON_LIMIT).get("files", {}))
         out = describe_files(pending, known)

@@ -33,8 +33,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.storage import WriteResult
 
 from checkpoint_manager.engine.base import EngineContext, EngineState, FileRecord, GroupBase, TensorInfo
+from checkpoint_manager.engine.dcp.chunk_index import INDEX_FILE, ChunkIndex
 from checkpoint_manager.engine.dcp.direct_io import reserve_write_buffers, staging_gate
 from checkpoint_manager.engine.dcp.io import METADATA_FILE, check_data_files, read_dcp_metadata
+from checkpoint_manager.engine.dcp.multirank import RankPlans, save_ranks
 from checkpoint_manager.engine.dcp.objects import object_records
 from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache
 from checkpoint_manager.engine.dcp.planner import load_tensors as dcp_load
@@ -61,6 +63,7 @@ __all__ = ["DCPEngine", "own_failure", "quiet_single_process"]
 log = logging.getLogger("checkpoint_manager")
 
 _COLLECT_AFTER_PLANNING = 10_000
+_INDEX = "dcp.chunk_index"  # ctx.extra: (directory, ChunkIndex) that read_index opened, for load
 
 
 @contextlib.contextmanager
@@ -175,6 +178,7 @@ class DCPEngine:
         self.config = config
         self.staging = StagingBuffers()  # reused host copies for async saves
         self.plans = SavePlanCache()  # the last save's plan and layout, reused while the structure holds
+        self.ranks = RankPlans()  # the same for a save of several ranks (see multirank)
         self._groups = _GroupLayouts()  # the layout of the group file last written
 
     # -- save -------------------------------------------------------------------------------------
@@ -252,6 +256,14 @@ class DCPEngine:
             writer.group_reuse = self._groups.offer(ctx.group_base)
         try:
             with staging_gate(gate), quiet_single_process():  # writers wait for each staging buffer
+                # several ranks: each plans and writes alone (multirank); a tensor group in files of its
+                # own (save_frozen="once") or a streamed upload goes through dcp.save
+                if ctx.world_size > 1 and type(writer) is CheckpointWriter and not ctx.group:
+                    written = save_ranks(self.ranks, state.tensors, directory, ctx, writer, records)
+                    if written is not None:
+                        return written
+                    writer = self._writer(directory, ctx)  # the ranks hold different tensors: dcp.save
+                    writer.objects = records
                 dcp_save(
                     state.tensors,
                     storage_writer=writer,
@@ -281,7 +293,12 @@ class DCPEngine:
     # -- load -------------------------------------------------------------------------------------
     def read_index(self, directory: Path, ctx: EngineContext) -> Mapping[str, TensorInfo]:
         """The ``.metadata``'s tensors (byte entries are for plain DCP: their values are in state.json),
-        after every data file it names is checked to hold its records."""
+        after every data file it names is checked to hold its records; for a checkpoint of several
+        ranks, its chunk index's (each rank then reads only the chunks it needs: see chunk_index)."""
+        if (directory / INDEX_FILE).exists() and ctx.meta.get("writer") == WRITER_ID:
+            index = ChunkIndex(directory)
+            ctx.extra[_INDEX] = (directory, index)
+            return index.infos()
         level = self.config.verify_on_load if self.config is not None else "sizes"
         metadata = read_dcp_metadata(directory, meta=dict(ctx.meta), level=level)
         check_data_files(metadata, directory)  # before targets are allocated from the sizes it claims
@@ -303,12 +320,24 @@ class DCPEngine:
         """
         if not targets:
             return
-        cached = ctx.extra.get(_METADATA)  # freed with the load's ctx, after the state is set
-        metadata: Metadata | None = cached[1] if cached is not None and cached[0] == directory else None
+        indexed = ctx.extra.get(_INDEX)
         fast = ctx.meta.get("writer") == WRITER_ID
         agree = _agree_on(ctx.process_group, directory) if fast and ctx.world_size > 1 else None
-        reader = CheckpointReader(directory, fast=fast, metadata=metadata, agree=agree, check=ctx.check)
         wanted = targets if isinstance(targets, dict) else dict(targets)
+        if indexed is not None and indexed[0] == directory:
+            # the chunks this rank needs, from the index: planned and read by this rank alone (the
+            # ranks' one vote between checking their records and copying the first stays)
+            partial = indexed[1].metadata_for(wanted)
+            reader = CheckpointReader(directory, fast=True, metadata=partial, agree=agree, check=ctx.check)
+            try:
+                with quiet_single_process():
+                    dcp_load(wanted, storage_reader=reader, no_dist=True)
+            except CheckpointException as exc:
+                raise own_failure(exc, 0) from exc
+            return
+        cached = ctx.extra.get(_METADATA)  # freed with the load's ctx, after the state is set
+        metadata: Metadata | None = cached[1] if cached is not None and cached[0] == directory else None
+        reader = CheckpointReader(directory, fast=fast, metadata=metadata, agree=agree, check=ctx.check)
         into = wanted if fast else fresh_like(wanted)
         try:
             with quiet_single_process():

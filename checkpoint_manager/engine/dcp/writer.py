@@ -43,7 +43,16 @@ from checkpoint_manager.engine.dcp.envelope import Envelope, envelope_for
 from checkpoint_manager.engine.dcp.io import METADATA_FILE, paused_gc
 from checkpoint_manager.engine.dcp.planner import FastSavePlanner, SavePlanCache, _PlanEntry, frozen
 
-__all__ = ["GROUP_FILE", "WRITER_ID", "CheckpointWriter", "chunk_for_bytes", "note_crc", "prime_layout"]
+__all__ = [
+    "GROUP_FILE",
+    "WRITER_ID",
+    "CheckpointWriter",
+    "chunk_for_bytes",
+    "note_crc",
+    "object_paths",
+    "prime_layout",
+    "record_layout",
+]
 
 
 WRITER_ID = "checkpoint-manager-direct/1"
@@ -90,6 +99,11 @@ class CheckpointWriter(FileSystemWriter):
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._coordinator = is_coordinator
 
+    @property
+    def objects_written(self) -> list[tuple[str, _StorageInfo]]:
+        """The object records this rank wrote in its last ``write_data``: (key, where)."""
+        return list(self._objects_written)
+
     def _object_records(self, file_name: str, start: int) -> bytes:
         """The coordinator's object records, back to back from ``start`` in ``file_name`` (noted for
         :meth:`finish`); nothing on other ranks."""
@@ -114,7 +128,7 @@ class CheckpointWriter(FileSystemWriter):
             or not (self.use_collectives or self.rank is None)
         ):
             if objects:  # new dicts: a cached plan's own stay as they are
-                paths = _object_paths(objects, metadata.planner_data)
+                paths = object_paths(objects, metadata.planner_data)
                 metadata.state_dict_metadata = {
                     **metadata.state_dict_metadata,
                     **{key: BytesStorageMetadata() for key, _ in objects},
@@ -151,7 +165,7 @@ class CheckpointWriter(FileSystemWriter):
                     **metadata.state_dict_metadata,
                     **{key: BytesStorageMetadata() for key, _ in objects},
                 }
-                metadata.planner_data = {**metadata.planner_data, **_object_paths(objects, metadata.planner_data)}
+                metadata.planner_data = {**metadata.planner_data, **object_paths(objects, metadata.planner_data)}
                 metadata.storage_data = {**metadata.storage_data, **{MetadataIndex(k): i for k, i in objects}}
             with paused_gc():
                 data = pickle.dumps(metadata)
@@ -541,32 +555,56 @@ def _write_small_records(
         out.write_bytes(b"".join(parts))
 
 
+def record_layout(
+    items: Iterable[WriteItem], file_name: str, *, pad_large: bool = True
+) -> tuple[dict[MetadataIndex, _StorageInfo], int] | None:
+    """Where :func:`_write_items` puts each item's record in ``file_name``, from shapes and dtypes
+    alone, and where the file's records end; None when an item is not a tensor.
+
+    Records lie back to back from the file's start, each its envelope plus its bytes; a record of
+    ``DIRECT_MIN`` bytes or more is first padded so that its bytes start on a page, as the writer
+    does for a page-aligned tensor written with O_DIRECT (``pad_large``; without it, or for memory
+    that is not page-aligned, the writer adds no padding).
+    """
+    lengths: dict[tuple[torch.Size, torch.dtype], tuple[int, int, int]] = {}  # (prefix, bytes, length) per kind
+    storage_md: dict[MetadataIndex, _StorageInfo] = {}
+    offset = 0
+    for item in items:
+        td = item.tensor_data
+        if td is None or td.chunk is None:
+            return None
+        dtype = td.properties.dtype
+        size = td.chunk.sizes
+        key = (size, dtype)
+        known = lengths.get(key)
+        if known is None:
+            nbytes = math.prod(size) * dtype.itemsize
+            prefix, _, overhead = _split_envelope(envelope_for(tuple(size), dtype))
+            known = lengths[key] = (len(prefix), nbytes, overhead + nbytes)
+        prefix_len, nbytes, length = known
+        if pad_large and nbytes >= DIRECT_MIN:
+            offset += -(offset + prefix_len) % BLOCK
+        storage_md[item.index] = _StorageInfo(file_name, offset, length)
+        offset += length
+    return storage_md, offset
+
+
 def prime_layout(cache: SavePlanCache, tensors: dict[str, torch.Tensor]) -> None:
     """Plan a single-rank save of ``tensors`` and, when every record is small, the layout of its
-    file, ahead of the save (so even the first save reuses both). The offsets follow
-    :class:`_SmallRecords`: records back to back from the file's start, each its envelope plus its bytes.
+    file, ahead of the save (so even the first save reuses both): see :func:`record_layout`.
     """
     entry = cache.prime(tensors)
     if entry is None or entry.layout is not None:
         return
-    file_name = f"__0_0{DEFAULT_SUFFIX}"
-    lengths: dict[tuple[torch.Size, torch.dtype], int] = {}  # one int object per (shape, dtype)
-    storage_md: dict[MetadataIndex, _StorageInfo] = {}
-    offset = 0
     for item in entry.items:
         td = item.tensor_data
-        if td is None:
-            return
-        dtype = td.properties.dtype
-        nbytes = math.prod(td.size) * dtype.itemsize
-        if nbytes > _SMALL_RECORD:
+        if td is None or math.prod(td.size) * td.properties.dtype.itemsize > _SMALL_RECORD:
             return  # where a large record lands depends on its memory's alignment
-        key = (td.size, dtype)
-        length = lengths.get(key)
-        if length is None:
-            length = lengths[key] = _split_envelope(envelope_for(tuple(td.size), dtype))[2] + nbytes
-        storage_md[item.index] = _StorageInfo(file_name, offset, length)
-        offset += length
+    file_name = f"__0_0{DEFAULT_SUFFIX}"
+    laid = record_layout(entry.items, file_name)
+    if laid is None:
+        return
+    storage_md, offset = laid
     metadata = Metadata(entry.tensors_md, planner_data=dict(entry.mappings))
     metadata.version = CURRENT_DCP_VERSION
     metadata.storage_data = storage_md
@@ -666,7 +704,7 @@ def _objects_inserts(objects: list[tuple[str, _StorageInfo]]) -> tuple[bytes, by
     return out[0], out[1], out[2]
 
 
-def _object_paths(objects: list[tuple[str, _StorageInfo]], planner_data: Any) -> dict[str, tuple[str, ...]]:
+def object_paths(objects: list[tuple[str, _StorageInfo]], planner_data: Any) -> dict[str, tuple[str, ...]]:
     """The planner_data (flat key -> path in the saved state dict) of the object entries, in the form
     the tensors' mappings have: flat (our planner) or one level of nesting (DCP's, see planner.nest)."""
     first = next(iter(planner_data.values()), ()) if isinstance(planner_data, dict) else ()

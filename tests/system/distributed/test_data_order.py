@@ -205,6 +205,18 @@ def test_reshard_is_refused_where_no_global_position_exists(tmp_path: Path, flag
         assert result["error"]["message"] == f"{ck / 'step_00000003'} was saved by 2 rank(s) and is being loaded by 1: {message}"
 
 
+def test_ranks_that_disagree_are_refused_on_every_rank_of_a_larger_job(tmp_path: Path) -> None:
+    """Loaded by 3 ranks, rank 0 alone reads every saved rank's position to check they agree (the
+    others read only rank 0's); its refusal reaches every rank, with its type and its reason."""
+    ck = tmp_path / "ck"
+    run_jobs([(CHILD, 2, ["save", str(ck), str(tmp_path / "unused"), "--skew"], tmp_path / "save")])
+    run_jobs([(CHILD, 3, ["load", str(ck), str(tmp_path / "report"), "--skew"], tmp_path / "load")])
+    for rank in range(3):
+        result = json.loads((tmp_path / f"report.rank{rank}.json").read_text())["reshard"]
+        assert result["error"]["type"] == "CheckpointMismatchError" and result["untouched"], (rank, result)
+        assert "the saved ranks disagree on the data position (rank 0: position 24" in result["error"]["message"]
+
+
 def test_same_world_size_load_of_another_order_is_refused_before_anything_is_set(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 2)
     loader = StatefulDataLoader(data(), batch_size=BATCH, sampler=ResumableDistributedSampler(data(), 1, 0, seed=SEED))

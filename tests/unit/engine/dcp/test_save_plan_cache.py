@@ -7,6 +7,8 @@ what plain ``dcp.load`` reads back, and the metadata, against the live tensors o
 from __future__ import annotations
 
 import io
+import math
+import os
 import pickle
 import pickletools
 from pathlib import Path
@@ -40,6 +42,7 @@ from checkpoint_manager.engine.dcp.writer import (
     _metadata_tail,
     _objects_inserts,
     prime_layout,
+    record_layout,
 )
 from checkpoint_manager.state.training import gather_state
 
@@ -348,3 +351,45 @@ def test_cached_results_are_real_write_results_when_read(tmp_path: Path, primed:
     assert cache.entry is entry
     assert read_dcp_metadata(tmp_path / "copy").storage_data == read_dcp_metadata(tmp_path / "s0").storage_data
     _check_files(tmp_path / "copy", flat)
+
+
+def _page_aligned(shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 tensor whose bytes start on a page (what the writer pads large records for)."""
+    n = math.prod(shape)
+    raw = torch.empty(n * 4 + 4096, dtype=torch.uint8)
+    start = -raw.data_ptr() % 4096
+    out = raw[start : start + n * 4].view(torch.float32).reshape(shape)
+    out.copy_(torch.randn(shape))
+    return out
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_record_layout_equals_the_written_one_with_large_records(tmp_path: Path, direct: bool) -> None:
+    """record_layout places every record, large ones padded to a page, where the writer puts them."""
+    flat = _state() | {
+        "model.big": _page_aligned((300, 1024)),  # 1.2 MB: padded to a page when written with O_DIRECT
+        "model.mid": torch.randn(200, 128),  # 100 KB: neither small nor padded
+        "model.big2": _page_aligned((513, 1024)),
+        "model.tail": torch.randn(7),
+    }
+    planner = FastSavePlanner()
+    writer = CheckpointWriter(tmp_path / "s", fsync=False, direct=direct)
+    save_tensors(flat, storage_writer=writer, planner=planner, no_dist=True)
+    written = read_dcp_metadata(tmp_path / "s").storage_data
+    padded = writer.in_place_bytes > 0  # written with O_DIRECT from page-aligned memory (where allowed)
+    assert padded or not direct or not _o_direct_works(tmp_path)
+    laid = record_layout(planner.create_local_plan().items, "__0_0.distcp", pad_large=padded)
+    assert laid is not None
+    storage_md, end = laid
+    assert storage_md == {k: v for k, v in written.items() if k.fqn in flat}
+    assert end == max(v.offset + v.length for k, v in written.items() if k.fqn in flat)
+    _check_files(tmp_path / "s", flat)
+
+
+def _o_direct_works(directory: Path) -> bool:
+    try:
+        fd = os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+    os.close(fd)
+    return hasattr(os, "O_DIRECT")
