@@ -406,13 +406,12 @@ def test_pointers_move_in_one_place() -> None:
 
 
 # -- docs/architecture.md names the function of each step -------------------------------------------------
-ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
 #: "(`Name.attr`, `pkg/module.py`" or "`name` of `pkg/module.py`": a function and where it lives
 _NAMED_AT = re.compile(r"`([A-Za-z_][\w.]*)`(?:, | of )`([\w/]+)\.py`")
 
 
 def _steps(section: str) -> list[str]:
-    body = ARCHITECTURE_DOC.read_text().split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    body = ARCHITECTURE.read_text().split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
     return re.split(r"\n(?=\d+\. \*\*)", body)[1:]
 
 
