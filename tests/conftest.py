@@ -1,4 +1,5 @@
-"""Shared fixtures: the example trainer as a module, a reference run, a tmpfs, the S3 server.
+"""Shared fixtures (the example trainer as a module, a reference run, a tmpfs, the S3 server) and
+the markers every test gets from where it lives (tests/helpers/layout.py).
 
 The helpers these build on live in ``tests/helpers/`` (import them from there, never from here).
 """
@@ -12,10 +13,27 @@ from types import ModuleType
 import pytest
 import torch
 
+from tests.helpers.layout import KINDS, LAYERS, markers_for
 from tests.helpers.machine import mounted_tmpfs
 from tests.helpers.process import run_python
 from tests.helpers.s3_server import FaultProxy, MotoS3
 from tests.helpers.training import SMALL_RUN, ReferenceRun, load_example_trainer
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test by its place: ``unit``, or ``system`` and its kind. A test file that marks
+    itself with one of these, or a test outside the places tests/helpers/layout.py knows, is an error:
+    ``-m unit`` and ``-m system`` must each select exactly their tests."""
+    placed = set(LAYERS) | set(KINDS)
+    for item in items:
+        names = markers_for(item.nodeid)
+        if not names:
+            raise pytest.UsageError(f"{item.nodeid}: not in tests/unit/<package>/, tests/system/<kind>/ or a plugin's tests/")
+        own = sorted({m.name for m in item.iter_markers()} & placed)
+        if own:
+            raise pytest.UsageError(f"{item.nodeid}: marks itself {own}; the place of a test decides its markers")
+        for name in names:
+            item.add_marker(name)
 
 
 @pytest.fixture(scope="session")

@@ -319,6 +319,29 @@ class Loader:
             every_part = ctx.strict and ctx.load_optimizer and ctx.load_scheduler and ctx.load_extra
             self.stager.warm_up(save_context(ctx), gathered=targets if every_part else None)
 
+    def branch_at(self, step: int) -> list[str]:
+        """The run's state is that of ``step``, loaded from another directory: the next save descends
+        from save_dir's newest checkpoint of the current line at or before ``step`` (protected as a
+        loaded one is), or starts a line of its own; the names of the line's checkpoints past
+        ``step``, which that save supersedes (the same on every rank). Collective."""
+
+        def find() -> list[Any]:
+            line = [i for i in self.discovery.list_checkpoints() if not i.superseded]
+            before = [i.name for i in line if i.step <= step]
+            return [before[-1] if before else None, [i.name for i in line if i.step > step]]
+
+        name, newer = self.dist.on_coordinator(find, f"branch at step {step}")
+        parent = None
+        if name is not None and self.dist.is_coordinator:  # the lineage is rank 0's to write
+            parent = next((i for i in self.discovery.list_checkpoints() if i.name == name), None)
+        cursor = self.cursor
+        cursor.descend_from(parent)
+        cursor.resumed_from = name
+        cursor.saved(step)
+        if parent is not None:
+            self.warn_going_back(parent)
+        return list(newer)
+
     def warn_going_back(self, loaded: CheckpointInfo, skipped: Collection[str] = ()) -> None:
         """Rank 0: a load of a checkpoint older than the newest of its line names what the next save
         supersedes (a run that goes on from here starts a new line), and what becomes of them; those

@@ -167,11 +167,7 @@ class DefaultCheckpointManager(FinalizeOnExit):
         return result
 
     def save(self, ctx: SaveContext) -> SaveResult | None:
-        if self._writer.closed:
-            raise ManagerClosedError(
-                "this checkpoint manager was terminated (finalize_async_saves(terminate=True)); "
-                "create a new one to save again"
-            )
+        self._check_open()
         self._writer.collect(wait=False)  # reports a failed background save itself
         try:
             return self._save(ctx)
@@ -186,6 +182,13 @@ class DefaultCheckpointManager(FinalizeOnExit):
             raise
         finally:
             self._attempt = None
+
+    def _check_open(self) -> None:
+        if self._writer.closed:
+            raise ManagerClosedError(
+                "this checkpoint manager was terminated (finalize_async_saves(terminate=True)); "
+                "create a new one to save again"
+            )
 
     def _save(self, ctx: SaveContext) -> SaveResult | None:
         self._lock.check_owner()
@@ -240,3 +243,18 @@ class DefaultCheckpointManager(FinalizeOnExit):
                 self._pruner.close()
                 self._roots.release_copies()
                 self._lock.release()
+
+    def branch_at(self, step: int) -> list[str]:
+        """The run's state is that of ``step``, loaded from elsewhere (another manager's directory, such
+        as the other tier of a tiered manager): the next save descends from this directory's newest
+        checkpoint of the current line at or before ``step`` (kept by retention while this run lives,
+        as a loaded one is), or starts a line of its own where there is none. Returns the names of
+        the current line's checkpoints past ``step``: the ones that save supersedes (the same list on
+        every rank). Collective."""
+        self._check_open()
+        self._writer.collect(wait=True)  # an async save in flight would move the parent again
+        return self._loader.branch_at(step)
+
+    def in_save_dir(self, location: str) -> bool:
+        """Whether the checkpoint at ``location`` is one of save_dir's (not one loaded from elsewhere)."""
+        return self._roots.in_save_dir(location)

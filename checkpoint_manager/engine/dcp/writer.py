@@ -140,6 +140,7 @@ class CheckpointWriter(FileSystemWriter):
                 ]
             with paused_gc():  # pickling one metadata entry per tensor
                 super().finish(metadata, results)
+            self._record_metadata()
             return
         # The reused plan's .metadata: all of it but storage_meta (this save's path and id) and the
         # object entries is the same as the last one's, so its pickle is too (see _metadata_prefix).
@@ -182,6 +183,14 @@ class CheckpointWriter(FileSystemWriter):
         if self.fs.exists(final):
             self.fs.rm_file(final)
         self.fs.rename(tmp, final)
+        self.checksums[METADATA_FILE] = {"size": len(data), "crc32": crc32(data)}
+
+    def _record_metadata(self) -> None:
+        """The record of the ``.metadata`` DCP's own finish wrote (read back: its bytes are not ours
+        to see), so the save's records name every file it wrote."""
+        with open(cast(Path, self._get_metadata_path()), "rb") as f:
+            data = f.read()
+        self.checksums[METADATA_FILE] = {"size": len(data), "crc32": crc32(data)}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         with paused_gc():  # one WriteResult per tensor: see paused_gc

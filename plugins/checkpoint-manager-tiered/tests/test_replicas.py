@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from cm_tiered.replicas import file_crc
 from replica_nodes import Job, can_isolate_nodes
 from safetensors.torch import load_file
 
@@ -249,3 +250,59 @@ def test_replica_resume_wrong_types_and_truncation_fall_back_to_durable(
     assert f"{seen / older.parent.name / 'committed.json'}: not used (" in text and "not valid JSON" in text
     assert "CollectiveTimeoutError" not in text and "timed out" not in text
     assert_bit_exact(out, reference)
+
+
+# ---- save_frozen="once" with replicas ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def frozen_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fine-tuning run (first layer frozen, save_frozen="once") that never stopped."""
+    root = tmp_path_factory.mktemp("frozen-reference")
+    job = Job(root / "run", root / "out", STEPS, extra=("--frozen",))
+    job.start()
+    job.wait(JOB_TIMEOUT)
+    return root / "out"
+
+
+def test_frozen_base_is_held_once_per_node_and_resumes_from_peers_after_its_writer_retired(
+    tmp_path: Path, frozen_reference: Path
+) -> None:
+    """Six steps with keep_last=2: step 1 wrote the frozen files and is retired everywhere. Every
+    node's replica store holds each kept step's shares whole (each file as its manifest records it),
+    the frozen files once per node however many steps use them (a copy a node holds already is
+    linked, not sent again); a replaced node resumes from its peer's copies, bit-exact to the run
+    that never stopped."""
+    run = tmp_path / "run"
+    job = Job(run, tmp_path / "first", 6, extra=("--frozen",))
+    job.start()
+    job.wait(JOB_TIMEOUT)
+    kept = ["step_00000005", "step_00000006"]
+    node0 = run / "node0"
+    assert sorted(p.name for p in node0.glob("step_*")) == kept
+    frozen_files: set[tuple[int, str]] = set()
+    for node in (0, 1):  # two nodes, one replica each: every node holds every rank's share
+        store = run / f"node{node}" / ".replicas"
+        assert sorted(p.name for p in store.iterdir() if not p.name.startswith(".")) == kept
+        for name in kept:
+            manifests = json.loads((store / name / "committed.json").read_text())["manifests"]
+            for rank in range(4):
+                for rel, recorded in manifests[str(rank)].items():
+                    path = store / name / f"rank_{rank:05d}" / rel
+                    assert path.stat().st_size == recorded["size"], (node, name, rank, rel)
+                    assert file_crc(path) == recorded["crc32"], (node, name, rank, rel)
+                    if rel.endswith("_frozen.distcp"):
+                        frozen_files.add((rank, rel))
+        for rank, rel in frozen_files:  # one file per node for both kept steps
+            copies = [os.stat(store / name / f"rank_{rank:05d}" / rel) for name in kept]
+            assert copies[0].st_ino == copies[1].st_ino, (node, rank, rel)
+    assert frozen_files, "no rank wrote a frozen file"
+    shutil.rmtree(run / "node1")  # the node is replaced: an empty local disk
+    (run / "node1").mkdir()
+    out = tmp_path / "out"
+    job = Job(run, out, STEPS, extra=("--frozen",))
+    job.start()
+    job.wait(JOB_TIMEOUT)
+    assert result(out)["resumed"] == {"step": 6, "path": str(run / "local" / "step_00000006")}
+    assert "resumed from the local tiers" in logs(out)
+    assert_bit_exact(out, frozen_reference)

@@ -1,10 +1,11 @@
 """A deterministic data-parallel training job for the peer-replication tests (run under torchrun).
 
-usage: train_replicated.py ROOT OUT STEPS [--replicas K] [--signal-at STEP] [--step-sleep S] [--async]
+usage: train_replicated.py ROOT OUT STEPS [--replicas K] [--signal-at STEP] [--step-sleep S] [--async] [--frozen]
 
 ROOT/local is this node's local tier (the test binds a per-node directory there), ROOT/durable the
 shared durable tier. Every rank writes its final parameters, optimizer state and a draw of its RNG to
 OUT/rank_<r>.safetensors, and rank 0 writes OUT/result.json (the step and tier resumed from).
+``--frozen``: the first layer does not train (a fine-tuning run), saved with ``save_frozen="once"``.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--async", dest="async_save", action="store_true")
     parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--frozen", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK')}] %(name)s %(levelname)s %(message)s")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(nn.Linear(8, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 4))
+    if args.frozen:
+        model[0].requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(1000 + rank)  # each rank draws its own data: its RNG state is per-rank state
     state = TrainState()
@@ -56,6 +60,7 @@ def main() -> None:
         "replicas": args.replicas,
         "async_save": args.async_save,
         "collective_timeout_s": 30,
+        "save_frozen": "once" if args.frozen else "every",
     }
     resumed: dict[str, object] = {"step": None, "path": None}
     with create_checkpoint_manager(config) as manager:
@@ -69,6 +74,8 @@ def main() -> None:
             optimizer.zero_grad()
             loss.backward()
             for p in model.parameters():  # data parallel: the mean gradient, summed in rank order
+                if not p.requires_grad:
+                    continue
                 assert p.grad is not None
                 grads = [torch.empty_like(p.grad) for _ in range(world)]
                 dist.all_gather(grads, p.grad)

@@ -267,6 +267,9 @@ def test_json_collectives_carry_small_and_large_payloads(matrix: Matrix) -> None
 # -- a rank dies or hangs inside a save --------------------------------------------------------------
 
 FAIL_TIMEOUT = 6.0
+# what a timed-out or broken collective may take beyond FAIL_TIMEOUT on a busy machine: far below the
+# process group's own timeout (300 s, tests/helpers/dist_child.py), so the error comes from FAIL_TIMEOUT
+SLACK_S = 60.0
 
 
 def committed(save_dir: Path) -> list[str]:
@@ -292,7 +295,7 @@ def test_rank_killed_mid_save_commits_nothing_and_the_survivor_raises(killed_ran
     assert error is not None, "rank 0 went on as if step 20 were saved"
     assert error["type"] == "CollectiveTimeoutError"
     assert error["message"].startswith("rank 0 of 2: checkpoint collective 'step 20: write' failed")
-    assert report["seconds"] < FAIL_TIMEOUT + 5
+    assert report["seconds"] < FAIL_TIMEOUT + SLACK_S
     assert committed(save_dir) == ["step_00000010"]
     assert json.loads((save_dir / "latest").read_text())["step"] == 10
 
@@ -319,7 +322,7 @@ def test_rank_hung_mid_async_save_times_out_and_the_previous_checkpoint_loads(
     assert error["cause"].startswith(
         f"rank 0 of 2: checkpoint collective 'step 20: write' timed out after {FAIL_TIMEOUT:g}s"
     )
-    assert FAIL_TIMEOUT - 1 < report["seconds"] < FAIL_TIMEOUT + 10
+    assert FAIL_TIMEOUT - 1 < report["seconds"] < FAIL_TIMEOUT + SLACK_S  # never before the timeout
     assert committed(save_dir) == ["step_00000010"]
 
 

@@ -37,7 +37,7 @@ from checkpoint_manager.testing import CONFORMANCE_CHECKS, run_conformance_check
 from tests.helpers.process import child_env
 from tests.helpers.s3_server import MotoS3, storage_options
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # a hang guard: child processes start slowly on a busy machine
 
 
 # ---- a deterministic training rig (also run by the child process) ------------------------------
@@ -205,13 +205,13 @@ def _run_child_and_kill(root: Path, steps: int) -> None:
         env=child_env(),
     )
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 240  # a hang guard: the wait ends at the child's last step
         while not ready.exists():
             if child.poll() is not None:
                 out = child.stdout.read().decode() if child.stdout else ""
                 pytest.fail(f"the training child exited with {child.returncode} before step {steps}:\n{out}")
             if time.monotonic() > deadline:
-                pytest.fail("the training child did not reach its last step in 90 s")
+                pytest.fail("the training child did not reach its last step in 240 s")
             time.sleep(0.05)
     finally:
         child.send_signal(signal.SIGKILL)  # the job dies: no finalize, no cleanup
@@ -474,3 +474,126 @@ def _child(root: Path, steps: int) -> None:
 
 if __name__ == "__main__":
     _child(Path(sys.argv[1]), int(sys.argv[2]))
+
+
+# ---- a run's lines across the tiers --------------------------------------------------------------
+
+
+def _lines(manager: TieredCheckpointManager) -> dict[str, list[tuple[str, int, bool]]]:
+    """Each tier's checkpoints in save order: (name, step, superseded)."""
+    return {
+        name: [(info.name, info.step, info.superseded) for info in tier.list_checkpoints()]
+        for name, tier in (("local", manager.local), ("durable", manager.durable))
+    }
+
+
+def _truncate_data(step_dir: Path) -> None:
+    data = sorted(step_dir.rglob("*.distcp"))
+    assert data, f"{step_dir} holds no DCP data file"
+    with open(data[0], "r+b") as f:
+        f.truncate(3)
+
+
+def _go_back_to_6_and_save_7(root: Path, **extra: Any) -> tuple[Rig, TieredCheckpointManager]:
+    """Train to step 10 (local 9 and 10, durable 6 and 9), load step 6 from the durable tier, train one
+    step and save it."""
+    _train_and_save(root, 10, **extra)
+    rig, result, manager = _resume(root, durable_every_n_steps=3, load_step=6, **extra)
+    assert (result.step, Path(result.path).parent.name) == (6, "durable")
+    assert_same(rig.snapshot(), replay(6))
+    rig.step()
+    return rig, manager
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_lines_going_back_starts_the_new_line_in_both_tiers(tmp_path: Path, async_save: bool) -> None:
+    """Both tiers record the line a run starts by going back (the durable tier saves the new line's
+    first checkpoint although its cadence would not), auto-resume follows it from either tier, a
+    damaged head falls back along it to the branch point, never to the abandoned steps 9 and 10."""
+    rig, manager = _go_back_to_6_and_save_7(tmp_path, async_save=async_save)
+    manager.save(SaveContext(**rig.kwargs()))
+    manager.finalize_async_saves(blocking=True, terminate=True)
+    assert _lines(manager) == {
+        "local": [("step_00000009", 9, True), ("step_00000010", 10, True), ("step_00000007", 7, False)],
+        "durable": [("step_00000006", 6, False), ("step_00000009", 9, True), ("step_00000007", 7, False)],
+    }
+    rig, result, manager = _resume(tmp_path, durable_every_n_steps=3)
+    assert (result.step, Path(result.path).parent.name) == (7, "local")
+    assert_same(rig.snapshot(), replay(7))
+    manager.finalize_async_saves(terminate=True)
+    _truncate_data(tmp_path / "local" / "step_00000007")
+    rig, result, manager = _resume(tmp_path, durable_every_n_steps=3)
+    assert (result.step, Path(result.path).parent.name) == (7, "durable")
+    assert_same(rig.snapshot(), replay(7))
+    manager.finalize_async_saves(terminate=True)
+    _truncate_data(tmp_path / "durable" / "step_00000007")
+    rig, result, manager = _resume(tmp_path, durable_every_n_steps=3)
+    assert (result.step, Path(result.path).parent.name) == (6, "durable")  # the branch point
+    assert_same(rig.snapshot(), replay(6))
+    manager.finalize_async_saves(terminate=True)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_lines_retention_in_each_tier_keeps_the_abandoned_line_aside(tmp_path: Path, async_save: bool) -> None:
+    """Training on along the new line: each tier's retention ranks its new line only, the abandoned
+    checkpoints stay superseded (a new save that reuses a name sets the old one aside), and the
+    resume is the new line's newest, bit-exact."""
+    rig, manager = _go_back_to_6_and_save_7(tmp_path, async_save=async_save)
+    for _ in range(7, 13):
+        manager.save(SaveContext(**rig.kwargs()))
+        if rig.train_state.step < 12:
+            rig.step()
+    manager.finalize_async_saves(blocking=True, terminate=True)
+    lines = _lines(manager)
+    assert [(n, s) for n, s, off in lines["local"] if off] == [("step_00000009.superseded", 9), ("step_00000010.superseded", 10)]
+    assert [(n, s) for n, s, off in lines["local"] if not off] == [("step_00000011", 11), ("step_00000012", 12)]
+    assert [(n, s) for n, s, off in lines["durable"] if off] == [("step_00000009.superseded", 9)]
+    # step 6, where the run went back to, is kept by the durable tier while this run lives (it loaded it)
+    assert [(n, s) for n, s, off in lines["durable"] if not off] == [
+        ("step_00000006", 6), ("step_00000009", 9), ("step_00000012", 12)
+    ]
+    rig, result, manager = _resume(tmp_path, durable_every_n_steps=3)
+    assert (result.step, Path(result.path).parent.name) == (12, "local")
+    assert_same(rig.snapshot(), replay(12))
+    manager.finalize_async_saves(terminate=True)
+
+
+class FailingCursor(Cursor):
+    """A data loader whose state cannot be read a second time: the durable tier's gather of the save
+    after the local tier's fails, as if the job died between the two tiers' saves."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__()
+        self.position, self.reads = position, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        self.reads += 1
+        if self.reads > 1:
+            raise RuntimeError("the data loader is gone")
+        return super().state_dict()
+
+
+def test_lines_a_crash_between_the_tiers_saves_resumes_the_new_line(tmp_path: Path) -> None:
+    """The local tier saved the new line's first checkpoint, the durable tier did not: the durable
+    tier's newest (step 9, of the abandoned line) is past the head, and neither it nor the local
+    tier's abandoned steps are resumed; a damaged head falls back to the branch point."""
+    rig, manager = _go_back_to_6_and_save_7(tmp_path)
+    rig.cursor = FailingCursor(rig.cursor.position)
+    try:  # the local tier commits; the durable tier (which saves a new line's first step) fails
+        manager.save(SaveContext(**rig.kwargs()))
+    except RuntimeError as exc:
+        assert str(exc) == "the data loader is gone"
+    assert [info.step for info in manager.local.list_checkpoints()][-1] == 7
+    manager.finalize_async_saves(blocking=True, terminate=True)
+    assert [(n, s, off) for n, s, off in _lines(manager)["durable"]] == [
+        ("step_00000006", 6, False), ("step_00000009", 9, False)  # the durable tier never saw the new line
+    ]
+    rig, result, manager = _resume(tmp_path, durable_every_n_steps=3)
+    assert (result.step, Path(result.path).parent.name) == (7, "local")
+    assert_same(rig.snapshot(), replay(7))
+    manager.finalize_async_saves(terminate=True)
+    _truncate_data(tmp_path / "local" / "step_00000007")
+    rig, result, manager = _resume(tmp_path, durable_every_n_steps=3)
+    assert (result.step, Path(result.path).parent.name) == (6, "durable")
+    assert_same(rig.snapshot(), replay(6))
+    manager.finalize_async_saves(terminate=True)

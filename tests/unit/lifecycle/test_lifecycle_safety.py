@@ -415,6 +415,16 @@ def test_a_read_only_run_directory_refuses_a_writer_and_serves_a_reader(tmp_path
         reader.finalize_async_saves(terminate=True)
 
 
+def _open_count(path: Path) -> int:
+    """How many descriptors of this process are open on ``path``."""
+    fds = Path("/proc/self/fd")
+    count = 0
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            count += os.readlink(fd) == str(path.resolve())
+    return count
+
+
 @pytest.mark.timeout(120)
 def test_the_lock_leaves_no_helper_file_and_still_waits_for_an_older_versions_guard(tmp_path: Path) -> None:
     save_dir = tmp_path / "run"
@@ -430,7 +440,12 @@ def test_the_lock_leaves_no_helper_file_and_still_waits_for_an_older_versions_gu
         took: list[WriterLock] = []
         worker = threading.Thread(target=lambda: took.append(WriterLock(save_dir).acquire()))
         worker.start()
-        time.sleep(0.3)
+        # the worker has the guard open (a second descriptor of it in this process): it is trying to lock it
+        deadline = time.monotonic() + 60
+        while _open_count(guard) < 2:
+            assert time.monotonic() < deadline, "the lock never opened the older version's guard"
+            assert worker.is_alive() and not took, "acquired without looking at the older version's guard"
+            time.sleep(0.01)
         assert not took, "acquired while an older version held its guard"
         fcntl.flock(fd, fcntl.LOCK_UN)
         worker.join(30)

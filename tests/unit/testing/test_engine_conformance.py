@@ -133,23 +133,8 @@ def _dcp_engine() -> Any:
 
 
 @pytest.mark.parametrize(
-    "check",
-    [
-        pytest.param(
-            check,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="DCPEngine.save leaves '.metadata' (written by DCP's finish) out of its records; the "
-                "contract asks for a record of every file written: record it, or say in engine/base.py that "
-                "records may be partial",
-            ),
-        )
-        if check == "records"
-        else check
-        # no_pickle: DCP's .metadata is a pickle, read through an allow-listed unpickler (its opt-out)
-        for check in ENGINE_CHECKS
-        if check != "no_pickle"
-    ],
+    # no_pickle: DCP's .metadata is a pickle, read through an allow-listed unpickler (its opt-out)
+    "check", [check for check in ENGINE_CHECKS if check != "no_pickle"]
 )
 def test_the_dcp_engine_passes(check: str, tmp_path: Path) -> None:
     run_engine_check(check, _dcp_engine(), tmp_path)

@@ -6,6 +6,12 @@ manager's; this class only decides which tier saves and which tier a resume read
 the newest checkpoint that loads from either tier (local first at equal steps: it is the faster
 read), falling back past damaged ones, so losing the node (and its local tier) costs at most the
 steps since the last durable checkpoint.
+
+A run's lines hold across the tiers: each tier records its own lineage, and a load from either
+tier makes the other descend from its own checkpoint at or before the loaded step
+(:meth:`DefaultCheckpointManager.branch_at`). A run that went back saves into both tiers at its
+next save, so both record the new line; until both did (a crash between them), auto-resume takes
+the newest save of either tier as the head and never a step of the other tier past it.
 """
 
 from __future__ import annotations
@@ -111,6 +117,8 @@ class TieredCheckpointManager(FinalizeOnExit):
         # the replica store (every share, from whichever node holds it), never the local listing
         self._listed = {"durable": self.durable} if self._replicator else self._tiers
         self._closed = False
+        # a load went back to an older step: the next save goes to both tiers (the new line in each)
+        self._branch_pending = False
 
     def add_callback(self, callback: CheckpointCallback) -> None:
         """Observe both tiers: every event's path says which tier it came from."""
@@ -130,6 +138,8 @@ class TieredCheckpointManager(FinalizeOnExit):
                 "create a new one to save again"
             )
         results = _both(self._tiers, lambda tier: tier.save(ctx), "save")
+        if self._branch_pending:
+            results = self._save_the_new_line(ctx, results)
         self._replicate_committed()
         if self._replicator is not None:
             # Backpressure: the replications handed over by an earlier save call must have landed
@@ -141,6 +151,22 @@ class TieredCheckpointManager(FinalizeOnExit):
             self._replicator.generation += 1
         durable, local = results["durable"], results["local"]
         return durable if durable is not None else local
+
+    def _save_the_new_line(
+        self, ctx: SaveContext, results: dict[str, SaveResult | None]
+    ) -> dict[str, SaveResult | None]:
+        """The first save after going back: a tier whose policy did not save now saves anyway, so that
+        both tiers record the new line (else the one that did not would still hold the abandoned line
+        as its newest)."""
+        saved = {name for name, result in results.items() if result is not None and result.error is None}
+        if not saved:
+            return results
+        missing = {name: tier for name, tier in self._tiers.items() if name not in saved}
+        forced = dataclasses.replace(ctx, force=True)
+        results = {**results, **_both(missing, lambda tier: tier.save(forced), "save of the new line")}
+        if all(result is not None and result.error is None for result in results.values()):
+            self._branch_pending = False
+        return results
 
     def _replicate_committed(self, *, wait: bool = False) -> None:
         """Hand each committed local checkpoint to the replicator (in commit order, the same on every rank)."""
@@ -250,7 +276,9 @@ class TieredCheckpointManager(FinalizeOnExit):
         return dataclasses.replace(result, path=location)
 
     def load(self, ctx: LoadContext) -> LoadResult:
-        result = self._load(ctx)
+        result, tier = self._load(ctx)
+        if tier is not None:
+            self._branch(tier, result.step)
         rep = self._replicator
         if rep is not None:
             # unfinished replications are never finished now; steps above this one stay (the next
@@ -260,22 +288,37 @@ class TieredCheckpointManager(FinalizeOnExit):
             rep.ctl.barrier("replicas: store after the resume")
         return result
 
-    def _load(self, ctx: LoadContext) -> LoadResult:
+    def _branch(self, loaded: str, step: int) -> None:
+        """The tier ``loaded`` was read at ``step``: the other tier descends from its own checkpoint at
+        or before it; where that supersedes checkpoints (the run went back), the next save goes to
+        both tiers."""
+        superseded = [name for tier_name, tier in self._tiers.items() if tier_name != loaded for name in tier.branch_at(step)]
+        if loaded in self._listed:  # listed alike on every rank (with replicas the local tier is not)
+            line = [i for i in self._listed[loaded].list_checkpoints() if not i.superseded]
+            superseded += [i.name for i in line if i.step > step]
+        self._branch_pending = bool(superseded)
+
+    def _load(self, ctx: LoadContext) -> tuple[LoadResult, str | None]:
         """The newest checkpoint of either tier that loads; a damaged one falls back to the next.
+        Also the tier it came from (None: initial weights, not a checkpoint of the run).
 
         The default manager verifies a checkpoint (``verify_on_load``) and decodes its JSON before
         touching any object, so a damaged candidate is refused with the objects unchanged.
         """
         if ctx.path is not None:
-            return self._tier_for_path(str(ctx.path)).load(ctx)
+            tier = self._tier_for_path(str(ctx.path))
+            result = tier.load(ctx)
+            if tier is self.durable and not self.durable.in_save_dir(str(ctx.path)):
+                return result, None  # a checkpoint of neither tier: nothing of the run's lines moves
+            return result, "local" if tier is self.local else "durable"
         if self._replicator is not None:
             replicated = self._load_replicated(ctx)
             if replicated is not None:
-                return replicated
+                return replicated, "local"
         candidates = self._candidates(ctx)
         if not candidates:
             if self._initial_weights(ctx):
-                return self.durable.load(ctx)  # the durable tier holds the initial_load_path setting
+                return self.durable.load(ctx), None  # the durable tier holds the initial_load_path setting
             why = "load_mode='never'" if self.config.load_mode == "never" else "neither tier holds a checkpoint"
             raise CheckpointNotFoundError(
                 f"nothing to load from {self.config.local_dir} or {self.config.save_dir}: {why}"
@@ -297,7 +340,7 @@ class TieredCheckpointManager(FinalizeOnExit):
                 damaged.append(exc)
                 continue
             log.info("resumed from the %s tier: %s (step %d)", candidate.tier, result.path, result.step)
-            return result
+            return result, candidate.tier
         what = f"step {candidates[0].step}" if pinned else "every committed checkpoint"
         raise CheckpointCorruptError(
             f"{what} in {self.config.local_dir} and {self.config.save_dir} is damaged; the first: {damaged[0]}"
@@ -307,17 +350,24 @@ class TieredCheckpointManager(FinalizeOnExit):
         """What a resume may load, best first: newest step, local before durable at the same step.
 
         Each tier's superseded checkpoints (a line a run abandoned by going back) are never resumed
-        from; a pinned step takes the current line's first, as the default manager does.
+        from; a pinned step takes the current line's first, as the default manager does. The head is
+        the newest save of either tier: a step of the other tier past it is on a line the run left
+        (it went back, and crashed before that tier saved the new line), never resumed from.
         """
         step = ctx.step if ctx.step is not None else self.config.load_step
         if step is None and self.config.load_mode == "never":
             return []
+        listed = {name: tier.list_checkpoints() for name, tier in self._listed.items()}
         found = [
             _Candidate(info.step, name, info.location, info.superseded)
-            for name, tier in self._listed.items()
-            for info in tier.list_checkpoints()
+            for name, infos in listed.items()
+            for info in infos
             if step is not None or not info.superseded
         ]
+        heads = [infos[-1] for infos in listed.values() if infos and not infos[-1].superseded]
+        if step is None and heads:
+            head = max(heads, key=lambda info: info.created)
+            found = [c for c in found if c.step <= head.step]
         if step is not None:
             found = [c for c in found if c.step == step]
             if not found:

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -602,6 +603,19 @@ def manifest_of(root: Path, known: dict[str, Any]) -> dict[str, dict[str, int]]:
     return out
 
 
+def _link_over(held: Path, dst: Path) -> None:
+    """Replace ``dst`` by a hard link to ``held`` (equal bytes), in one rename; left as is where
+    links fail or both are one file already."""
+    try:
+        if os.path.samefile(held, dst):
+            return
+        tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}")
+        os.link(held, tmp)
+    except OSError:
+        return
+    os.replace(tmp, dst)
+
+
 def _place(src: Path, dst: Path, *, move: bool) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     if move:
@@ -749,6 +763,8 @@ class Replicator:
                 shutil.rmtree(share)
             os.replace(tmp, share)
             manifest = manifest_of(share, known)
+            for rel, held in self._held_copies(name, rank, manifest).items():
+                _link_over(held, share / rel)  # e.g. a frozen base this node wrote again: kept once
             marks.append(("place", time.perf_counter()))
         except BaseException as exc:
             failure = exc
@@ -771,16 +787,30 @@ class Replicator:
                 {"manifest": manifests[0], "lineage": lineage}, f"replicas step {step}: manifest of rank 0"
             )
             manifests[0], lineage = head["manifest"], head["lineage"]
+            sources = topo.sources(rank, self.k)
+            held: dict[int, list[str]] = {}
+            try:
+                held = {src: self._prepare_copy(name, src, manifests[src]) for src in sources}
+            except BaseException as exc:  # nothing reused: every file is sent
+                log.warning("replicas step %d: earlier copies not reused (%s)", step, exc)
+                for src in sources:
+                    self._discard_copy(name, src)
+                held = {}
+            # what each rank holds already of each share it receives: its senders leave those out
+            holds = io.all_gather_json({str(s): files for s, files in held.items()}, f"replicas step {step}: held")
             try:
                 for i in range(1, self.k + 1):
                     dst = topo.peers(rank, self.k)[i - 1]
-                    src = topo.sources(rank, self.k)[i - 1]
-                    stats.bytes_sent += self._exchange(name, rank, dst, src, manifests, step)
+                    src = sources[i - 1]
+                    skip = set(holds[dst].get(str(rank), []))
+                    stats.bytes_sent += self._exchange(name, rank, dst, src, manifests, step, skip, set(held.get(src, [])))
                 stats.bytes_received = sum(
-                    sum(int(e["size"]) for e in manifests[s].values()) for s in topo.sources(rank, self.k)
+                    int(e["size"]) for s in sources for rel, e in manifests[s].items() if rel not in held.get(s, [])
                 )
             except BaseException as exc:
                 failure = exc
+                for src in sources:
+                    self._discard_copy(name, src)
         marks.append(("exchange", time.perf_counter()))
         landed = io.all_gather_json(
             None if failure is None else f"{type(failure).__name__}: {failure}", f"replicas step {step}: vote"
@@ -817,16 +847,72 @@ class Replicator:
         )
         return stats
 
+    def _held_copies(self, name: str, rank: int, manifest: dict[str, dict[str, int]]) -> dict[str, Path]:
+        """Files of ``rank``'s share of step ``name`` that this node holds already, unchanged (the same
+        size and CRC32 recorded), in an earlier committed step's copy of that share: a frozen base
+        shared by the local tier's checkpoints. Checked as a kept step is (the size; the CRC32 read
+        again under ``verify_on_load="full"``)."""
+        found: dict[str, Path] = {}
+        for other in reversed(self.store.names()):
+            marker = self.store.marker(other) if other != name else None
+            recorded = marker["manifests"].get(str(rank)) if marker is not None else None
+            if not isinstance(recorded, dict):
+                continue
+            for rel, entry in manifest.items():
+                if rel in found or rel == CHECKPOINT_JSON or recorded.get(rel) != entry:
+                    continue
+                path = self.store.share(other, rank) / rel
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                if not stat.S_ISREG(st.st_mode) or st.st_size != int(entry["size"]):
+                    continue
+                if self.verify == "full" and file_crc(path) != int(entry["crc32"]):
+                    continue
+                found[rel] = path
+        return found
+
+    def _copy_dir(self, name: str, src: int) -> Path:
+        theirs = self.store.share(name, src)
+        return theirs.with_name(f".{theirs.name}.incoming")
+
+    def _prepare_copy(self, name: str, src: int, manifest: dict[str, dict[str, int]]) -> list[str]:
+        """Link into the incoming copy of ``src``'s share what this node holds of it already; returns
+        those files (never received)."""
+        tmp = self._copy_dir(name, src)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        held = self._held_copies(name, src, manifest)
+        for rel, path in held.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.link(path, tmp / rel)
+        return sorted(held)
+
+    def _discard_copy(self, name: str, src: int) -> None:
+        shutil.rmtree(self._copy_dir(name, src), ignore_errors=True)
+
     def _exchange(
-        self, name: str, rank: int, dst: int, src: int, manifests: list[dict[str, dict[str, int]]], step: int
+        self,
+        name: str,
+        rank: int,
+        dst: int,
+        src: int,
+        manifests: list[dict[str, dict[str, int]]],
+        step: int,
+        skip: set[str],
+        held: set[str],
     ) -> int:
-        """Send my share to ``dst`` while receiving ``src``'s, both at once."""
+        """Send my share to ``dst`` (less the files ``skip``: ``dst`` holds them) while receiving
+        ``src``'s (less those ``held`` here, linked into the copy already), both at once."""
         phase = f"replicas step {step}: rank {rank} <-> peers"
         mine = self.store.share(name, rank)
         theirs = self.store.share(name, src)
-        tmp = theirs.with_name(f".{theirs.name}.{uuid.uuid4().hex[:8]}")
+        tmp = self._copy_dir(name, src)
+        tmp.mkdir(parents=True, exist_ok=True)
+        wanted = {rel: entry for rel, entry in manifests[src].items() if rel not in held}
         sent, bad = exchange_files(
-            self.io, (mine, sorted(manifests[rank]), dst), (tmp, manifests[src], src), phase, fsync=self.fsync
+            self.io, (mine, sorted(set(manifests[rank]) - skip), dst), (tmp, wanted, src), phase, fsync=self.fsync
         )
         if bad:
             shutil.rmtree(tmp, ignore_errors=True)
