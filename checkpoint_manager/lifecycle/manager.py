@@ -1,15 +1,7 @@
-"""The default manager: the engine-neutral checkpoint lifecycle around one engine, as a facade.
-
-Each job is a collaborator of its own, built here with what it needs: the save decision
-(:mod:`~checkpoint_manager.lifecycle.decide`), gathering (:mod:`~checkpoint_manager.lifecycle.gather`),
-staging (:mod:`~checkpoint_manager.lifecycle.stage`), the write (:mod:`~checkpoint_manager.lifecycle.write`),
-the vote (:mod:`~checkpoint_manager.lifecycle.vote`), ``checkpoint.json``
-(:mod:`~checkpoint_manager.lifecycle.describe`), the commit (:mod:`~checkpoint_manager.lifecycle.commit`),
-pointers then retention after it (:mod:`~checkpoint_manager.lifecycle.after_commit`), the writer thread
-(:mod:`~checkpoint_manager.lifecycle.background`), discovery (:mod:`~checkpoint_manager.lifecycle.discovery`)
-and the loader (:mod:`~checkpoint_manager.lifecycle.loading`). ``docs/architecture.md`` walks a save and a
-load through them.
-"""
+"""The default manager: the engine-neutral checkpoint lifecycle around one engine, as a facade over
+collaborators of one job each (decide, gather, stage, write, vote, describe, commit, after-commit,
+the writer thread, discovery, the loader), built here with what each needs. ``docs/architecture.md``
+walks a save and a load through them."""
 
 from __future__ import annotations
 
@@ -245,12 +237,9 @@ class DefaultCheckpointManager(FinalizeOnExit):
                 self._lock.release()
 
     def branch_at(self, step: int) -> list[str]:
-        """The run's state is that of ``step``, loaded from elsewhere (another manager's directory, such
-        as the other tier of a tiered manager): the next save descends from this directory's newest
-        checkpoint of the current line at or before ``step`` (kept by retention while this run lives,
-        as a loaded one is), or starts a line of its own where there is none. Returns the names of
-        the current line's checkpoints past ``step``: the ones that save supersedes (the same list on
-        every rank). Collective."""
+        """The run's state is that of ``step``, loaded from another directory (a tiered manager's other
+        tier): the next save descends from this directory's checkpoint at or before ``step``; returns
+        the names that save supersedes (:meth:`Loader.branch_at`). Collective."""
         self._check_open()
         self._writer.collect(wait=True)  # an async save in flight would move the parent again
         return self._loader.branch_at(step)
