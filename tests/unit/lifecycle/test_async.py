@@ -38,6 +38,7 @@ from checkpoint_manager import (
     TrainState,
 )
 from tests.helpers.process import ROOT
+from tests.helpers.threads import wait_until_blocked_in
 
 CHILD = ROOT / "tests" / "helpers" / "async_child.py"
 CHILD_TIMEOUT = 120.0
@@ -792,7 +793,8 @@ def test_staging_gate_waits_for_its_addresses_only() -> None:
     t = threading.Thread(target=waiter)
     t.start()
     gate.open([1])
-    assert not waited.wait(0.05)
+    wait_until_blocked_in(t, "waiter", "a wait for addresses 1 and 2 with only 1 open")
+    assert not waited.is_set()
     gate.open([2])
     assert waited.wait(GATE_TIMEOUT)
     t.join(GATE_TIMEOUT)

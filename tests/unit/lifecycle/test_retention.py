@@ -39,6 +39,7 @@ from checkpoint_manager.lifecycle.retention import (
 from checkpoint_manager.storage.local import LocalStorage
 from checkpoint_manager.storage.lock import LOCK_FILE, CheckpointLockError
 from tests.helpers.machine import missing_capability, mounted_tmpfs
+from tests.helpers.threads import wait_until_blocked_in
 
 _clock = itertools.count(1)
 
@@ -271,8 +272,8 @@ def test_slow_background_deletion_slows_the_next_prunes_rather_than_filling_the_
     commit(storage, 40)
     third = threading.Thread(target=pruner.after_commit)
     third.start()
-    third.join(0.5)
-    assert third.is_alive(), "the third pass went on while the first pass's removal was stuck"
+    # the third pass waits for the first pass's stuck removal, however slow the machine
+    wait_until_blocked_in(third, "_bound_backlog", "the third pass")
     assert listed(storage.root) == ["step_00000030", "step_00000040"]  # it has not hidden step 30 yet
     release.set()
     third.join(30)
