@@ -120,7 +120,7 @@ def measure(method: str, ckpt: Path, out: Path, shard: str, buffer: str) -> dict
     from safetensors.torch import save_file
 
     from checkpoint_manager.formats import export_hf
-    from checkpoint_manager.formats.dcp_stream import open_checkpoint, read_entries, tensor_entries
+    from checkpoint_manager.formats.tensor_groups import open_checkpoint, read_entries, tensor_entries
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()

@@ -78,7 +78,7 @@ def worker(root: Path, out: Path, phase: str, mib: int, replicas: int, durable: 
         from tests.helpers.s3_server import storage_options
 
         config["storage_options"] = storage_options(os.environ["BENCH_S3_ENDPOINT"])
-        config["staging_dir"] = str(root / "staging" / os.environ.get("GROUP_RANK", "0"))
+        config["scratch_dir"] = str(root / "staging" / os.environ.get("GROUP_RANK", "0"))
     lines: list[str] = []
 
     class Keep(logging.Handler):

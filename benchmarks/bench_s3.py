@@ -4,7 +4,7 @@ Against moto's S3 server (its own process on 127.0.0.1, tests/helpers/s3_server.
 on the same model + AdamW state (benchmarks/state.py):
 
 * local: ``DefaultCheckpointManager`` on local disk (the O_DIRECT writer, rename commit) -- no network;
-* s3 staged: save_dir ``s3://...``, ``upload_mode="staged"`` (local fast write, then upload; marker
+* s3 scratch: save_dir ``s3://...``, ``upload_mode="scratch"`` (local fast write, then upload; marker
   last), and the async variant (``stall`` = what training waits for, ``total`` = until committed);
 * s3 stream: ``upload_mode="stream"`` (tensor files go from memory into the multipart upload);
 * fs.put / fs.get: a plain s3fs upload (and download) of the very files of the local checkpoint --
@@ -83,10 +83,10 @@ def run(size_mib: int, repeats: int, workdir: Path) -> dict[str, Any]:
         bucket = s3.make_bucket()
         for rep in range(repeats):
             local = workdir / f"local{rep}"
-            base = dict(fsync=True, writer_lock=False, sweep_pending_on_start=False, staging_dir=str(workdir / "staging"))
+            base = dict(fsync=True, writer_lock=False, sweep_pending_on_start=False, scratch_dir=str(workdir / "staging"))
             add("save local disk", _save(bench, CheckpointConfig(save_dir=str(local), **base), 1)["total"])
             add("load local disk", _load(bench, CheckpointConfig(save_dir=str(local), **base)))
-            for mode in ("staged", "stream"):
+            for mode in ("scratch", "stream"):
                 url = f"s3://{bucket}/{mode}{rep}"
                 cfg = CheckpointConfig(save_dir=url, storage_options=opts, upload_mode=mode, **base)
                 add(f"save s3 {mode}", _save(bench, cfg, 1)["total"])
@@ -94,8 +94,8 @@ def run(size_mib: int, repeats: int, workdir: Path) -> dict[str, Any]:
             url = f"s3://{bucket}/async{rep}"
             cfg = CheckpointConfig(save_dir=url, storage_options=opts, async_save=True, **base)
             timing = _save(bench, cfg, 1)
-            add("save s3 staged async: stall", timing["stall"])
-            add("save s3 staged async: total", timing["total"])
+            add("save s3 scratch async: stall", timing["stall"])
+            add("save s3 scratch async: total", timing["total"])
 
             # the transport alone: the local checkpoint's files, put and got with plain s3fs
             import s3fs

@@ -266,7 +266,7 @@ class Scenario:
 
 
 def _job(step: int = 1000) -> Any:
-    from checkpoint_manager.lifecycle.saving import SaveJob
+    from checkpoint_manager.lifecycle.job import SaveJob
     from checkpoint_manager.state.training import GatheredState
 
     state = GatheredState({}, {}, {}, {"step": step, "epoch": 0, "consumed_samples": 0, "flops": 0.0, "counters": {}})
@@ -362,7 +362,8 @@ def run_save(sc: Scenario, steps: dict[str, Measured], wire: dict[str, int], *, 
     from checkpoint_manager.core.integrity import file_crc32
     from checkpoint_manager.engine.dcp.chunk_index import INDEX_FILE, write_index
     from checkpoint_manager.engine.dcp.chunks import ChunkTable, data_file, write_metadata
-    from checkpoint_manager.lifecycle.saving import checkpoint_record, vote_report, voted_records
+    from checkpoint_manager.lifecycle.describe import checkpoint_record, voted_records
+    from checkpoint_manager.lifecycle.write import vote_report
 
     n = sc.world
     tag = "first" if first else "reused"
@@ -425,7 +426,7 @@ def per_rank_share(sc: Scenario, steps: dict[str, Measured], wire: dict[str, int
     from checkpoint_manager.core.integrity import file_crc32
     from checkpoint_manager.engine.dcp.chunks import data_file
     from checkpoint_manager.engine.dcp.multirank import rank_report
-    from checkpoint_manager.lifecycle.saving import vote_report
+    from checkpoint_manager.lifecycle.write import vote_report
 
     rank = 1
     plans, _ = real_rank(

@@ -344,15 +344,15 @@ def tc_load(bench: Bench, path: Path) -> Timed:
 
 # --- the torch_checkpointing engine behind our manager API (plugin) ------------------------------
 
-_PLUGIN = "torch-checkpointing"
+_PLUGIN = "torch_checkpointing"
 
 
 def _plugin_missing() -> str | None:
     from importlib import metadata
 
-    eps = metadata.entry_points(group="checkpoint_manager.managers", name=_PLUGIN)
+    eps = metadata.entry_points(group="checkpoint_manager.engines", name=_PLUGIN)
     if not eps:
-        return f"no manager plugin {_PLUGIN!r} installed (plugins/checkpoint-manager-torch-checkpointing)"
+        return f"no engine plugin {_PLUGIN!r} installed (plugins/checkpoint-manager-torch-checkpointing)"
     try:
         next(iter(eps)).load()
     except Exception as exc:  # a half-built plugin must not stop the suite
@@ -363,7 +363,7 @@ def _plugin_missing() -> str | None:
 def _plugin_manager(path: Path) -> Any:
     from checkpoint_manager import CheckpointConfig, create_checkpoint_manager
 
-    return create_checkpoint_manager(CheckpointConfig(save_dir=str(path), manager=_PLUGIN))
+    return create_checkpoint_manager(CheckpointConfig(save_dir=str(path), engine=_PLUGIN))
 
 
 def plugin_save(bench: Bench, path: Path) -> Timed:
@@ -631,7 +631,7 @@ CONTENDERS: tuple[Contender, ...] = (
     Contender("torch_checkpointing", "save", "tc", "peer", tc_save,
               "torch_checkpointing CheckpointManager (sync saver, buffered writes).save", _tc_missing),
     Contender("ours+tc plugin", "save", "plugin", "peer", plugin_save,
-              "our manager API with manager='torch-checkpointing' (plugin), save + finalize", _plugin_missing),
+              "our manager API with engine='torch_checkpointing' (plugin), save + finalize", _plugin_missing),
     Contender("format floor", "save", "floor", "ref", format_floor_save,
               "per record zlib.crc32 of the live tensor, beside pwrite(O_DIRECT) + fsync of our save's file "
               "(envelopes included, in aligned memory untimed): what no writer of DCP's format can skip",
@@ -656,7 +656,7 @@ CONTENDERS: tuple[Contender, ...] = (
     Contender("torch_checkpointing", "load", "tc", "peer", tc_load,
               "torch_checkpointing CheckpointManager.load(into=live state) + set_state_dict", _tc_missing),
     Contender("ours+tc plugin", "load", "plugin", "peer", plugin_load,
-              "our manager API with manager='torch-checkpointing' (plugin), load", _plugin_missing),
+              "our manager API with engine='torch_checkpointing' (plugin), load", _plugin_missing),
     Contender("format floor", "load", "floor", "ref", format_floor_load,
               "the file read into one aligned buffer (page cache, or O_DIRECT when cold), then one "
               "torch._foreach_copy_ into the live tensors from views made untimed (no metadata, no Python "

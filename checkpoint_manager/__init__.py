@@ -12,11 +12,25 @@ from typing import TYPE_CHECKING, Any
 from checkpoint_manager._version import __version__
 
 if TYPE_CHECKING:
-    from checkpoint_manager.config import CheckpointConfig, LoadMode
-    from checkpoint_manager.core.dist import CollectiveTimeoutError
-    from checkpoint_manager.core.layout import CheckpointInfo, Lineage
+    from checkpoint_manager.config import CheckpointConfig, LoadMode, fields_set
+    from checkpoint_manager.core.checksum import crc32
+    from checkpoint_manager.core.dist import CollectiveTimeoutError, DistContext
+    from checkpoint_manager.core.integrity import VerifyLevel
+    from checkpoint_manager.core.layout import (
+        CHECKPOINT_JSON,
+        CheckpointInfo,
+        Lineage,
+        order_checkpoints,
+        seal_checkpoint_json,
+    )
     from checkpoint_manager.core.naming import format_name, parse_name
-    from checkpoint_manager.core.safe_io import parse_json, read_json
+    from checkpoint_manager.core.safe_io import (
+        UnsafeFileError,
+        open_regular,
+        parse_json,
+        path_inside,
+        read_json,
+    )
     from checkpoint_manager.engine.base import (
         Engine,
         EngineContext,
@@ -64,8 +78,8 @@ if TYPE_CHECKING:
         open_bundle,
         pack_bundle,
     )
-    from checkpoint_manager.formats.dcp_stream import open_checkpoint
     from checkpoint_manager.formats.resolve import ResolvedCheckpoint, local_checkpoint, resolve_checkpoint
+    from checkpoint_manager.formats.tensor_groups import open_checkpoint
     from checkpoint_manager.lifecycle.finite import NonFiniteCheckpointError, NonFiniteStateError
     from checkpoint_manager.lifecycle.frozen import FrozenChangedError
     from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
@@ -77,6 +91,7 @@ if TYPE_CHECKING:
         read_event_log,
         save_record,
     )
+    from checkpoint_manager.lifecycle.pending import PendingDirectories
     from checkpoint_manager.lifecycle.policy import (
         AnyOf,
         AtSteps,
@@ -114,9 +129,22 @@ if TYPE_CHECKING:
     from checkpoint_manager.state.data_order import ResumableDistributedSampler
     from checkpoint_manager.state.train_state import TrainState
     from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage, verify
+    from checkpoint_manager.storage.base import set_aside_names
     from checkpoint_manager.storage.lock import CheckpointLockError, WriterLock
 
 _EXPORTS: dict[str, str] = {
+    "PendingDirectories": "checkpoint_manager.lifecycle.pending",
+    "CHECKPOINT_JSON": "checkpoint_manager.core.layout",
+    "DistContext": "checkpoint_manager.core.dist",
+    "UnsafeFileError": "checkpoint_manager.core.safe_io",
+    "VerifyLevel": "checkpoint_manager.core.integrity",
+    "crc32": "checkpoint_manager.core.checksum",
+    "fields_set": "checkpoint_manager.config",
+    "open_regular": "checkpoint_manager.core.safe_io",
+    "order_checkpoints": "checkpoint_manager.core.layout",
+    "path_inside": "checkpoint_manager.core.safe_io",
+    "seal_checkpoint_json": "checkpoint_manager.core.layout",
+    "set_aside_names": "checkpoint_manager.storage.base",
     "AnyOf": "checkpoint_manager.lifecycle.policy",
     "AsyncSaveError": "checkpoint_manager.errors",
     "BundleCacheError": "checkpoint_manager.errors",
@@ -149,7 +177,7 @@ _EXPORTS: dict[str, str] = {
     "TensorInfo": "checkpoint_manager.engine.base",
     "TensorReader": "checkpoint_manager.engine.base",
     "CheckpointTensors": "checkpoint_manager.engine.reading",
-    "open_checkpoint": "checkpoint_manager.formats.dcp_stream",
+    "open_checkpoint": "checkpoint_manager.formats.tensor_groups",
     "Continuous": "checkpoint_manager.lifecycle.policy",
     "EveryNSeconds": "checkpoint_manager.lifecycle.policy",
     "EveryNSteps": "checkpoint_manager.lifecycle.policy",
@@ -219,6 +247,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "CHECKPOINT_JSON",
     "ENGINE_ENTRY_POINT_GROUP",
     "ENTRY_POINT_GROUP",
     "AnyOf",
@@ -241,6 +270,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "Continuous",
     "DefaultCheckpointManager",
+    "DistContext",
     "Engine",
     "EngineContext",
     "EngineNotAvailableError",
@@ -269,6 +299,7 @@ __all__ = [
     "MissingConfigWarning",
     "NonFiniteCheckpointError",
     "NonFiniteStateError",
+    "PendingDirectories",
     "PostCommitError",
     "Prunable",
     "Pruner",
@@ -287,19 +318,23 @@ __all__ = [
     "TensorReader",
     "TrainState",
     "UnsafeCheckpointError",
+    "UnsafeFileError",
     "UnsupportedAdapterError",
     "UnsupportedConfigWarning",
     "UserPolicy",
+    "VerifyLevel",
     "WriterLock",
     "YoungDaly",
     "__version__",
     "convert",
+    "crc32",
     "create_checkpoint_manager",
     "create_engine",
     "export_hf",
     "export_peft",
     "export_peft_adapter",
     "extract_bundle",
+    "fields_set",
     "format_name",
     "load_engine_class",
     "load_hf_weights",
@@ -307,10 +342,13 @@ __all__ = [
     "local_checkpoint",
     "open_bundle",
     "open_checkpoint",
+    "open_regular",
     "open_storage",
+    "order_checkpoints",
     "pack_bundle",
     "parse_json",
     "parse_name",
+    "path_inside",
     "plan_retention",
     "prune",
     "read_event_log",
@@ -318,6 +356,8 @@ __all__ = [
     "resolve_checkpoint",
     "resolve_manager_class",
     "save_record",
+    "seal_checkpoint_json",
+    "set_aside_names",
     "verify",
 ]
 

@@ -31,12 +31,14 @@ from checkpoint_manager.config_fields import (
     SaveCallable,
     StorageFields,
 )
+from checkpoint_manager.core.deprecation import warn_deprecated
 from checkpoint_manager.core.plugins import (
     ENGINE,
     MANAGER,
     PluginKind,
     check_plugin_class,
     did_you_mean,
+    engine_named_as_manager,
     find_plugin,
     qualname,
 )
@@ -51,6 +53,7 @@ __all__ = [
     "config_class_for",
     "did_you_mean",
     "fields_set",
+    "manager_as_engine",
     "read_config_file",
     "validate_as",
     "validate_config_for",
@@ -120,6 +123,11 @@ class CheckpointConfig(
         except ValidationError:
             self.__dict__[name] = before
             raise
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_named_as_manager(cls, data: Any) -> Any:
+        return manager_as_engine(data) if isinstance(data, Mapping) else data
 
     @model_validator(mode="after")
     def _check_retention(self) -> CheckpointConfig:
@@ -222,6 +230,23 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+def manager_as_engine(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` with a ``manager`` that names an engine (``manager="torch-checkpointing"``, the
+    deprecated spelling of the default manager with ``engine="torch_checkpointing"``) turned into
+    that ``engine`` (unless one is given), with a DeprecationWarning; else ``data`` unchanged."""
+    name = data.get("manager")
+    engine = engine_named_as_manager(name)
+    if engine is None:
+        return data
+    warn_deprecated(
+        f"manager={name!r} is deprecated: it names the engine {engine!r}, not a manager; give "
+        f"engine={engine!r} (the default manager, with that engine)"
+    )
+    out = {k: v for k, v in data.items() if k != "manager"}
+    out.setdefault("engine", engine)
+    return out
+
+
 def validate_config_for(base: type[_C], data: Mapping[str, Any]) -> _C:
     """Validate ``data`` as ``base``, or as the ``config_class`` of the manager or engine it names when
     that class extends ``base``: how a file that names a plugin gets the plugin's own fields.
@@ -230,6 +255,7 @@ def validate_config_for(base: type[_C], data: Mapping[str, Any]) -> _C:
     imported here; a plugin not importable here (a config read on another machine) only matters when
     the data carries fields that ``base`` cannot place.
     """
+    data = manager_as_engine(data)
     named = [(kind, data.get(kind.field)) for kind in (MANAGER, ENGINE)]
     plugins: list[Plugin] = []
     for kind, name in named:

@@ -12,11 +12,13 @@ import math
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_serializer, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_serializer, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
+from checkpoint_manager.core.deprecation import warn_deprecated
 from checkpoint_manager.core.naming import validate_template
+from checkpoint_manager.storage.remote import deprecated_spellings
 
 __all__ = ["MAX_COLLECTIVE_TIMEOUT_S", "LoadMode", "MonitorMode", "SaveCallable"]
 
@@ -279,15 +281,17 @@ class StorageFields(BaseModel):
         "client_kwargs={'endpoint_url': ...}); may hold secrets, so never logged, shown in repr or "
         "serialized (model_dump, bundles): give it again when rebuilding a config.",
     )
-    staging_dir: str | None = Field(
+    scratch_dir: str | None = Field(
         default=None,
-        description="Local directory where object-store saves are staged (and downloads cached) before "
-        "upload; None: a directory in the system temp dir, one per save_dir.",
+        description="Local directory for object-store transfers: saves are written here before they are "
+        "uploaded (upload_mode='scratch') and loads download here; None: a directory in the system temp "
+        "dir, one per save_dir. Deprecated name: staging_dir.",
     )
-    upload_mode: Literal["staged", "stream"] = Field(
-        default="staged",
-        description="Object stores only. staged: write to staging_dir with the fast local writer, then "
-        "upload; stream: tensor files go straight from memory to the store (no local copy).",
+    upload_mode: Literal["scratch", "stream"] = Field(
+        default="scratch",
+        description="Object stores only. scratch: write to scratch_dir with the fast local writer, then "
+        "upload; stream: tensor files go straight from memory to the store (no local copy). Deprecated "
+        "value: staged (scratch).",
     )
     storage_retries: int = Field(
         default=4,
@@ -312,12 +316,34 @@ class StorageFields(BaseModel):
             raise ValueError(f"storage_options keys must be non-empty strings, got {bad!r}")
         return value
 
-    @field_validator("staging_dir")
+    @field_validator("scratch_dir")
     @classmethod
-    def _check_staging_dir(cls, value: str | None) -> str | None:
+    def _check_scratch_dir(cls, value: str | None) -> str | None:
         if value is not None and (not value.strip() or "://" in value):
-            raise ValueError(f"staging_dir must be a local directory, got {value!r}")
+            raise ValueError(f"scratch_dir must be a local directory, got {value!r}")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_spellings(cls, data: Any) -> Any:
+        """``staging_dir`` and ``upload_mode="staged"``: accepted as ``scratch_dir`` and ``"scratch"``
+        (staging names the host buffers of async saves only), with a DeprecationWarning."""
+        if not isinstance(data, dict) or not ("staging_dir" in data or "upload_mode" in data):
+            return data
+        data = dict(data)
+        staging = data.pop("staging_dir", None)
+        scratch, mode = deprecated_spellings(data.get("scratch_dir"), staging, data.get("upload_mode", "scratch"))
+        if scratch is not None:
+            data["scratch_dir"] = scratch
+        if "upload_mode" in data:
+            data["upload_mode"] = mode
+        return data
+
+    @property
+    def staging_dir(self) -> str | None:
+        """Deprecated name of :attr:`scratch_dir`."""
+        warn_deprecated("config field staging_dir is deprecated: read scratch_dir")
+        return self.scratch_dir
 
 
 class DistributedFields(BaseModel):

@@ -20,6 +20,7 @@ from checkpoint_manager.config import (
     Plugin,
     config_class_for,
     fields_set,
+    manager_as_engine,
     read_config_file,
     validate_as,
     validate_config_for,
@@ -29,6 +30,7 @@ from checkpoint_manager.core.plugins import (
     MANAGER,
     check_plugin_class,
     check_prefixes,
+    engine_named_as_manager,
     find_plugin,
     qualname,
 )
@@ -88,6 +90,7 @@ def create_checkpoint_manager(
     if isinstance(config, CheckpointConfig):
         name, engine = config.manager, config.engine
     elif isinstance(config, Mapping):
+        config = manager_as_engine(config)
         name, engine = config.get("manager"), config.get("engine")
     else:
         raise TypeError(
@@ -162,7 +165,13 @@ def resolve_manager_class(
     else:
         if not isinstance(name, str):
             raise TypeError(f"manager must be a string or None, got {type(name).__name__}: {name!r}")
-        target = find_plugin(MANAGER, name, allowed_import_prefixes=allowed_import_prefixes)
+        try:
+            target = find_plugin(MANAGER, name, allowed_import_prefixes=allowed_import_prefixes)
+        except ValueError as exc:
+            engine = engine_named_as_manager(name)
+            if engine is None:
+                raise
+            raise ValueError(f"{exc}; {name!r} names an engine: give engine={engine!r}") from None
     check_manager_class(target, name=name)
     assert isinstance(target, type)
     return target

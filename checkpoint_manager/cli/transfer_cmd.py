@@ -165,7 +165,7 @@ def _weight_bytes(checkpoint: Path | CheckpointTensors, model_key: str | None, d
     try:
         import torch
 
-        from checkpoint_manager.formats.dcp_stream import open_checkpoint, tensor_entries
+        from checkpoint_manager.formats.tensor_groups import open_checkpoint, tensor_entries
 
         cast = getattr(torch, dtype) if dtype is not None else None
         return sum(e.nbytes(cast) for e in tensor_entries(open_checkpoint(checkpoint), model_key))
@@ -203,7 +203,7 @@ def run_export(args: argparse.Namespace, out: Output) -> int:
         raise CliError(ExitCode.USAGE, "--adapter-config and --adapter-name go with --merge-lora (or --to peft)")
     if args.adapter_name and args.to not in ("hf", "peft"):
         raise CliError(ExitCode.USAGE, "--adapter-name goes with --to hf --merge-lora or --to peft")
-    from checkpoint_manager.formats.dcp_stream import open_checkpoint
+    from checkpoint_manager.formats.tensor_groups import open_checkpoint
 
     ckpt = resolve_checkpoint(args.path, step=args.step, args=args)
     doc: dict[str, Any] = {"source": ckpt.url or str(ckpt.path), "to": args.to, "step": ckpt.meta.get("step")}
@@ -267,7 +267,7 @@ def run_export(args: argparse.Namespace, out: Output) -> int:
             doc.update(path=str(path), files=[path.name], tensors=tensors, bytes=path.stat().st_size)
         else:
             from checkpoint_manager.formats.convert import dcp_to_torch
-            from checkpoint_manager.formats.dcp_stream import tensor_entries
+            from checkpoint_manager.formats.tensor_groups import tensor_entries
 
             target = _out_file(args.out, "model.pt", _TORCH_SUFFIXES)
             path = dcp_to_torch(source, target, model_key=args.model_key, dtype=args.dtype, overwrite=args.overwrite)

@@ -22,7 +22,7 @@ from checkpoint_manager.core.layout import (
     file_record_problems,
     read_checkpoint_json,
 )
-from checkpoint_manager.core.safe_io import UnsafeFileError, inside, open_regular, read_small
+from checkpoint_manager.core.safe_io import UnsafeFileError, open_regular, path_inside, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
 
 __all__ = ["Presence", "VerifyLevel", "describe_files", "file_crc32", "read_recorded", "verify"]
@@ -150,7 +150,7 @@ def _problems(root: Path, meta: dict[str, Any], level: VerifyLevel) -> list[str]
     if problems or not isinstance(files, dict):
         return problems
     for rel, desc in files.items():
-        file = inside(root, rel)
+        file = path_inside(root, rel)
         try:  # never follows a symlink, never blocks on a FIFO, never reads a device
             fd = open_regular(file, root=root)
         except FileNotFoundError:
@@ -198,7 +198,7 @@ def read_recorded(root: Path, rel: str, meta: dict[str, Any], level: VerifyLevel
     flip in them (which ``sizes`` alone cannot see) is caught before anything is decoded. The file
     must be a regular file inside ``root`` of at most ``limit`` bytes; missing: FileNotFoundError.
     """
-    file = inside(root, rel)
+    file = path_inside(root, rel)
     raw = read_small(file, limit=limit, root=root)
     files = meta.get("files")
     desc = files.get(rel) if isinstance(files, dict) and level != "off" else None

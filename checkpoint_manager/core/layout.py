@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from checkpoint_manager._version import __version__
 from checkpoint_manager.core.naming import LATEST_POINTER, format_name, validate_template
 from checkpoint_manager.core.safe_io import (
     SMALL_FILE_LIMIT,
@@ -47,6 +48,7 @@ __all__ = [
     "check_json_size",
     "format_name",
     "json_read_limit",
+    "new_checkpoint_json",
     "order_checkpoints",
     "parse_checkpoint_json",
     "pointer_lineage",
@@ -393,6 +395,32 @@ def canonical_digest(meta: dict[str, Any]) -> str:
     body = {k: v for k, v in meta.items() if k != CHECKSUM_KEY}
     canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
     return "sha256:" + hashlib.sha256(canon.encode("ascii")).hexdigest()
+
+
+def new_checkpoint_json(
+    engine: Mapping[str, Any], *, step: int, name: str, world_size: int, **fields: Any
+) -> dict[str, Any]:
+    """A new ``checkpoint.json`` record, unsealed (:func:`seal_checkpoint_json` seals it): the format,
+    the library's and torch's versions, ``engine`` (``{"engine": name, ...}``: its name and what it
+    records of itself), ``step``, ``name``, the time, ``world_size``, then ``fields`` (the files, the
+    state, metrics, lineage ...). The one place a record is built: every writer of a checkpoint
+    (a save's commit, a conversion) calls it."""
+    import torch  # the package needs it anyway; not imported at module level to keep this module light
+
+    created_unix, created = now()
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "library_version": __version__,
+        "torch_version": torch.__version__,
+        **engine,
+        "step": step,
+        "name": name,
+        "created": created,
+        "created_unix": created_unix,
+        "world_size": world_size,
+        **fields,
+    }
 
 
 def seal_checkpoint_json(meta: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ __all__ = [
     "check_prefixes",
     "describe",
     "did_you_mean",
+    "engine_named_as_manager",
     "find_installed",
     "find_plugin",
     "installed_entry_points",
@@ -141,6 +142,20 @@ def find_installed(kind: PluginKind, name: str) -> object | None:
         return _import_target(kind, name, module, attr)
     target = _load_entry_point(kind, name, None)
     return None if target is _NOT_FOUND else target
+
+
+def engine_named_as_manager(name: object) -> str | None:
+    """The engine ``manager=name`` stands for when no manager has that name but an engine has (a
+    ``-`` read as ``_``): the deprecated spelling of the default manager with that engine. None when
+    ``name`` names a manager, a dotted path or nothing known."""
+    if not isinstance(name, str) or not name or "." in name or ":" in name:
+        return None
+    if importlib_metadata.entry_points(group=MANAGER.group, name=name):
+        return None
+    for candidate in dict.fromkeys((name, name.replace("-", "_"))):
+        if candidate in ENGINE.builtins or importlib_metadata.entry_points(group=ENGINE.group, name=candidate):
+            return candidate
+    return None
 
 
 def installed_entry_points(kind: PluginKind) -> list[importlib_metadata.EntryPoint]:

@@ -24,10 +24,10 @@ __all__ = [
     "SMALL_FILE_LIMIT",
     "UnsafeFileError",
     "check_name",
-    "inside",
     "json_deeper_than",
     "open_regular",
     "parse_json",
+    "path_inside",
     "read_json",
     "read_small",
 ]
@@ -45,7 +45,7 @@ class UnsafeFileError(UnsafeCheckpointError):
         self.reason = reason or message
 
 
-def inside(root: str | Path, relative: str) -> Path:
+def path_inside(root: str | Path, relative: str) -> Path:
     """``root / relative`` after checking that ``relative`` cannot leave ``root``.
 
     Refuses absolute paths, ``..`` parts, empty names and NUL bytes; a symlink that leaves ``root`` is
@@ -56,7 +56,7 @@ def inside(root: str | Path, relative: str) -> Path:
 
 
 def check_name(root: str | Path, relative: str) -> None:
-    """:func:`inside`'s check of ``relative`` alone, without building the path."""
+    """:func:`path_inside`'s check of ``relative`` alone, without building the path."""
     if not isinstance(relative, str) or not relative or "\x00" in relative:
         raise UnsafeFileError(f"{root}: invalid file name {relative!r}")
     if relative[0] in "/\\" or ".." in relative.replace("\\", "/").split("/") or os.path.isabs(relative):

@@ -25,7 +25,6 @@ from checkpoint_manager.formats.convert import (
     torch_to_safetensors,
     write_weights_checkpoint,
 )
-from checkpoint_manager.formats.dcp_stream import open_checkpoint
 from checkpoint_manager.formats.hf import (
     HFExport,
     HFLoad,
@@ -38,6 +37,7 @@ from checkpoint_manager.formats.pack import pack_bundle
 from checkpoint_manager.formats.peft import PeftExport, export_peft, export_peft_adapter
 from checkpoint_manager.formats.resolve import resolve_checkpoint_path
 from checkpoint_manager.formats.sizes import parse_size
+from checkpoint_manager.formats.tensor_groups import open_checkpoint
 
 __all__ = [
     "BundleInfo",

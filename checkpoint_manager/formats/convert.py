@@ -20,16 +20,13 @@ from typing import Any, Literal, cast
 
 import torch
 
-from checkpoint_manager._version import __version__
 from checkpoint_manager.core.codec import split_tensors
 from checkpoint_manager.core.integrity import describe_files
 from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     STATE_JSON,
     json_read_limit,
-    now,
+    new_checkpoint_json,
     rank_file,
     seal_checkpoint_json,
 )
@@ -39,14 +36,19 @@ from checkpoint_manager.engine.base import Engine, EngineContext, EngineState
 from checkpoint_manager.engine.reading import CheckpointTensors, plain_engine
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
 from checkpoint_manager.formats.bundle import is_bundle
-from checkpoint_manager.formats.dcp_stream import group_entries, open_checkpoint, read_entries, tensor_entries
 from checkpoint_manager.formats.hf import export_hf, hf_weight_files, is_hf_weights
 from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
 from checkpoint_manager.formats.model_config import HF_CONFIG_JSON
-from checkpoint_manager.formats.publish import publish_dir, staging_dir
+from checkpoint_manager.formats.publish import draft_dir, publish_dir
 from checkpoint_manager.formats.resolve import is_plain_dcp
 from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
 from checkpoint_manager.formats.sizes import parse_size
+from checkpoint_manager.formats.tensor_groups import (
+    group_entries,
+    open_checkpoint,
+    read_entries,
+    tensor_entries,
+)
 from checkpoint_manager.storage import LocalStorage
 
 __all__ = [
@@ -355,43 +357,35 @@ def _write_checkpoint(
 ) -> Path:
     """A committed checkpoint of one process: ``engine`` writes the tensors, we the JSON and the record."""
     out = Path(dst)
-    staging = staging_dir(out)
+    draft = draft_dir(out)
     try:
         ctx = EngineContext(step=step, fsync=fsync, extra={})
-        records = engine.save(EngineState(tensors), staging, ctx)
+        records = engine.save(EngineState(tensors), draft, ctx)
         storage = LocalStorage(out.parent, fsync=fsync)
-        storage.write_json(staging / STATE_JSON, global_json)
+        storage.write_json(draft / STATE_JSON, global_json)
         if rank_json is not None:
             own = dict(records) if records is not None else {}
-            storage.write_json(staging / rank_file(0), {**rank_json, "files": own} if isinstance(rank_json, dict) else rank_json)
+            storage.write_json(draft / rank_file(0), {**rank_json, "files": own} if isinstance(rank_json, dict) else rank_json)
         if copy_from is not None:
             src, names = copy_from
             for name in names:
-                shutil.copyfile(src / name, staging / name)
-        files = describe_files(staging, dict(records or {}))  # sizes and CRC32s, as the manager records them
-        created_unix, created = now()
+                shutil.copyfile(src / name, draft / name)
+        files = describe_files(draft, dict(records or {}))  # sizes and CRC32s, as the manager records them
         record = getattr(engine, "record", None)
-        meta: dict[str, Any] = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "library_version": __version__,
-            "torch_version": torch.__version__,
-            "engine": engine.name,
-            **(record() if record is not None else {}),
-            "step": step,
-            "name": out.name,
-            "created": created,
-            "created_unix": created_unix,
-            "world_size": 1,
+        meta = new_checkpoint_json(
+            {"engine": engine.name, **(record() if record is not None else {})},
+            step=step,
+            name=out.name,
+            world_size=1,
             **extra_meta,
-            "bytes": sum(int(t.numel() * t.element_size()) for t in tensors.values()),
-            "files": files,
-            "converted_from": source,
-        }
-        storage.write_json(staging / CHECKPOINT_JSON, seal_checkpoint_json(meta))
-        publish_dir(staging, out, overwrite=overwrite, fsync=fsync)
+            bytes=sum(int(t.numel() * t.element_size()) for t in tensors.values()),
+            files=files,
+            converted_from=source,
+        )
+        storage.write_json(draft / CHECKPOINT_JSON, seal_checkpoint_json(meta))
+        publish_dir(draft, out, overwrite=overwrite, fsync=fsync)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(draft, ignore_errors=True)
         raise
     return out
 

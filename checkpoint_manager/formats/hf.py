@@ -30,19 +30,19 @@ from checkpoint_manager.core.codec import dtype_name
 from checkpoint_manager.core.layout import CHECKPOINT_JSON
 from checkpoint_manager.core.safe_io import read_json
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
-from checkpoint_manager.formats.dcp_stream import (
+from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
+from checkpoint_manager.formats.lora import LoraMerge, adapter_tensor_names, choose_adapter, plan_merge
+from checkpoint_manager.formats.model_config import RecordedConfig, config_with_dtype, read_recorded_config
+from checkpoint_manager.formats.publish import draft_dir, publish_dir
+from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
+from checkpoint_manager.formats.sizes import parse_size
+from checkpoint_manager.formats.tensor_groups import (
     TensorEntry,
     group_entries,
     open_checkpoint,
     read_entries,
     tensor_entries,
 )
-from checkpoint_manager.formats.keys import KeyMap, apply_key_map, resolve_dtype
-from checkpoint_manager.formats.lora import LoraMerge, adapter_tensor_names, choose_adapter, plan_merge
-from checkpoint_manager.formats.model_config import RecordedConfig, config_with_dtype, read_recorded_config
-from checkpoint_manager.formats.publish import publish_dir, staging_dir
-from checkpoint_manager.formats.safetensors_io import SafetensorsFile, SafetensorsWriter
-from checkpoint_manager.formats.sizes import parse_size
 
 if TYPE_CHECKING:
     from checkpoint_manager.engine.reading import CheckpointTensors
@@ -127,7 +127,7 @@ def export_hf(
 
     ``checkpoint`` is a committed checkpoint of any engine (a directory, a save directory's newest,
     a bundle, a plain DCP directory; or one already opened with
-    :func:`~checkpoint_manager.formats.dcp_stream.open_checkpoint`); ``dtype`` casts floating-point
+    :func:`~checkpoint_manager.formats.tensor_groups.open_checkpoint`); ``dtype`` casts floating-point
     tensors (e.g. ``"bfloat16"``); files of ``artifacts_dir`` (config, tokenizer, generation config)
     are copied alongside. ``config.json`` (and ``generation_config.json``) come from ``artifacts_dir``,
     else from the config the checkpoint recorded at save time; with neither, a
@@ -171,7 +171,7 @@ def export_hf(
         raise ValueError(f"{src}: nothing left to export under {model_key!r} after key_map")
     shards = list(group_entries(entries, shard_limit, cast))
     out = Path(out_dir)
-    staging = staging_dir(out)
+    draft = draft_dir(out)
     try:
         names = (
             [HF_WEIGHTS]
@@ -181,16 +181,16 @@ def export_hf(
         weight_map: dict[str, str] = {}
         total = 0
         for name, shard in zip(names, shards, strict=True):
-            total += _write_shard(source, staging / name, shard, cast, buffer, fsync, merges)
+            total += _write_shard(source, draft / name, shard, cast, buffer, fsync, merges)
             weight_map.update({e.name: name for e in shard})
         if len(shards) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (staging / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        copied = copy_artifacts(artifacts_dir, staging, dtype=cast) if artifacts_dir is not None else []
-        copied += _write_recorded(recorded, staging, cast, config_source == "checkpoint", copied)
-        publish_dir(staging, out, overwrite=overwrite, fsync=fsync)
+            (draft / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        copied = copy_artifacts(artifacts_dir, draft, dtype=cast) if artifacts_dir is not None else []
+        copied += _write_recorded(recorded, draft, cast, config_source == "checkpoint", copied)
+        publish_dir(draft, out, overwrite=overwrite, fsync=fsync)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(draft, ignore_errors=True)
         raise
     if config_source is None:
         warnings.warn(

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from checkpoint_manager.errors import CheckpointMismatchError, UnsupportedAdapterError
-from checkpoint_manager.formats.dcp_stream import TensorEntry
+from checkpoint_manager.formats.tensor_groups import TensorEntry
 
 __all__ = ["LoraMerge", "MergePlan", "adapter_tensor_names", "choose_adapter", "plan_merge"]
 

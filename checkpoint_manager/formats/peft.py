@@ -20,12 +20,17 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from checkpoint_manager.errors import CheckpointMismatchError
-from checkpoint_manager.formats.dcp_stream import TensorEntry, open_checkpoint, read_entries, tensor_entries
 from checkpoint_manager.formats.keys import resolve_dtype
 from checkpoint_manager.formats.lora import choose_adapter
 from checkpoint_manager.formats.model_config import read_recorded_config
-from checkpoint_manager.formats.publish import publish_dir, staging_dir
+from checkpoint_manager.formats.publish import draft_dir, publish_dir
 from checkpoint_manager.formats.safetensors_io import save_safetensors
+from checkpoint_manager.formats.tensor_groups import (
+    TensorEntry,
+    open_checkpoint,
+    read_entries,
+    tensor_entries,
+)
 
 if TYPE_CHECKING:
     from checkpoint_manager.engine.reading import CheckpointTensors
@@ -83,13 +88,13 @@ def export_peft_adapter(
         raise CheckpointMismatchError(f"{src}: holds no tensors of adapter {adapter_name!r}")
     tensors = read_entries(source, wanted, resolve_dtype(dtype))
     out = Path(out_dir)
-    staging = staging_dir(out)
+    draft = draft_dir(out)
     try:
-        save_safetensors(tensors, staging / ADAPTER_WEIGHTS, {"format": "pt"})
-        _save_adapter_config(model, config, staging)
-        publish_dir(staging, out, overwrite=overwrite)
+        save_safetensors(tensors, draft / ADAPTER_WEIGHTS, {"format": "pt"})
+        _save_adapter_config(model, config, draft)
+        publish_dir(draft, out, overwrite=overwrite)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(draft, ignore_errors=True)
         raise
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return PeftExport(path=out, tensors=tuple(tensors), bytes=int(nbytes))
@@ -128,14 +133,14 @@ def export_peft(
     tensors = read_entries(source, wanted, resolve_dtype(dtype))
     data["inference_mode"] = True
     out = Path(out_dir)
-    staging = staging_dir(out)
+    draft = draft_dir(out)
     try:
-        save_safetensors(tensors, staging / ADAPTER_WEIGHTS, {"format": "pt"})
+        save_safetensors(tensors, draft / ADAPTER_WEIGHTS, {"format": "pt"})
         text = json.dumps(data, indent=2, sort_keys=True)
-        (staging / ADAPTER_CONFIG).write_text(text, encoding="utf-8")
-        publish_dir(staging, out, overwrite=overwrite)
+        (draft / ADAPTER_CONFIG).write_text(text, encoding="utf-8")
+        publish_dir(draft, out, overwrite=overwrite)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(draft, ignore_errors=True)
         raise
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return PeftExport(path=out, tensors=tuple(tensors), bytes=int(nbytes))

@@ -375,7 +375,7 @@ def _short(keys: Iterable[str], limit: int = 6) -> str:
 
 def plain_model_tensors(path: Path, model_key: str = "model") -> dict[str, torch.Tensor]:
     """Every model tensor of a plain DCP checkpoint, ``{fqn: tensor}`` (for ``convert(..., to="dcp")``)."""
-    from checkpoint_manager.formats.dcp_stream import TensorEntry, read_entries
+    from checkpoint_manager.formats.tensor_groups import TensorEntry, read_entries
 
     opened = open_directory(path)
     entries = model_entries(PlainIndex(opened.index), model_key)

@@ -9,21 +9,23 @@ from pathlib import Path
 
 from checkpoint_manager.storage.local import fsync_tree
 
-__all__ = ["publish_dir", "staging_dir"]
+__all__ = ["draft_dir", "publish_dir"]
 
 
-def staging_dir(out: Path) -> Path:
-    """A fresh hidden directory next to ``out`` (same filesystem, so publishing is one rename)."""
+def draft_dir(out: Path) -> Path:
+    """A fresh hidden directory next to ``out`` to write ``out``'s files into (same filesystem, so
+    :func:`publish_dir` is one rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    return staging
+    draft = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    draft.mkdir()
+    return draft
 
 
-def publish_dir(staging: Path, out: Path, *, overwrite: bool, fsync: bool = True) -> None:
-    """Move a fully written directory into place in one rename (an existing one only with ``overwrite``)."""
+def publish_dir(draft: Path, out: Path, *, overwrite: bool, fsync: bool = True) -> None:
+    """Move a fully written draft directory into place in one rename (over an existing one only
+    with ``overwrite``)."""
     if fsync:
-        fsync_tree(staging)
+        fsync_tree(draft)
     trash: Path | None = None
     if out.exists() or out.is_symlink():
         if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
@@ -33,7 +35,7 @@ def publish_dir(staging: Path, out: Path, *, overwrite: bool, fsync: bool = True
             os.rename(out, trash)
         else:
             raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
-    os.rename(staging, out)
+    os.rename(draft, out)
     if fsync:
         fd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:

@@ -1,5 +1,5 @@
-"""Background scheduling: the one writer thread, async saves and their back-pressure, warming the
-save path up ahead, and collecting every background outcome (at the latest at interpreter exit)."""
+"""The one writer thread of a manager: background saves and warm-ups run there, one at a time, and
+every outcome is collected (at the latest at interpreter exit), never swallowed."""
 
 from __future__ import annotations
 
@@ -9,28 +9,33 @@ import logging
 import os
 import sys
 import threading
-import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
-import torch
-
-from checkpoint_manager.engine.base import EngineState
 from checkpoint_manager.errors import AsyncSaveError, PostCommitError
-from checkpoint_manager.lifecycle.core import ManagerCore
-from checkpoint_manager.protocol import LoadContext, SaveContext, SaveResult
-from checkpoint_manager.state.training import gather_state
+from checkpoint_manager.lifecycle.cursor import Cursor
+from checkpoint_manager.lifecycle.failures import SaveFailures
+from checkpoint_manager.lifecycle.observe import Observers
+from checkpoint_manager.protocol import SaveResult
 
-if TYPE_CHECKING:
-    from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
-
-__all__ = ["BackgroundMixin", "save_context"]
+__all__ = ["BackgroundWriter", "track"]
 
 log = logging.getLogger("checkpoint_manager")
 
-# Every manager of this process, for the exit hook (weakly: a manager dropped early is not kept alive).
-_live_managers: weakref.WeakSet[DefaultCheckpointManager] = weakref.WeakSet()
+
+class _Finalizes(Protocol):
+    """What the exit hook calls on a manager."""
+
+    config: Any
+
+    def finalize_async_saves(self, *, blocking: bool = False, terminate: bool = False) -> None: ...
+
+
+# Every manager of this process with its writer, for the exit hook (weakly: a manager dropped early
+# is not kept alive; its writer holds no reference back to it).
+_live_managers: weakref.WeakKeyDictionary[_Finalizes, BackgroundWriter] = weakref.WeakKeyDictionary()
 
 
 class _ExitStatus:
@@ -62,10 +67,10 @@ def _finalize_at_exit() -> None:
     A failure nobody collected is logged at ERROR and turns the exit status non-zero; it is never
     silently lost. A forked child leaves its parent's managers alone."""
     failed = False
-    for manager in list(_live_managers):
-        if manager._pid != os.getpid() or manager._closed:
+    for manager, writer in list(_live_managers.items()):
+        if writer.pid != os.getpid() or writer.closed:
             continue
-        saving = manager._inflight_step is not None
+        saving = writer.step is not None
         try:
             manager.finalize_async_saves(blocking=True, terminate=True)
         except Exception as exc:
@@ -99,162 +104,61 @@ def _register_exit_hook() -> None:
 _register_exit_hook()  # concurrent.futures.thread is imported above: this hook runs before its own
 
 
-def track(manager: DefaultCheckpointManager) -> None:
-    """Collect ``manager``'s background saves at interpreter exit."""
-    _live_managers.add(manager)
+def track(manager: _Finalizes, writer: BackgroundWriter) -> None:
+    """Collect ``manager``'s background saves (on ``writer``) at interpreter exit."""
+    _live_managers[manager] = writer
 
 
-def save_context(ctx: LoadContext) -> SaveContext:
-    """The objects a load just restored, as a save would gather them (to prepare staging)."""
-    return SaveContext(
-        model=ctx.model,
-        optimizer=ctx.optimizer,
-        scheduler=ctx.scheduler,
-        dataloader=ctx.dataloader,
-        train_state=ctx.train_state,
-        extra=dict(ctx.extra),
-    )
+class BackgroundWriter:
+    """Runs one background task at a time (an async save's write and commit, or a warm-up) and
+    collects its outcome: a failure is reported to the observers and raised, or tolerated as
+    ``on_save_error`` says (:class:`SaveFailures`); a success is reported."""
 
-
-class BackgroundMixin(ManagerCore):
-    """The writer thread of :class:`~checkpoint_manager.lifecycle.manager.DefaultCheckpointManager`."""
+    def __init__(self, observers: Observers, failures: SaveFailures, cursor: Cursor) -> None:
+        self.observers = observers
+        self.failures = failures
+        self.cursor = cursor
+        self.pid = os.getpid()  # a forked child's copy of this writer is never collected at exit
+        self.closed = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: Future[Any] | None = None
+        self.step: int | None = None  # the in-flight save's step (None: nothing, or a warm-up)
+        self._final = False  # the in-flight save is a final one: its failure always raises
+        self._stop: Callable[[], None] | None = None  # stops the in-flight warm-up early
 
     @property
     def save_in_flight(self) -> bool:
         """Whether an async save is still writing."""
-        return self._inflight is not None and self._inflight_step is not None and not self._inflight.done()
+        return self._inflight is not None and self.step is not None and not self._inflight.done()
 
-    def _save_async(self, ctx: SaveContext, step: int) -> SaveResult | None:
-        """Snapshot the state (the engine's ``stage``, or reused host buffers), then write and commit
-        in the background."""
-        if self.save_in_flight:
-            if self.config.async_when_busy == "skip":
-                log.warning(
-                    "skipping the save of step %d: the async save of step %s is still writing "
-                    "(async_when_busy='skip')",
-                    step,
-                    self._inflight_step,
-                )
-                return None
-            log.info(
-                "waiting for the async save of step %s before saving step %d (async_when_busy='wait')",
-                self._inflight_step,
-                step,
-            )
-        self._collect_background(wait=True, for_save=True)
-        job = self._prepare(ctx, step, async_save=True)
-        executor = self._background()
-        t0 = time.perf_counter()
-        # save_frozen="once": a frozen group that a committed checkpoint holds is not snapshotted; the
-        # background write checks it against that checkpoint and reads it live only if it changed
-        live = job.frozen if job.frozen and self._frozen.held else frozenset()
-        job.frozen_live = bool(live)
-        stage = getattr(self._engine, "stage", None)
-        if stage is None:  # the lifecycle's own snapshot: one copy into reused host buffers
-            tensors = job.state.tensors
-            copies = self._staging.stage({k: t for k, t in tensors.items() if k not in live} if live else tensors)
-            job.state.tensors = {k: copies.get(k, t) for k, t in tensors.items()} if live else copies
-            job.engine_state = EngineState(job.state.tensors, job.state.objects)
-        else:
-            started: list[EngineState] = []
+    @property
+    def busy(self) -> bool:
+        """Whether a save or a warm-up was handed over and not collected yet."""
+        return self._inflight is not None
 
-            def start_save(snapshot: EngineState) -> None:  # the engine starts the write early
-                job.engine_state = snapshot
-                job.state.tensors = snapshot.tensors
-                self._inflight = executor.submit(self._write_and_commit, job)
-                self._inflight_step, self._inflight_final = step, job.final
-                started.append(snapshot)
-
-            engine_ctx = self._engine_context(self._io_dist, step)
-            engine_ctx.group = live
-            if self.config.async_overlap and self._storage.is_local:
-                engine_ctx.start_save = start_save
-            try:
-                snapshot = stage(job.engine_state, engine_ctx)
-            except BaseException:
-                self._abandon_inflight()  # the writer raised waiting for the copies: only the staging error counts
-                raise
-            if not started:
-                job.engine_state = snapshot
-                job.state.tensors = snapshot.tensors
-        if self._inflight is None or self._inflight_step != step:
-            self._inflight = executor.submit(self._write_and_commit, job)
-            self._inflight_step, self._inflight_final = step, job.final
-        job.timings["stage"] = time.perf_counter() - t0
-        stall = time.perf_counter() - job.started
-        job.timings["stall"] = stall
-        self._prepared = True
-        self._last_saved_step, self._last_saved_known = step, True
-        staged = self._with_cadence(
-            SaveResult(
-                path=self._storage.location_of(job.name),
-                step=step,
-                bytes=job.nbytes,
-                seconds=stall,
-                stall_seconds=stall,
-                committed=False,
-                timings=dict(job.timings),
-            )
-        )
-        self._observers.save_staged(staged)
-        return staged
-
-    def _background(self) -> ThreadPoolExecutor:
-        """The one writer thread: background saves and preparations run there, one at a time."""
+    def _thread(self) -> ThreadPoolExecutor:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         return self._executor
 
-    def _abandon_inflight(self) -> None:
+    def submit_save(self, write: Callable[[], SaveResult], step: int, *, final: bool) -> None:
+        """Write and commit the save of ``step`` in the background (``final``: its failure always raises)."""
+        self._inflight = self._thread().submit(write)
+        self.step, self._final, self._stop = step, final, None
+
+    def submit_warm_up(self, warm_up: Callable[[], None], *, stop: Callable[[], None]) -> None:
+        """Warm the save path up in the background; ``stop`` makes it return early when a save waits."""
+        self._inflight = self._thread().submit(warm_up)
+        self.step, self._final, self._stop = None, False, stop
+
+    def abandon(self) -> None:
         """Wait for a background save that cannot succeed (its staging failed) and drop its outcome."""
-        future, self._inflight, self._inflight_step, self._inflight_final = self._inflight, None, None, False
+        future, self._inflight, self.step, self._final = self._inflight, None, None, False
         if future is not None:
             with contextlib.suppress(Exception):
                 future.result()
 
-    def _prepare_ahead(
-        self, ctx: SaveContext, *, gathered: dict[str, torch.Tensor] | None = None
-    ) -> None:
-        """Before the first save (a fresh run's ``should_load``, a skipped step, a resume): warm the
-        save path up, in the background, off the training thread (the engine's ``warm_up``, and for an
-        engine without ``stage`` with ``async_save``, the lifecycle's staging buffers). Best effort: a
-        save that comes first allocates what it needs. ``gathered``: the tensors ``gather_state(ctx)``
-        would return, where the caller holds them already.
-        """
-        if self._inflight is not None:
-            return  # a save or a preparation is running: the next skipped step tries again
-        warm_up = getattr(self._engine, "warm_up", None)
-        own_staging = self.config.async_save and not hasattr(self._engine, "stage")
-        if warm_up is None and not own_staging:
-            self._prepared = True
-            return
-        # An optimizer without state yet (before the first step) is left out: gathering it would make
-        # DCP initialize its state with a zero-lr step, changing the run. A later skipped step adds it.
-        # The data loader is left out too: a StatefulDataLoader's state_dict() may start an iterator,
-        # which draws its seed from the global RNG. Only what can hold tensors is gathered.
-        complete = all(o.state for o in ctx.optimizers())
-        ctx = SaveContext(
-            model=ctx.model,
-            optimizer=ctx.optimizer if complete else None,
-            scheduler=ctx.scheduler,
-            extra=dict(ctx.extra),
-        )
-        self._prepared = complete
-        if gathered is not None and complete:
-            tensors = gathered  # what gather_state(ctx) would return (a load's targets): not gathered again
-        else:
-            try:
-                tensors = gather_state(ctx).tensors
-            except Exception as exc:  # the save itself will raise this properly; preparing is best effort
-                log.debug("not preparing the save path ahead: %r", exc)
-                return
-        engine_ctx = self._engine_context(self._io_dist, -1)
-        engine_ctx.partial = not complete
-        staging = self._staging if own_staging else None
-        self._inflight = self._background().submit(_warm_up, warm_up, EngineState(tensors), engine_ctx, staging)
-        self._inflight_step, self._inflight_final = None, False
-
-    def _collect_background(self, *, wait: bool, for_save: bool = False, must_raise: bool = False) -> None:
+    def collect(self, *, wait: bool, for_save: bool = False, must_raise: bool = False) -> None:
         """Surface the outcome of the in-flight save: never swallow its error.
 
         ``for_save``: a save (or load) is waiting, so a warm-up still running stops after its current
@@ -265,13 +169,10 @@ class BackgroundMixin(ManagerCore):
         future = self._inflight
         if future is None or (not wait and not future.done()):
             return
-        if for_save and self._inflight_step is None:
-            self._staging.stop_preparing()
-            stop = getattr(self._engine, "stop_warm_up", None)
-            if stop is not None:
-                stop()
-        step, final = self._inflight_step, self._inflight_final
-        self._inflight, self._inflight_step, self._inflight_final = None, None, False
+        if for_save and self.step is None and self._stop is not None:
+            self._stop()
+        step, final = self.step, self._final
+        self._inflight, self.step, self._final, self._stop = None, None, False, None
         try:
             result = future.result()
         except Exception as exc:
@@ -283,28 +184,21 @@ class BackgroundMixin(ManagerCore):
                     if step is None
                     else f"the async save of step {step} (not committed)"
                 )
-                self._last_saved_known = False  # that step is not saved: ask the disk again (so it can be)
+                self.cursor.forget_saved()  # that step is not saved: ask the disk again (so it can be)
                 error = AsyncSaveError(f"{what} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
-            self._observers.error("save", step, error)
+            self.observers.error("save", step, error)
             what = f"the {'final ' if final else ''}async save of step {step}"
-            if self._tolerate(error, what, must_raise=final or (must_raise and step is not None)):
+            if self.failures.tolerate(error, what, must_raise=final or (must_raise and step is not None)):
                 return
             raise error from exc
         if isinstance(result, SaveResult):
-            self._save_succeeded()
-            self._observers.save_committed(result)
+            self.failures.succeeded()
+            self.observers.save_committed(result)
 
-    def _shutdown_background(self) -> None:
+    def shutdown(self) -> None:
+        """Wait for the thread's work and stop it; this writer takes no more."""
+        self.closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-
-
-def _warm_up(warm_up: Any, state: EngineState, ctx: Any, staging: Any) -> None:
-    """The background part of :meth:`BackgroundMixin._prepare_ahead`."""
-    if warm_up is not None:
-        warm_up(state, ctx)
-    if staging is not None:
-        staging.prepare(state.tensors)
-

@@ -6,20 +6,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from checkpoint_manager.config import CheckpointConfig
+from checkpoint_manager.core.dist import DistContext
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, CheckpointInfo, pick_step
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError
 from checkpoint_manager.formats.hf import is_hf_weights
 from checkpoint_manager.formats.resolve import is_plain_dcp, resolve_checkpoint
-from checkpoint_manager.lifecycle.core import ManagerCore
+from checkpoint_manager.lifecycle.roots import Roots
 from checkpoint_manager.protocol import LoadContext
 from checkpoint_manager.storage import is_url
 
-if TYPE_CHECKING:
-    from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager  # noqa: F401
-
-__all__ = ["GONE_RETRIES", "DiscoveryMixin"]
+__all__ = ["GONE_RETRIES", "Discovery"]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -27,20 +26,26 @@ GONE_RETRIES = 10  # auto-resume: how many checkpoints may vanish under one load
 # takes the newest left, so only a writer that saves faster than a load reads keeps it retrying)
 
 
-class DiscoveryMixin(ManagerCore):
-    """What :class:`~checkpoint_manager.lifecycle.manager.DefaultCheckpointManager` lists and resolves."""
+class Discovery:
+    """What a manager lists, and which checkpoint its load takes (decided on rank 0, told to every rank)."""
+
+    def __init__(self, config: CheckpointConfig, dist: DistContext, roots: Roots) -> None:
+        self.config = config
+        self.dist = dist
+        self.roots = roots
+        self._reported: set[tuple[str, ...]] = set()  # damaged checkpoints already warned about
 
     def list_checkpoints(self, *, load_dir: bool = False) -> list[CheckpointInfo]:
         """Committed checkpoints in save order, the newest save last, as this process sees them (not
         collective: the manager's own decisions list on rank 0 and share the answer). Those a run
         abandoned by going back to an older checkpoint are listed with ``superseded=True``."""
-        storage = self._load_storage if load_dir else self._storage
+        storage = self.roots.load if load_dir else self.roots.save
         infos, bad = storage.scan()
         for name, problem in bad:
-            self._warn_once(("broken", storage.url, name, problem), "ignoring broken checkpoint %s: %s", name, problem)
+            self.warn_once(("broken", storage.url, name, problem), "ignoring broken checkpoint %s: %s", name, problem)
         return infos
 
-    def _warn_once(self, key: tuple[str, ...], msg: str, *args: object) -> None:
+    def warn_once(self, key: tuple[str, ...], msg: str, *args: object) -> None:
         """Log a problem of a checkpoint on disk the first time this manager meets it: should_load()
         and load() (and every save's retention) look at the same directory again."""
         if key not in self._reported:
@@ -52,7 +57,12 @@ class DiscoveryMixin(ManagerCore):
         line = [i for i in self.list_checkpoints(load_dir=load_dir) if not i.superseded]
         return line[-1] if line else None
 
-    def _resolve(self, ctx: LoadContext, skip: Collection[str] = ()) -> tuple[str | None, bool]:
+    def newest_step(self) -> int | None:
+        """The step of save_dir's newest checkpoint of the current line (None: there is none)."""
+        latest = self.latest_checkpoint()
+        return latest.step if latest else None
+
+    def resolve(self, ctx: LoadContext, skip: Collection[str] = ()) -> tuple[str | None, bool]:
         """The checkpoint to load (or None) and whether it is model-only initial weights; auto-resume
         passes over the locations in ``skip`` (found unloadable by every rank)."""
 
@@ -61,7 +71,7 @@ class DiscoveryMixin(ManagerCore):
             return [str(path) if path is not None else None, model_only]
 
         # rank 0 alone lists the directory; every rank gets its answer (or its error)
-        answer = self._dist.on_coordinator(resolve, "resolve checkpoint")
+        answer = self.dist.on_coordinator(resolve, "resolve checkpoint")
         return (str(answer[0]) if answer[0] is not None else None), bool(answer[1])
 
     def _resolve_local(self, ctx: LoadContext, skip: Collection[str] = ()) -> tuple[str | None, bool]:
@@ -76,7 +86,7 @@ class DiscoveryMixin(ManagerCore):
             infos = self.list_checkpoints(load_dir=True)
             match = pick_step(infos, step)
             if match is None:
-                _, bad = self._load_storage.scan()  # a damaged checkpoint.json hides its step too
+                _, bad = self.roots.load.scan()  # a damaged checkpoint.json hides its step too
                 damaged = f"; damaged (step unknown): {', '.join(sorted(n for n, _ in bad))}" if bad else ""
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint at step {step} in {self.config.resolved_load_dir}; "
@@ -138,13 +148,13 @@ class DiscoveryMixin(ManagerCore):
                     log.warning("skipping checkpoint %s (step %d): it records non-finite values", info.path, info.step)
                     continue
                 try:
-                    self._load_storage.check_info(info, self.config.verify_on_load)
+                    self.roots.load.check_info(info, self.config.verify_on_load)
                 except CheckpointCorruptError as exc:
-                    if self._load_storage.is_local and not info.path.exists():  # pruned by a live run
+                    if self.roots.load.is_local and not info.path.exists():  # pruned by a live run
                         log.info("%s (step %d) was deleted while being checked; trying another", info.path, info.step)
                         gone += 1
                         continue
-                    self._warn_once(
+                    self.warn_once(
                         ("damaged", str(info.path), str(exc)),
                         "skipping damaged checkpoint %s (step %d), trying an older one: %s", info.path, info.step, exc,
                     )

@@ -1,6 +1,5 @@
-"""What the default manager calls: the consolidated export at save time, bundles and HF weights at load.
-
-Kept here so the manager gains a line per feature, not the details.
+"""The consolidated export, a phase of its own of a save (:class:`ConsolidatedExport`); and at load,
+what a path names (a bundle's unpacked checkpoint) and initial weights from Hugging Face files.
 """
 
 from __future__ import annotations
@@ -14,19 +13,21 @@ from typing import TYPE_CHECKING, Any
 from checkpoint_manager.engine.base import Engine
 from checkpoint_manager.engine.reading import open_directory
 from checkpoint_manager.errors import CheckpointMismatchError, UnsupportedAdapterError
-from checkpoint_manager.formats.dcp_stream import model_keys, tensor_entries
 from checkpoint_manager.formats.hf import HFWeights, check_hf_weights, export_hf, is_hf_weights
 from checkpoint_manager.formats.lora import adapter_tensor_names
 from checkpoint_manager.formats.model_config import HFConfigRecorder
 from checkpoint_manager.formats.resolve import resolve_checkpoint_path
+from checkpoint_manager.formats.tensor_groups import model_keys, tensor_entries
 from checkpoint_manager.protocol import LoadContext, LoadResult
 from checkpoint_manager.state.keys import extra_key
 
 if TYPE_CHECKING:
     from checkpoint_manager.config import CheckpointConfig
+    from checkpoint_manager.lifecycle.job import SaveJob
 
 __all__ = [
     "CONSOLIDATED_DIR",
+    "ConsolidatedExport",
     "HFConfigRecorder",
     "apply_initial_hf",
     "check_initial_hf",
@@ -93,6 +94,23 @@ def export_consolidated(
         time.perf_counter() - t0,
     )
     return written
+
+
+class ConsolidatedExport:
+    """The export phase of a save (``save_consolidated``): rank 0, into the fully written pending
+    directory before ``checkpoint.json`` is described, so the export is committed (or discarded)
+    with the checkpoint in the same rename; timed as the save's ``export``."""
+
+    def __init__(self, config: CheckpointConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+
+    def run(self, job: SaveJob, header: Mapping[str, Any]) -> None:
+        """Export ``job``'s pending directory if the config asks for it at this save; ``header``: the
+        ``checkpoint.json`` to come as far as its engine reads it (``engine``, its record, ``world_size``)."""
+        t0 = time.perf_counter()
+        if export_consolidated(self.config, job.pending, final=job.final, engine=self.engine, meta=header):
+            job.timings["export"] = time.perf_counter() - t0
 
 
 def resolve_load_path(path: Path) -> Path:

@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +28,35 @@ import torch
 from checkpoint_manager.core.checksum import crc32_many, tensor_crc32
 from checkpoint_manager.engine.base import EngineContext, FileRecord, GroupBase
 from checkpoint_manager.engine.staging import local_tensor
-from checkpoint_manager.errors import CheckpointError
+from checkpoint_manager.errors import CheckpointError, UnsupportedConfigWarning
 from checkpoint_manager.storage import Storage
 
-__all__ = ["Fingerprint", "FrozenChangedError", "FrozenPlan", "FrozenSaves", "fingerprint", "summarize"]
+__all__ = [
+    "Fingerprint",
+    "FrozenChangedError",
+    "FrozenPlan",
+    "FrozenSaves",
+    "check_frozen_support",
+    "fingerprint",
+    "summarize",
+]
 
 #: what a rank did with its group's files: written by this save, or shared from an earlier checkpoint
 WRITE = "write"
+
+
+def check_frozen_support(config: Any, engine: Any) -> None:
+    """``save_frozen="once"`` with an engine that keeps no tensor group in files of its own has no
+    effect: warn (or, ``on_unsupported_field="error"``, refuse) when the manager is built."""
+    if config.save_frozen != "once" or getattr(engine, "places_groups", False):
+        return
+    message = (
+        f"engine={config.engine!r} keeps no tensor group in files of its own (no places_groups): "
+        "save_frozen='once' has no effect, every checkpoint writes the frozen parameters"
+    )
+    if config.on_unsupported_field == "error":
+        raise ValueError(message + " (on_unsupported_field='error')")
+    warnings.warn(message, UnsupportedConfigWarning, stacklevel=3)
 
 
 class FrozenChangedError(CheckpointError):

@@ -15,11 +15,13 @@ import operator
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from checkpoint_manager.config import CheckpointConfig
 from checkpoint_manager.core.codec import check_placeholder, decode
+from checkpoint_manager.core.dist import DistContext
 from checkpoint_manager.core.gcpause import paused_gc
 from checkpoint_manager.core.integrity import Presence, VerifyLevel, check, read_recorded
 from checkpoint_manager.core.layout import (
@@ -44,11 +46,13 @@ from checkpoint_manager.formats.plain_dcp import (
     read_plain_import,
 )
 from checkpoint_manager.formats.resolve import is_plain_dcp
-from checkpoint_manager.lifecycle.background import save_context
-from checkpoint_manager.lifecycle.core import ManagerCore
-from checkpoint_manager.lifecycle.discovery import GONE_RETRIES
+from checkpoint_manager.lifecycle.cursor import Cursor
+from checkpoint_manager.lifecycle.discovery import GONE_RETRIES, Discovery
 from checkpoint_manager.lifecycle.exports import apply_initial_hf, check_initial_hf, resolve_load_path
 from checkpoint_manager.lifecycle.finite import NonFiniteCheckpointError, finite_groups, nonfinite_tensors
+from checkpoint_manager.lifecycle.frozen import FrozenSaves
+from checkpoint_manager.lifecycle.roots import Roots
+from checkpoint_manager.lifecycle.stage import Stager, save_context
 from checkpoint_manager.lifecycle.unloadable import Unloadable, fail_together
 from checkpoint_manager.protocol import LoadContext, LoadResult
 from checkpoint_manager.state.training import (
@@ -59,10 +63,7 @@ from checkpoint_manager.state.training import (
 )
 from checkpoint_manager.storage import basename, is_url
 
-if TYPE_CHECKING:
-    from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager  # noqa: F401
-
-__all__ = ["LoadingMixin", "total_bytes"]
+__all__ = ["CheckpointLoad", "HFWeightsLoad", "LoadSteps", "Loader", "PlainDCPLoad", "total_bytes"]
 
 log = logging.getLogger("checkpoint_manager")
 
@@ -140,16 +141,42 @@ def _checked_nonfinite(path: Path, tensors: Any, groups: tuple[str, ...] | None)
         raise NonFiniteCheckpointError(str(path), bad, len(bad))
 
 
-class LoadingMixin(ManagerCore):
-    """The load path of :class:`~checkpoint_manager.lifecycle.manager.DefaultCheckpointManager`."""
+class Loader:
+    """The load path of a manager: which checkpoint (by :class:`Discovery`), checked, read by the
+    engine that wrote it, applied; and where the run stands afterwards (its :class:`Cursor`)."""
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        dist: DistContext,
+        *,
+        engine: Engine,
+        roots: Roots,
+        discovery: Discovery,
+        cursor: Cursor,
+        frozen: FrozenSaves,
+        stager: Stager,
+    ) -> None:
+        """``engine``: the one this manager saves with (a checkpoint another engine wrote is read
+        with that one); ``frozen``: told what a resumed checkpoint shares; ``stager``: warmed up
+        after a resume, so the first save is warm too."""
+        self.config = config
+        self.dist = dist
+        self.engine = engine
+        self.roots = roots
+        self.discovery = discovery
+        self.cursor = cursor
+        self.frozen = frozen
+        self.stager = stager
+        self._other_engines: dict[str, Engine] = {}  # engines of checkpoints others wrote, by name
 
     def _engine_for(self, meta: dict[str, Any], path: Path) -> Engine:
         """The engine that wrote the checkpoint (``checkpoint.json``'s ``"engine"``): a checkpoint is
         read with its own engine whatever this manager writes with, found among the engines this
         process can name (:func:`~checkpoint_manager.engine.registry.engine_for_record`)."""
         name = meta.get("engine", "dcp")
-        if name == self._engine.name:
-            return self._engine
+        if name == self.engine.name:
+            return self.engine
         engine = self._other_engines.get(name) if isinstance(name, str) else None
         if engine is None:
             try:
@@ -159,7 +186,7 @@ class LoadingMixin(ManagerCore):
             self._other_engines[name] = engine
         return engine
 
-    def _load_retrying(self, ctx: LoadContext) -> LoadResult:
+    def load(self, ctx: LoadContext) -> LoadResult:
         """Auto-resume (no path or step named) skips a checkpoint that cannot be loaded, with one
         warning naming it and why, and loads the one before it on the current line; a named one raises.
 
@@ -186,10 +213,10 @@ class LoadingMixin(ManagerCore):
             except (Unloadable, CheckpointError, OSError) as exc:
                 error = exc.error if isinstance(exc, Unloadable) else exc
                 # one rank's view of a deletion could differ from another's: several ranks skip it instead
-                deleted = isinstance(exc, CheckpointGone) or (self._dist.world_size == 1 and watch.gone())
+                deleted = isinstance(exc, CheckpointGone) or (self.dist.world_size == 1 and watch.gone())
                 if deleted:
                     message = f"{watch.path}: deleted while it was being loaded (pruned by the run that writes it?)"
-                    if not (auto and not watch.model_only) or gone == GONE_RETRIES or self._dist.world_size > 1:
+                    if not (auto and not watch.model_only) or gone == GONE_RETRIES or self.dist.world_size > 1:
                         raise CheckpointNotFoundError(message) from error
                     log.warning("%s; loading the newest checkpoint now", message)
                     gone += 1
@@ -202,7 +229,7 @@ class LoadingMixin(ManagerCore):
                 raise first
             if not auto or watch.model_only:
                 raise failed.error
-            if self._dist.is_coordinator:
+            if self.dist.is_coordinator:
                 log.warning(
                     "skipping checkpoint %s, which cannot be loaded, and loading the one before it: %s",
                     failed.location,
@@ -214,7 +241,7 @@ class LoadingMixin(ManagerCore):
     def _load(self, ctx: LoadContext, watch: Watch | None = None, skip: Collection[str] = ()) -> LoadResult:
         t0 = time.perf_counter()
         watch = watch if watch is not None else Watch()
-        location, model_only = self._resolve(ctx, skip)
+        location, model_only = self.discovery.resolve(ctx, skip)
         if skip and (location is None or model_only):
             raise _NoneLeft()
         if location is None:
@@ -225,54 +252,103 @@ class LoadingMixin(ManagerCore):
             )
             raise CheckpointNotFoundError(f"nothing to load: {reason}")
         watch.start(location, model_only)
-        self._release_copies()
+        self.roots.release_copies()
         with fresh_optimizers_kept(ctx.optimizers()):  # DCP makes up a fresh one's state for its targets
-            steps: _Steps | None = None
+            steps: LoadSteps | None = None
             failure: BaseException | None = None
             try:
-                steps = self._check_load(ctx, location, model_only, t0, skip)
+                steps = self.check_first(ctx, location, model_only, t0, skip)
             except Exception as exc:
                 failure = exc
             try:
-                fail_together(self._dist, failure, location, f"load {basename(location)}: checked")
+                fail_together(self.dist, failure, location, f"load {basename(location)}: checked")
                 assert steps is not None
                 try:
                     steps.read()
                 except Exception as exc:
                     failure = exc
-                fail_together(self._dist, failure, location, f"load {basename(location)}: read")
+                fail_together(self.dist, failure, location, f"load {basename(location)}: read")
                 self._check_still_there(watch)
                 return steps.apply()
             finally:
                 if steps is not None:
                     steps.close()
 
-    def _check_load(
+    def check_first(
         self, ctx: LoadContext, location: str, model_only: bool, t0: float, skipped: Collection[str] = ()
-    ) -> _Steps:
+    ) -> LoadSteps:
         """Everything a load checks before it reads a tensor; nothing live is changed."""
         source = location
         if is_url(location):  # object store: download, then the fast reader and the CRC check run locally
-            remote = self._remote_for(location)
-            self._local_copies.append((remote, remote.localize(location)))
-            location = str(self._local_copies[-1][1])
+            location = str(self.roots.localize(location))
         path = resolve_load_path(Path(location))  # a bundle: its unpacked checkpoint
         if not is_url(source):
             source = str(path)
         if model_only and is_hf_weights(path):  # initial weights from a Hugging Face directory
-            return _HFSteps(self, ctx, path, t0)
+            return HFWeightsLoad(self, ctx, path, t0)
         if is_plain_dcp(path):  # written by plain dcp.save: weights (and optimizer state) imported
-            return _PlainSteps(self, ctx, path, model_only, t0)
+            return PlainDCPLoad(self, ctx, path, model_only, t0)
         shared = not is_url(source) and path == Path(location)  # the very directory every rank reads
-        return _OurSteps(self, ctx, path, source, model_only, t0, skipped, shared=shared)
+        return CheckpointLoad(self, ctx, path, source, model_only, t0, skipped, shared=shared)
 
-    def _warn_going_back(self, loaded: CheckpointInfo, skipped: Collection[str] = ()) -> None:
+    def resumed(
+        self,
+        ctx: LoadContext,
+        source: str,
+        meta: dict[str, Any],
+        rank_json: dict[str, Any] | None,
+        targets: dict[str, torch.Tensor],
+        skipped: Collection[str],
+    ) -> None:
+        """A whole checkpoint (not initial weights) was loaded from ``source``: the run goes on from it."""
+        cursor = self.cursor
+        cursor.saved(int(meta["step"]))
+        if self.roots.in_save_dir(source):
+            cursor.resumed_from = basename(source)
+            cursor.descend_from(info_from_meta(Path(basename(source)), meta))
+            assert cursor.parent is not None
+            self.warn_going_back(cursor.parent, skipped)
+            if rank_json is not None and int(meta.get("world_size") or 1) == self.dist.world_size:
+                # save_frozen="once": the next save may share this checkpoint's frozen files
+                self.frozen.resumed(source, basename(source), rank_json.get("frozen"), self.roots.save)
+        else:  # the next save continues save_dir's newest line
+            cursor.continue_newest()
+        if not self.stager.prepared:  # the first save after a resume is warm too
+            # a load of every part filled the very tensors a save gathers (same keys and shapes):
+            # gathering them again cost 0.06 s at 26,664 small tensors
+            every_part = ctx.strict and ctx.load_optimizer and ctx.load_scheduler and ctx.load_extra
+            self.stager.warm_up(save_context(ctx), gathered=targets if every_part else None)
+
+    def branch_at(self, step: int) -> list[str]:
+        """The run's state is that of ``step``, loaded from another directory: the next save descends
+        from save_dir's newest checkpoint of the current line at or before ``step`` (protected as a
+        loaded one is), or starts a line of its own; the names of the line's checkpoints past
+        ``step``, which that save supersedes (the same on every rank). Collective."""
+
+        def find() -> list[Any]:
+            line = [i for i in self.discovery.list_checkpoints() if not i.superseded]
+            before = [i.name for i in line if i.step <= step]
+            return [before[-1] if before else None, [i.name for i in line if i.step > step]]
+
+        name, newer = self.dist.on_coordinator(find, f"branch at step {step}")
+        parent = None
+        if name is not None and self.dist.is_coordinator:  # the lineage is rank 0's to write
+            parent = next((i for i in self.discovery.list_checkpoints() if i.name == name), None)
+        cursor = self.cursor
+        cursor.descend_from(parent)
+        cursor.resumed_from = name
+        cursor.saved(step)
+        if parent is not None:
+            self.warn_going_back(parent)
+        return list(newer)
+
+    def warn_going_back(self, loaded: CheckpointInfo, skipped: Collection[str] = ()) -> None:
         """Rank 0: a load of a checkpoint older than the newest of its line names what the next save
         supersedes (a run that goes on from here starts a new line), and what becomes of them; those
         auto-resume skipped as unloadable were named already."""
-        if self._dist.rank != 0:
+        if self.dist.rank != 0:
             return
-        newer = [i for i in superseded_by(loaded, self.list_checkpoints()) if i.location not in skipped]
+        newer = [i for i in superseded_by(loaded, self.discovery.list_checkpoints()) if i.location not in skipped]
         if not newer:
             return
         fate = (
@@ -293,10 +369,10 @@ class LoadingMixin(ManagerCore):
 
     def _check_still_there(self, watch: Watch) -> None:
         """Before any object is set: a checkpoint deleted while it was read may have read as absent."""
-        if self._dist.any_true(watch.gone(), "load: checkpoint still there"):
+        if self.dist.any_true(watch.gone(), "load: checkpoint still there"):
             raise CheckpointGone(f"{watch.path}: deleted while it was being loaded")
 
-    def _finite_on_load(self, recorded: Any) -> tuple[str, ...]:
+    def finite_on_load(self, recorded: Any) -> tuple[str, ...]:
         """The state-key groups a load checks for NaN and inf before it sets them: those
         ``check_finite`` covers, and under ``verify_on_load="full"`` those the save recorded as checked."""
         groups = set(finite_groups(self.config.check_finite, self.config.check_finite_optimizer))
@@ -305,7 +381,7 @@ class LoadingMixin(ManagerCore):
         return tuple(sorted(groups))
 
 
-class _Steps:
+class LoadSteps:
     """One load after its checks: :meth:`read` fills what it reads, :meth:`apply` sets the objects."""
 
     def read(self) -> None:
@@ -319,12 +395,12 @@ class _Steps:
         """Release what the load holds open, whatever happened."""
 
 
-class _OurSteps(_Steps):
+class CheckpointLoad(LoadSteps):
     """A checkpoint of this library: read by the engine that wrote it, then applied by :class:`StateLoader`."""
 
     def __init__(
         self,
-        manager: LoadingMixin,
+        loader: Loader,
         ctx: LoadContext,
         path: Path,
         source: str,
@@ -334,11 +410,11 @@ class _OurSteps(_Steps):
         *,
         shared: bool = False,
     ) -> None:
-        self.manager, self.ctx, self.path, self.source, self.model_only, self.t0 = (
-            manager, ctx, path, source, model_only, t0,
+        self.loader, self.ctx, self.path, self.source, self.model_only, self.t0 = (
+            loader, ctx, path, source, model_only, t0,
         )  # fmt: skip
         self.skipped = skipped  # what auto-resume skipped before this one (named in its warnings)
-        config, dist = manager.config, manager._dist
+        config, dist = loader.config, loader.dist
         level = config.verify_on_load
         meta = self.meta = read_checkpoint_json(path, verify_checksum=level != "off")
         t_verify = time.perf_counter()
@@ -349,7 +425,7 @@ class _OurSteps(_Steps):
             # read each rank's JSON once per rank: ranks squared reads in all.
             check(path, meta, level)
         self.t_verify = time.perf_counter() - t_verify
-        self.engine = manager._engine_for(meta, path)
+        self.engine = loader._engine_for(meta, path)
         # Everything below is read, checked and decoded before the read fills the live tensors.
         global_json = _read_state_json(path, meta, level)
         rank_json = per_rank_state(  # the world-size rule for RNG and dataloader state
@@ -365,7 +441,7 @@ class _OurSteps(_Steps):
         if rank_json is not None:  # decoded before any object is touched, like state.json
             _check_decodes(path / rank_file(dist.rank), rank_json)
         self.rank_json = rank_json
-        self.loader = StateLoader(
+        self.state = StateLoader(
             ctx, global_json, rank_json, meta.get("train_state"), source=str(path), model_only=model_only
         )
         self.engine_ctx = EngineContext(
@@ -378,9 +454,9 @@ class _OurSteps(_Steps):
             extra={},  # this load's own: what read_index read for load is freed with it
         )
         index = self.engine.read_index(path, self.engine_ctx)  # checked before targets are allocated from its sizes
-        self.targets = self.loader.targets(index)
-        self.loader.prepare(self.targets)  # every state dict merged and checked: the last step that may refuse
-        self.finite = manager._finite_on_load(meta.get("finite"))
+        self.targets = self.state.targets(index)
+        self.state.prepare(self.targets)  # every state dict merged and checked: the last step that may refuse
+        self.finite = loader.finite_on_load(meta.get("finite"))
         # an engine that may fail after its first copy reads into fresh tensors; one that checks every
         # record first fills the live ones, and checks the values too (ctx.check) before its first copy
         self.in_place = getattr(self.engine, "load_checks_first", False) is True
@@ -392,38 +468,23 @@ class _OurSteps(_Steps):
     def read(self) -> None:
         self.t_plan = time.perf_counter()
         if self.targets:
-            with self.manager._dist.phase(f"load {self.path.name}: read"):  # GC: paused by load()
+            with self.loader.dist.phase(f"load {self.path.name}: read"):  # GC: paused by load()
                 self.engine.load(self.into, self.path, self.engine_ctx)
         if self.finite and not self.in_place:
             _checked_nonfinite(self.path, self.into, self.finite)
         self.t_read = time.perf_counter()
 
     def apply(self) -> LoadResult:
-        manager, ctx, meta, targets = self.manager, self.ctx, self.meta, self.targets
+        loader, ctx, meta, targets = self.loader, self.ctx, self.meta, self.targets
         if self.into is not targets:
             copy_over(targets, self.into)
         self.into = targets
-        self.loader.apply(targets)
+        self.state.apply(targets)
         t_end = time.perf_counter()
         source = self.source
         if not self.model_only:
-            manager._last_saved_step = int(meta["step"])
-            manager._last_saved_known = True
-            if manager._in_save_dir(source):
-                manager._resumed_from = basename(source)
-                manager._parent, manager._parent_known = info_from_meta(Path(basename(source)), meta), True
-                manager._warn_going_back(manager._parent, self.skipped)
-                if self.rank_json is not None and int(meta.get("world_size") or 1) == manager._dist.world_size:
-                    # save_frozen="once": the next save may share this checkpoint's frozen files
-                    manager._frozen.resumed(source, basename(source), self.rank_json.get("frozen"), manager._storage)
-            else:  # the next save continues save_dir's newest line
-                manager._parent, manager._parent_known = None, False
-            if not manager._prepared:  # the first save after a resume is warm too
-                # a load of every part filled the very tensors a save gathers (same keys and shapes):
-                # gathering them again cost 0.06 s at 26,664 small tensors
-                every_part = ctx.strict and ctx.load_optimizer and ctx.load_scheduler and ctx.load_extra
-                manager._prepare_ahead(save_context(ctx), gathered=targets if every_part else None)
-        manager._release_copies()
+            loader.resumed(ctx, source, meta, self.rank_json, targets, self.skipped)
+        loader.roots.release_copies()
         nbytes = total_bytes(targets)
         seconds = t_end - self.t0
         log.info(
@@ -439,8 +500,8 @@ class _OurSteps(_Steps):
             path=source,
             step=int(meta["step"]),
             metrics=dict(meta.get("metrics") or {}),
-            restored=tuple(self.loader.restored),
-            skipped=tuple(self.loader.skipped),
+            restored=tuple(self.state.restored),
+            skipped=tuple(self.state.skipped),
             bytes=nbytes,
             seconds=seconds,
             timings={
@@ -452,13 +513,13 @@ class _OurSteps(_Steps):
         )
 
 
-class _PlainSteps(_Steps):
+class PlainDCPLoad(LoadSteps):
     """A directory plain ``dcp.save`` wrote (:mod:`checkpoint_manager.formats.plain_dcp`), read by the
     engine whose files it holds; nothing live changes before every record was read."""
 
-    def __init__(self, manager: LoadingMixin, ctx: LoadContext, path: Path, model_only: bool, t0: float) -> None:
-        self.manager, self.ctx, self.path, self.model_only, self.t0 = manager, ctx, path, model_only, t0
-        config, dist = manager.config, manager._dist
+    def __init__(self, loader: Loader, ctx: LoadContext, path: Path, model_only: bool, t0: float) -> None:
+        self.loader, self.ctx, self.path, self.model_only, self.t0 = loader, ctx, path, model_only, t0
+        config, dist = loader.config, loader.dist
         self.opened, self.plan = open_plain_import(ctx, path, model_only=model_only, config=config)
         self.engine_ctx = EngineContext(
             step=0,
@@ -476,25 +537,25 @@ class _PlainSteps(_Steps):
         self.read_tensors: dict[str, torch.Tensor] = {}
 
     def read(self) -> None:
-        with self.manager._dist.phase(f"load {self.path.name}: read"):
+        with self.loader.dist.phase(f"load {self.path.name}: read"):
             self.read_tensors = read_plain_import(self.opened, self.plan, self.engine_ctx)
         if self.read_tensors is not self.plan.targets and self.engine_ctx.check is not None:
             self.engine_ctx.check(self.read_tensors.items())  # an engine that does not check read them
 
     def apply(self) -> LoadResult:
         result = apply_plain_import(self.plan, self.ctx, self.read_tensors, model_only=self.model_only)
-        self.manager._release_copies()
+        self.loader.roots.release_copies()
         return result.replace(seconds=time.perf_counter() - self.t0)
 
 
-class _HFSteps(_Steps):
+class HFWeightsLoad(LoadSteps):
     """Initial weights from a Hugging Face directory: every file checked (and, with ``check_finite``,
     every value) before the model is set, one file at a time."""
 
-    def __init__(self, manager: LoadingMixin, ctx: LoadContext, path: Path, t0: float) -> None:
+    def __init__(self, loader: Loader, ctx: LoadContext, path: Path, t0: float) -> None:
         self.ctx, self.t0 = ctx, t0
-        self.weights: HFWeights = check_initial_hf(ctx, path, manager.config)
-        if manager.config.check_finite:
+        self.weights: HFWeights = check_initial_hf(ctx, path, loader.config)
+        if loader.config.check_finite:
             try:
                 _checked_nonfinite(path, self.weights.tensors(), None)
             except BaseException:

@@ -1,4 +1,5 @@
-"""The ``latest`` and ``best`` pointers of a save directory, replaced atomically after each commit.
+"""The ``latest`` and ``best`` pointers of a save directory, replaced atomically after each commit:
+:class:`Pointers` is the one place that moves them (retention only reads them, to keep their targets).
 
 A pointer is a small JSON file (``{"name": ..., "step": ...}``); discovery never trusts it alone (a
 crash between commit and pointer update leaves it one checkpoint behind), but tools and people can
@@ -9,22 +10,25 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from checkpoint_manager.core.layout import CheckpointInfo, metric_value
+from checkpoint_manager.core.layout import CheckpointInfo, Lineage, metric_value
 from checkpoint_manager.core.naming import BEST_LINK, BEST_POINTER, LATEST_LINK, LATEST_POINTER
 from checkpoint_manager.storage.base import Storage
 from checkpoint_manager.storage.local import LocalStorage
+
+if TYPE_CHECKING:
+    from checkpoint_manager.config import CheckpointConfig
 
 __all__ = [
     "BEST_LINK",
     "BEST_POINTER",
     "LATEST_LINK",
     "LATEST_POINTER",
+    "Pointers",
     "best_checkpoint",
     "rank_by_metric",
     "read_pointer",
-    "update_pointers",
 ]
 
 log = logging.getLogger("checkpoint_manager")
@@ -58,40 +62,61 @@ def read_pointer(root: str | Path, kind: str = LATEST_POINTER) -> dict[str, Any]
     return LocalStorage(root).read_pointer(kind)
 
 
-def update_pointers(
-    storage: Storage,
-    checkpoints: list[CheckpointInfo],
-    *,
-    monitor: str | None,
-    mode: str,
-    symlinks: bool,
-) -> CheckpointInfo | None:
-    """Move ``best`` (when a metric is monitored) and the symlinks to what is committed; return the best.
+class Pointers:
+    """Moves the ``latest`` and ``best`` pointers of a run's save directory, and their symlinks.
 
-    ``best`` ranks the current line (superseded checkpoints never become best). While nothing ranks
-    it stays where it is (a metric not logged yet must not unprotect the last best), unless the
-    checkpoint it names is gone. ``latest`` is written by the commit itself; this only refreshes its
-    symlink. Symlinks exist only on local storage (object stores have none).
+    ``latest`` moves with each commit (:meth:`committed`); ``best`` (when a metric is monitored) and the
+    symlinks move after it, from what is committed then (:meth:`refresh`).
     """
-    line = [c for c in checkpoints if not c.superseded]
-    best = best_checkpoint(line, monitor, mode) if monitor else None
-    kept_name: str | None = None
-    if best is not None:
-        pointer = {
-            "name": best.name,
-            "step": best.step,
-            "monitor": monitor,
-            "mode": mode,
-            "value": best.metrics[monitor] if monitor else None,
-        }
-        if storage.read_pointer(BEST_POINTER) != pointer:
-            storage.write_pointer(BEST_POINTER, pointer)
-    elif monitor and (on_disk := storage.read_pointer(BEST_POINTER)) is not None:
-        if on_disk["name"] in {c.name for c in checkpoints}:
-            kept_name = on_disk["name"]
-        else:
-            storage.remove_pointer(BEST_POINTER)  # it names a checkpoint that is gone
-    if symlinks:
-        latest = line[-1].name if line else None
-        storage.link_pointers({LATEST_LINK: latest, BEST_LINK: best.name if best is not None else kept_name})
-    return best
+
+    def __init__(self, storage: Storage, *, monitor: str | None, mode: str, symlinks: bool) -> None:
+        self.storage = storage
+        self.monitor = monitor
+        self.mode = mode
+        self.symlinks = symlinks
+
+    @classmethod
+    def from_config(cls, config: CheckpointConfig, storage: Storage) -> Pointers:
+        return cls(storage, monitor=config.monitor, mode=config.mode, symlinks=config.pointer_symlinks)
+
+    @property
+    def tracked(self) -> bool:
+        """Whether anything moves after a commit besides ``latest`` (a ``best``, symlinks)."""
+        return self.monitor is not None or self.symlinks
+
+    def committed(self, name: str, step: int, lineage: Lineage) -> None:
+        """``latest`` names the checkpoint just committed; it records the lineage too, so the line
+        survives a damaged ``checkpoint.json`` of the head."""
+        self.storage.write_pointer(LATEST_POINTER, {"name": name, "step": step, "lineage": lineage.to_json()})
+
+    def refresh(self, checkpoints: list[CheckpointInfo]) -> CheckpointInfo | None:
+        """Move ``best`` (when a metric is monitored) and the symlinks to what is committed; return the best.
+
+        ``best`` ranks the current line (superseded checkpoints never become best). While nothing ranks
+        it stays where it is (a metric not logged yet must not unprotect the last best), unless the
+        checkpoint it names is gone. ``latest`` is written by the commit itself; this only refreshes its
+        symlink. Symlinks exist only on local storage (object stores have none).
+        """
+        storage, monitor = self.storage, self.monitor
+        line = [c for c in checkpoints if not c.superseded]
+        best = best_checkpoint(line, monitor, self.mode) if monitor else None
+        kept_name: str | None = None
+        if best is not None:
+            pointer = {
+                "name": best.name,
+                "step": best.step,
+                "monitor": monitor,
+                "mode": self.mode,
+                "value": best.metrics[monitor] if monitor else None,
+            }
+            if storage.read_pointer(BEST_POINTER) != pointer:
+                storage.write_pointer(BEST_POINTER, pointer)
+        elif monitor and (on_disk := storage.read_pointer(BEST_POINTER)) is not None:
+            if on_disk["name"] in {c.name for c in checkpoints}:
+                kept_name = on_disk["name"]
+            else:
+                storage.remove_pointer(BEST_POINTER)  # it names a checkpoint that is gone
+        if self.symlinks:
+            latest = line[-1].name if line else None
+            storage.link_pointers({LATEST_LINK: latest, BEST_LINK: best.name if best is not None else kept_name})
+        return best

@@ -2,6 +2,8 @@
 
 A checkpoint survives if any rule keeps it; the newest, the best, whatever the pointers name and
 whatever the caller protects (the checkpoint resumed from, saves in flight) survive regardless.
+Retention only deletes: it reads the pointers (their targets are kept) but never moves them
+(:class:`~checkpoint_manager.lifecycle.pointers.Pointers` does, before the pass).
 Rules rank the current line only: checkpoints a run abandoned by going back to an older one
 (``superseded``) are kept by no rule. Rankings are rebuilt from the ``checkpoint.json`` files on
 disk at every prune, never from memory, so top-k stays right across resumes and config changes.
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
+from checkpoint_manager.core.deprecation import warn_deprecated
 from checkpoint_manager.core.layout import CheckpointInfo, metric_value
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
 from checkpoint_manager.lifecycle.pointers import (
@@ -29,7 +32,6 @@ from checkpoint_manager.lifecycle.pointers import (
     LATEST_POINTER,
     best_checkpoint,
     rank_by_metric,
-    update_pointers,
 )
 from checkpoint_manager.storage import Storage, open_storage
 
@@ -311,8 +313,7 @@ def plan_retention(
 class Prunable(Protocol):
     """What a retention pass needs of the place it deletes from: every
     :class:`~checkpoint_manager.storage.Storage` is one, and so is a plugin's own store of
-    checkpoints (the tiered manager's replica store), so every deleter goes through :class:`Pruner`.
-    Only a pruner that ``owns_pointers`` needs a whole ``Storage``."""
+    checkpoints (the tiered manager's replica store), so every deleter goes through :class:`Pruner`."""
 
     @property
     def url(self) -> str: ...
@@ -350,24 +351,31 @@ class Pruner:
         monitor: str | None = None,
         mode: MonitorMode = "min",
         background: bool = False,
-        pointer_symlinks: bool = False,
-        owns_pointers: bool = True,
+        outside_run: bool = False,
         force: bool = False,
         verify: VerifyLevel = "sizes",
         delete_superseded: bool = False,
+        owns_pointers: bool | None = None,
     ) -> None:
-        """``owns_pointers=False``: a pass from outside the run (``prune``, ``ckpt prune``) leaves the
-        pointers as the run wrote them and first checks its rules against the directory
-        (:meth:`check_rules`; ``force`` lets a mode that disagrees with the run's through).
-        ``verify``: how the checkpoints a pass keeps are checked before it deletes anything
-        (``"off"`` still checks sizes: a pass never trusts a checkpoint it has not looked at)."""
+        """``outside_run``: a pass from outside the run (``prune``, ``ckpt prune``, a plugin's own
+        store) first checks its rules against the directory (:meth:`check_rules`; ``force`` lets a
+        mode that disagrees with the run's through); a run's own pass says once when its monitored
+        metric is in no checkpoint. ``verify``: how the checkpoints a pass keeps are checked before it
+        deletes anything (``"off"`` still checks sizes: a pass never trusts a checkpoint it has not
+        looked at). ``owns_pointers``: the deprecated spelling of ``outside_run`` (``False`` is
+        ``outside_run=True``); a pruner never moves pointers."""
+        if owns_pointers is not None:
+            warn_deprecated(
+                f"Pruner(owns_pointers={owns_pointers}) is deprecated: a pruner never moves pointers; "
+                f"pass outside_run={not owns_pointers}"
+            )
+            outside_run = not owns_pointers
         self.storage = storage
         self.policy = policy
         self.monitor = monitor
         self.mode: MonitorMode = mode
         self.background = background
-        self.pointer_symlinks = pointer_symlinks
-        self.owns_pointers = owns_pointers
+        self.outside_run = outside_run
         self.force = force
         self.verify: VerifyLevel = "sizes" if verify == "off" else verify
         self.delete_superseded = delete_superseded
@@ -391,15 +399,14 @@ class Pruner:
             monitor=config.monitor,
             mode=config.mode,
             background=config.background_deletion,
-            pointer_symlinks=config.pointer_symlinks,
             verify=config.verify_on_load,
             delete_superseded=config.delete_superseded,
         )
 
     @property
-    def active(self) -> bool:
-        """Whether a pass after a commit has anything to do (rules, a ``best`` to track, symlinks)."""
-        return self.policy is not None or self.monitor is not None or self.pointer_symlinks
+    def has_rules(self) -> bool:
+        """Whether the config gives any preservation rule (none: a pass deletes nothing by rule)."""
+        return self.policy is not None
 
     # -- discovery --------------------------------------------------------------------------------
     def scan(self) -> list[CheckpointInfo]:
@@ -410,7 +417,7 @@ class Pruner:
         return infos
 
     def _pointer_targets(self) -> set[str]:
-        """What ``latest`` and ``best`` name on disk now (in a run: after this pass moved them)."""
+        """What ``latest`` and ``best`` name on disk now (in a run: after the commit moved them)."""
         names: set[str] = set()
         for kind in (LATEST_POINTER, BEST_POINTER):
             pointer = self.storage.read_pointer(kind)
@@ -471,34 +478,45 @@ class Pruner:
         )
 
     # -- the pass ---------------------------------------------------------------------------------
-    def after_commit(self, protected: Iterable[str] = (), *, written: str | None = None) -> RetentionPlan:
-        """Refresh ``best`` and the symlinks, then prune. Call only once the new checkpoint is durable.
+    def after_commit(
+        self,
+        protected: Iterable[str] = (),
+        *,
+        written: str | None = None,
+        infos: list[CheckpointInfo] | None = None,
+    ) -> RetentionPlan:
+        """Prune after a commit. Call only once the new checkpoint is durable (and its pointers moved).
 
         ``written``: the checkpoint the run just committed; its CRC32s were computed from the bytes as
         they were written, so this pass checks its sizes only (the next pass reads it under ``"full"``).
+        ``infos``: the listing the pointers were moved by, taken after the commit (else one is taken).
         """
         self._written = written
         try:
-            return self.prune(protected)
+            return self.prune(protected, infos=infos)
         finally:
             self._written = None
 
     def prune(
-        self, protected: Iterable[str] = (), *, dry_run: bool = False, only: Collection[str] | None = None
+        self,
+        protected: Iterable[str] = (),
+        *,
+        dry_run: bool = False,
+        only: Collection[str] | None = None,
+        infos: list[CheckpointInfo] | None = None,
     ) -> RetentionPlan:
-        """One retention pass over what is on disk now (a run's pointers first); ``dry_run`` only plans.
+        """One retention pass over what is on disk now (``infos``: a listing just taken); ``dry_run``
+        only plans.
 
         ``only``: delete nothing outside these names (the plan a person confirmed); what else the
         pass would delete now is kept, with the reason ``not confirmed``.
         """
-        infos = self.scan()
-        if not self.owns_pointers:
+        if infos is None:
+            infos = self.scan()
+        if self.outside_run:
             self.check_rules(infos)
         elif not dry_run:
             self._warn_if_unlogged(infos)
-            update_pointers(  # a pruner that owns the pointers is a run's, over a whole Storage
-                cast("Storage", self.storage), infos, monitor=self.monitor, mode=self.mode, symlinks=self.pointer_symlinks
-            )
         return self._prune(infos, protected, dry_run=dry_run, only=only)
 
     def check(self, info: CheckpointInfo) -> list[str]:
@@ -789,7 +807,7 @@ def build_pruner(
         policy,
         monitor=monitor,
         mode=resolved,
-        owns_pointers=False,
+        outside_run=True,
         force=force or mode is None,  # a mode read from the run's own record agrees with it
         verify=verify,
         delete_superseded=superseded,

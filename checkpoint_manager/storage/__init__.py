@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpoint_manager.storage.base import Storage, basename, is_url, parent_url
 from checkpoint_manager.storage.local import LocalStorage, fsync_dir
-from checkpoint_manager.storage.remote import FsspecStorage, UploadMode
+from checkpoint_manager.storage.remote import FsspecStorage, UploadMode, deprecated_spellings
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
@@ -34,22 +34,26 @@ def open_storage(
     path_or_url: str | Path,
     storage_options: dict[str, Any] | None = None,
     *,
-    staging_dir: str | Path | None = None,
-    upload_mode: UploadMode = "staged",
+    scratch_dir: str | Path | None = None,
+    upload_mode: UploadMode = "scratch",
     retries: int = 4,
     retry_backoff_s: float = 0.5,
     fsync: bool = True,
+    staging_dir: str | Path | None = None,
 ) -> LocalStorage | FsspecStorage:
     """The storage for a checkpoint root: a local directory (``/x``, ``file:///x``) or any fsspec URL.
 
     ``storage_options`` (credentials, endpoint) go to fsspec for URLs; they are never logged.
+    ``scratch_dir``: where an object store's saves are written before upload and its loads download
+    to (``staging_dir`` is its deprecated name).
     """
+    scratch_dir, upload_mode = deprecated_spellings(scratch_dir, staging_dir, upload_mode)
     text = str(path_or_url)
     if is_url(text):
         return FsspecStorage(
             text,
             storage_options=storage_options,
-            staging_dir=staging_dir,
+            scratch_dir=scratch_dir,
             upload_mode=upload_mode,
             retries=retries,
             retry_backoff_s=retry_backoff_s,

@@ -3,7 +3,7 @@
 Two implementations: :class:`~checkpoint_manager.storage.local.LocalStorage` (a POSIX directory,
 commit by rename) and :class:`~checkpoint_manager.storage.remote.FsspecStorage` (any fsspec URL,
 commit by writing ``checkpoint.json`` last). Pending saves always live in a *local* directory (the
-pending directory itself, or a staging directory for object stores), so engines, the JSON writers
+pending directory itself, or a scratch directory for object stores), so engines, the JSON writers
 and the consolidated export work unchanged; the storage decides how that directory becomes a
 committed checkpoint. Everything the lifecycle, retention, pointers, the writer lock, discovery and
 the command line do to a root goes through this protocol: no caller asks which kind of storage it has.
@@ -161,7 +161,7 @@ class Storage(Protocol):
 
     @property
     def pending_root(self) -> Path:
-        """Local directory holding pending saves (the root's ``.pending``, or the staging directory's)."""
+        """Local directory holding pending saves (the root's ``.pending``, or the scratch directory's)."""
         ...
 
     @property

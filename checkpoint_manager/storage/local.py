@@ -30,7 +30,7 @@ from checkpoint_manager.core.layout import (
     read_checkpoint_json,
     scan_checkpoints,
 )
-from checkpoint_manager.core.safe_io import inside, read_json, read_small
+from checkpoint_manager.core.safe_io import path_inside, read_json, read_small
 from checkpoint_manager.errors import CheckpointCorruptError, PostCommitError, UnsafeCheckpointError
 from checkpoint_manager.storage.base import (
     deleting_name,
@@ -350,7 +350,7 @@ class LocalStorage:
         kinds: set[str] = set()
         try:
             for rel, record in files.items():
-                src = inside(source, rel)
+                src = path_inside(source, rel)
                 st = os.lstat(src)
                 if not stat.S_ISREG(st.st_mode) or st.st_size != record.get("size"):
                     raise FileNotFoundError(errno.ENOENT, "not the file it was", str(src))

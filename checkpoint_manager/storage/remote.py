@@ -6,7 +6,7 @@ own files under the checkpoint's prefix, the ranks vote, and only then rank 0 up
 complete) or it has not (pending: never listed, never loaded, swept by the next start). Deletion
 runs the other way round: the marker goes first, so a half-deleted checkpoint is merely pending.
 
-A save is written into a local staging directory first (``upload_mode="staged"``: our fast writer,
+A save is written into a local scratch directory first (``upload_mode="scratch"``: our fast writer,
 then uploads) or streamed straight to the store (``"stream"``: tensor files go up while they are
 serialized; only the small JSON files touch the disk). Every call to the store goes through a
 :class:`~checkpoint_manager.storage.retry.RetryPolicy`.
@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar, cast
 
 from checkpoint_manager.core.checksum import crc32
+from checkpoint_manager.core.deprecation import warn_deprecated
 from checkpoint_manager.core.integrity import describe_files, verify
 from checkpoint_manager.core.layout import (
     CHECKPOINT_JSON,
@@ -64,7 +65,9 @@ __all__ = ["FsspecStorage", "UploadMode"]
 
 log = logging.getLogger("checkpoint_manager")
 
-UploadMode = Literal["staged", "stream"]
+UploadMode = Literal["scratch", "stream"]
+#: the deprecated spelling of ``upload_mode="scratch"``, still accepted (with a DeprecationWarning)
+DEPRECATED_UPLOAD_MODE = "staged"
 _T = TypeVar("_T")
 
 CACHE_DIR = ".cache"
@@ -115,11 +118,30 @@ class _Upload(io.RawIOBase):
             self.discard()
 
 
+def deprecated_spellings(
+    scratch_dir: str | Path | None, staging_dir: str | Path | None, upload_mode: str
+) -> tuple[str | Path | None, UploadMode]:
+    """``staging_dir=`` and ``upload_mode="staged"``, the deprecated spellings of ``scratch_dir=`` and
+    ``"scratch"`` (staging names the host buffers of async saves only): accepted, with a warning."""
+    if staging_dir is not None:
+        if scratch_dir is not None:
+            raise ValueError("staging_dir is the deprecated name of scratch_dir: give scratch_dir only, not both")
+        warn_deprecated(
+            "staging_dir is deprecated: call it scratch_dir (the local directory object-store saves are "
+            "written to before upload, and loads download to)"
+        )
+        scratch_dir = staging_dir
+    if upload_mode == DEPRECATED_UPLOAD_MODE:  # written to scratch_dir, then uploaded
+        warn_deprecated(f"upload_mode={DEPRECATED_UPLOAD_MODE!r} is deprecated: call it upload_mode='scratch'")
+        upload_mode = "scratch"
+    return scratch_dir, cast("UploadMode", upload_mode)
+
+
 class _ObjectRoot:
     """A checkpoint root at an fsspec URL, read side: names, discovery, checks, downloads."""
 
     is_local = False
-    #: a save's local files are staging copies: the store, not the disk, makes them durable
+    #: a save's local files are scratch copies: the store, not the disk, makes them durable
     fsync = False
 
     def __init__(
@@ -127,16 +149,18 @@ class _ObjectRoot:
         url: str,
         *,
         storage_options: dict[str, Any] | None = None,
-        staging_dir: str | Path | None = None,
-        upload_mode: UploadMode = "staged",
+        scratch_dir: str | Path | None = None,
+        upload_mode: UploadMode = "scratch",
         retries: int = 4,
         retry_backoff_s: float = 0.5,
         fsync: bool = True,
+        staging_dir: str | Path | None = None,
     ) -> None:
         import fsspec
 
-        if upload_mode not in ("staged", "stream"):
-            raise ValueError(f"upload_mode must be 'staged' or 'stream', got {upload_mode!r}")
+        scratch_dir, upload_mode = deprecated_spellings(scratch_dir, staging_dir, upload_mode)
+        if upload_mode not in ("scratch", "stream"):
+            raise ValueError(f"upload_mode must be 'scratch' or 'stream', got {upload_mode!r}")
         self.url = url.rstrip("/")
         fs, root = fsspec.core.url_to_fs(self.url, **dict(storage_options or {}))
         self.fs: AbstractFileSystem = fs
@@ -144,13 +168,13 @@ class _ObjectRoot:
         self.upload_mode: UploadMode = upload_mode
         self.retry = RetryPolicy(attempts=retries + 1, backoff_s=retry_backoff_s)
         del fsync  # accepted like open_storage's other backends; nothing here is fsynced (see ``fsync``)
-        if staging_dir is None:
+        if scratch_dir is None:
             digest = hashlib.sha1(self.url.encode("utf-8")).hexdigest()[:12]
-            staging_dir = Path(tempfile.gettempdir()) / f"checkpoint-manager-staging-{digest}"
-        self.staging_root = Path(staging_dir)
-        self.pending_root = self.staging_root / PENDING_DIR
-        self.cache_root = self.staging_root / CACHE_DIR
-        self._local = LocalStorage(self.staging_root, fsync=False)  # staging copies need no fsync
+            scratch_dir = Path(tempfile.gettempdir()) / f"checkpoint-manager-scratch-{digest}"
+        self.scratch_root = Path(scratch_dir)
+        self.pending_root = self.scratch_root / PENDING_DIR
+        self.cache_root = self.scratch_root / CACHE_DIR
+        self._local = LocalStorage(self.scratch_root, fsync=False)  # scratch copies need no fsync
         self._uploaded: dict[str, set[str]] = {}  # pending dir -> files this process already uploaded
         self._scan_cache: dict[str, tuple[tuple[Any, ...], CheckpointInfo]] = {}
 
@@ -386,7 +410,7 @@ class FsspecStorage(_ObjectRoot):
     """A checkpoint root at an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``).
 
     ``storage_options`` go to fsspec unchanged (credentials, ``client_kwargs={"endpoint_url": ...}``);
-    they are never logged or shown in ``repr``. ``staging_dir`` (default: a directory in the system
+    they are never logged or shown in ``repr``. ``scratch_dir`` (default: a directory in the system
     temp dir, one per URL) holds pending saves and downloaded copies.
     """
 
@@ -407,10 +431,10 @@ class FsspecStorage(_ObjectRoot):
         while candidate in taken:
             version += 1
             candidate = f"{name}-v{version}"
-        self.staging_root.mkdir(parents=True, exist_ok=True)
+        self.scratch_root.mkdir(parents=True, exist_ok=True)
         self._local.checked_pending_root(create=True)  # a real directory, never a link's target
         path = self.pending_root / f"{candidate}.{uuid.uuid4().hex[:12]}"
-        mark_in_flight(path)  # its staging copy and its prefix in the store: no sweep of ours removes them
+        mark_in_flight(path)  # its scratch copy and its prefix in the store: no sweep of ours removes them
         try:
             path.mkdir()
         except BaseException:
@@ -422,7 +446,7 @@ class FsspecStorage(_ObjectRoot):
         return ObjectWriterLock(self, stale_after_s=stale_after_s)
 
     def open_output(self, pending: Path, rel: str) -> BinaryIO:
-        """``upload_mode="stream"``: straight into the store's multipart upload; else the staging file."""
+        """``upload_mode="stream"``: straight into the store's multipart upload; else the scratch file."""
         if not self.streams:
             return self._local.open_output(pending, rel)
         out = self.fs.open(f"{self.remote_dir(pending)}/{rel}", "wb", block_size=PART_BYTES)
@@ -440,7 +464,7 @@ class FsspecStorage(_ObjectRoot):
         """This rank's tensor files, its rank JSON and (rank 0) DCP's ``.metadata``. The local copies
         go at once (the disk holds one checkpoint at most), but rank 0's small files, which it
         describes in the marker; other ranks' directories on other nodes are left empty (swept at
-        the next start; removing them could race rank 0 on a shared staging directory)."""
+        the next start; removing them could race rank 0 on a shared scratch directory)."""
         rels = [*files, rank_file(rank)] + ([METADATA_FILE] if rank == 0 else [])
         self._put(pending, rels)
         for rel in files if rank == 0 else rels:
@@ -507,7 +531,7 @@ class FsspecStorage(_ObjectRoot):
         return self._local.write_json(path, data)
 
     def commit(self, pending: Path, name: str) -> str:
-        """Upload what is still local (state, export), then the marker, last; drop the staging copy."""
+        """Upload what is still local (state, export), then the marker, last; drop the scratch copy."""
         remote = self.remote_dir(pending)
         done = self._uploaded.get(str(pending), set())
         rest = [r for r in self._local_files(pending) if r != CHECKPOINT_JSON and r not in done]
@@ -521,7 +545,7 @@ class FsspecStorage(_ObjectRoot):
         return self.location_of(remote.rsplit("/", 1)[-1])
 
     def remove_tree(self, path: Path) -> None:
-        """Drop a failed save: the staging directory and whatever it uploaded, unless its marker is
+        """Drop a failed save: the scratch directory and whatever it uploaded, unless its marker is
         there (then it is committed, and not ours to remove here)."""
         if self.pending_root in path.parents:
             remote = self.remote_dir(path)
@@ -594,7 +618,7 @@ class FsspecStorage(_ObjectRoot):
             self._call(f"delete {self.location_of(name)}", self.fs.rm, self.key(name), recursive=True)
 
     def sweep_pending(self) -> list[str]:
-        """Local staging leftovers, and prefixes without a marker that hold only files a save of ours
+        """Local scratch leftovers, and prefixes without a marker that hold only files a save of ours
         writes (a user's own folder next to the checkpoints is never touched)."""
         removed = self._local.sweep_pending()
         if self.cache_root.is_dir():  # downloads left by crashed loads (not a reader's current one)

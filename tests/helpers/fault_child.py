@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import checkpoint_manager.lifecycle.saving as manager_module
+import checkpoint_manager.lifecycle.gather as manager_module
 from checkpoint_manager import (
     CheckpointConfig,
     DefaultCheckpointManager,

@@ -1,12 +1,15 @@
 """The package's shape: no import cycle, imports run down the layers, no class over 400 lines.
 
-Every import counts, function-local ones too (a lazy import is still a dependency), except those
-under ``if TYPE_CHECKING:``, which never run.
+Every import counts, function-local ones too (a lazy import is still a dependency); those under
+``if TYPE_CHECKING:``, which never run, count for the cycles (a type-only cycle is still two
+modules that cannot be read apart) but not for the layers.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
 from tests.helpers.process import ROOT
@@ -68,8 +71,15 @@ def _runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, those only type checkers see included."""
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
+
+
+def _graph(*, type_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules it imports (``type_only``: those under ``TYPE_CHECKING`` too)."""
     modules = _modules()
+    imports = _all_imports if type_only else _runtime_imports
 
     def known(name: str) -> str | None:
         while name and name not in modules:
@@ -79,7 +89,7 @@ def _graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, file in modules.items():
         package = name if file.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _runtime_imports(ast.parse(file.read_text(), str(file))):
+        for node in imports(ast.parse(file.read_text(), str(file))):
             targets: list[str | None] = []
             if isinstance(node, ast.Import):
                 targets = [known(alias.name) for alias in node.names]
@@ -148,6 +158,15 @@ def test_the_graph_sees_function_local_imports_but_not_type_checking_ones() -> N
 
 def test_no_import_cycle() -> None:
     assert _cycles(_graph()) == []
+
+
+def test_no_import_cycle_even_among_type_only_imports() -> None:
+    """Parts that name each other's types for the checker are still tangled: none."""
+    assert _cycles(_graph(type_only=True)) == []
+
+
+def test_the_type_only_graph_sees_type_checking_imports() -> None:
+    assert "checkpoint_manager.config" in _graph(type_only=True)["checkpoint_manager.lifecycle.retention"]
 
 
 def test_imports_run_down_the_layers() -> None:
@@ -261,3 +280,170 @@ def test_the_dcp_check_sees_what_it_looks_for() -> None:
         "line 5: '.metadata'",
         "line 6: METADATA_FILE",
     ]
+
+
+# -- the plugin API: what a plugin may import ----------------------------------------------------------
+PLUGINS = ROOT / "plugins"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _plugin_api_modules() -> set[str]:
+    """The modules ``docs/architecture.md``'s seams section names as the plugin API (besides
+    ``checkpoint_manager`` itself, whose ``__all__`` is public)."""
+    seams = ARCHITECTURE.read_text().split("## The seams", 1)[1]
+    named = set(re.findall(r"`(checkpoint_manager(?:\.[a-z_]+)+)`", seams))
+    return {name for name in named if name in _modules()}
+
+
+def _plugin_imports(source: str) -> list[tuple[str, str | None]]:
+    """``(module, name)`` of every import of ``checkpoint_manager`` in ``source`` (name None: the module)."""
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names if alias.name.split(".")[0] == "checkpoint_manager"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "checkpoint_manager":
+            found += [(str(node.module), alias.name) for alias in node.names]
+    return found
+
+
+def _outside_the_plugin_api(source: str, api: set[str]) -> list[str]:
+    import checkpoint_manager
+
+    bad: list[str] = []
+    for module, name in _plugin_imports(source):
+        if module == "checkpoint_manager":
+            if name is not None and name not in checkpoint_manager.__all__:
+                bad.append(f"checkpoint_manager.{name}")
+        elif module not in api:
+            bad.append(module if name is None else f"{module}.{name}")
+        elif name is not None and name not in importlib.import_module(module).__all__:
+            bad.append(f"{module}.{name}")
+    return bad
+
+
+def test_plugins_import_only_the_plugin_api() -> None:
+    api = _plugin_api_modules()
+    assert {"checkpoint_manager.engine.base", "checkpoint_manager.engine.dcp", "checkpoint_manager.errors",
+            "checkpoint_manager.testing"} <= api
+    sources = sorted(PLUGINS.glob("*/src/*/*.py"))
+    assert {p.parts[-4] for p in sources} >= {
+        "checkpoint-manager-safetensors", "checkpoint-manager-tiered", "checkpoint-manager-torch-checkpointing",
+        "checkpoint-manager-torchtitan",
+    }
+    offenders = {
+        str(p.relative_to(PLUGINS)): bad for p in sources if (bad := _outside_the_plugin_api(p.read_text(), api))
+    }
+    assert offenders == {}
+
+
+def test_the_plugin_api_check_sees_what_it_looks_for() -> None:
+    api = {"checkpoint_manager.engine.dcp"}
+    source = (
+        "import checkpoint_manager\n"
+        "from checkpoint_manager import DefaultCheckpointManager, ManagerCore\n"
+        "from checkpoint_manager.core.dist import DistContext\n"
+        "import checkpoint_manager.lifecycle.saving\n"
+        "from checkpoint_manager.engine.dcp import read_dcp_metadata, _RestrictedUnpickler\n"
+        "def f():\n    from checkpoint_manager.protocol import FinalizeOnExit\n"
+    )
+    assert _outside_the_plugin_api(source, api) == [
+        "checkpoint_manager.ManagerCore",
+        "checkpoint_manager.core.dist.DistContext",
+        "checkpoint_manager.lifecycle.saving",
+        "checkpoint_manager.engine.dcp._RestrictedUnpickler",
+        "checkpoint_manager.protocol.FinalizeOnExit",
+    ]
+
+
+# -- the lifecycle: a facade over collaborators ---------------------------------------------------------
+MAX_FACADE_LINES = 250
+
+
+def test_the_default_manager_is_a_facade_without_mixins() -> None:
+    """``DefaultCheckpointManager`` delegates: at most 250 lines, and no base class but the
+    finalize-on-exit protocol (no mixins, no core of shared fields)."""
+    from checkpoint_manager.lifecycle.manager import DefaultCheckpointManager
+    from checkpoint_manager.protocol import FinalizeOnExit
+
+    size = _class_sizes()["checkpoint_manager.lifecycle.manager.DefaultCheckpointManager"]
+    assert size <= MAX_FACADE_LINES, size
+    assert DefaultCheckpointManager.__bases__ == (FinalizeOnExit,)
+    assert not (PACKAGE / "lifecycle" / "core.py").exists()
+
+
+def _builds_checkpoint_json(tree: ast.Module) -> bool:
+    """A dict display with the keys only a ``checkpoint.json`` record has (its format's, the
+    library's and torch's versions; a bundle's manifest has no torch version)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            if {"format_version", "library_version", "torch_version"} <= keys:
+                return True
+    return False
+
+
+def test_checkpoint_json_is_built_in_one_place() -> None:
+    builders = sorted(name for name, p in _modules().items() if _builds_checkpoint_json(ast.parse(p.read_text())))
+    assert builders == ["checkpoint_manager.core.layout"]
+
+
+def _writes_pointers(tree: ast.Module) -> bool:
+    """Calls that write or remove a ``latest``/``best`` pointer (or their symlinks)."""
+    return any(
+        isinstance(node, ast.Attribute) and node.attr in ("write_pointer", "remove_pointer", "link_pointers")
+        for node in ast.walk(tree)
+    )
+
+
+def test_pointers_move_in_one_place() -> None:
+    """In the lifecycle only ``Pointers`` moves ``latest`` and ``best`` (retention only deletes)."""
+    movers = sorted(
+        name
+        for name, p in _modules().items()
+        if name.startswith("checkpoint_manager.lifecycle.") and _writes_pointers(ast.parse(p.read_text()))
+    )
+    assert movers == ["checkpoint_manager.lifecycle.pointers"]
+
+
+# -- docs/architecture.md names the function of each step -------------------------------------------------
+#: "(`Name.attr`, `pkg/module.py`" or "`name` of `pkg/module.py`": a function and where it lives
+_NAMED_AT = re.compile(r"`([A-Za-z_][\w.]*)`(?:, | of )`([\w/]+)\.py`")
+
+
+def _steps(section: str) -> list[str]:
+    body = ARCHITECTURE.read_text().split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.split(r"\n(?=\d+\. \*\*)", body)[1:]
+
+
+def _named_functions(step: str) -> list[tuple[str, str]]:
+    return [(name, "checkpoint_manager." + path.replace("/", ".")) for name, path in _NAMED_AT.findall(step)]
+
+
+def _resolves(name: str, module: str) -> bool:
+    obj: object = importlib.import_module(module)
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return callable(obj)
+
+
+def test_each_step_of_a_save_and_a_load_names_the_function_that_does_it() -> None:
+    for section in ("A save, step by step", "A load, step by step"):
+        steps = _steps(section)
+        assert len(steps) >= 6, section
+        for number, step in enumerate(steps, start=1):
+            lead = re.match(r"\d+\. \*\*.+?\*\* \(`[A-Za-z_][\w.]*`, `[\w/]+\.py`", step, re.S)
+            assert lead is not None, f"{section}, step {number} names no function first: {step[:120]!r}"
+            missing = [f"{m}.{n}" for n, m in _named_functions(step) if not _resolves(n, m)]
+            assert missing == [], f"{section}, step {number}"
+
+
+def test_the_step_name_check_sees_what_it_looks_for() -> None:
+    step = "1. **Writes** (`Writer.write`, `lifecycle/write.py`, with `nothing_here` of `core/layout.py`)"
+    named = _named_functions(step)
+    assert named == [
+        ("Writer.write", "checkpoint_manager.lifecycle.write"),
+        ("nothing_here", "checkpoint_manager.core.layout"),
+    ]
+    assert [_resolves(n, m) for n, m in named] == [True, False]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from checkpoint_manager import CheckpointConfig
+from checkpoint_manager import CheckpointConfig, FsspecStorage
 
 
 class BucketConfig(CheckpointConfig):
@@ -263,3 +264,38 @@ def test_save_consolidated_goes_with_every_engine(tmp_path: Path, mode: str, eng
     it (tests/unit/engine/test_engine_reading.py saves and loads the export with each)."""
     cfg = CheckpointConfig(save_dir=str(tmp_path), engine=engine, save_consolidated=mode)
     assert (cfg.engine, cfg.save_consolidated) == (engine, mode)
+
+
+def _deprecations(call: Any) -> tuple[Any, list[str]]:
+    """``call()``'s value and the DeprecationWarnings it raised, each checked to point at this file."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = call()
+    found = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert all(w.filename == __file__ for w in found), [w.filename for w in found]  # the user's line
+    return value, [str(w.message) for w in found]
+
+
+def test_the_deprecated_spellings_of_scratch_dir_and_upload_mode_still_work(tmp_path: Path) -> None:
+    """``staging_dir`` and ``upload_mode="staged"`` (staging names the host buffers of async saves
+    only): a user's config, file or call keeps working, with a DeprecationWarning naming the new name."""
+    scratch = str(tmp_path / "scratch")
+    renamed = (
+        "staging_dir is deprecated: call it scratch_dir (the local directory object-store saves are written to "
+        "before upload, and loads download to)"
+    )
+    staged = "upload_mode='staged' is deprecated: call it upload_mode='scratch'"
+    cfg, said = _deprecations(lambda: CheckpointConfig(save_dir="s3://b/p", staging_dir=scratch, upload_mode="staged"))
+    assert (cfg.scratch_dir, cfg.upload_mode, said) == (scratch, "scratch", [renamed, staged])
+    value, said = _deprecations(lambda: cfg.staging_dir)
+    assert (value, said) == (scratch, ["config field staging_dir is deprecated: read scratch_dir"])
+    config_file = tmp_path / "ckpt.yaml"
+    config_file.write_text(f"save_dir: s3://b/p\nstaging_dir: {scratch}\n")
+    with pytest.warns(DeprecationWarning, match="call it scratch_dir"):
+        assert CheckpointConfig.from_file(config_file).scratch_dir == scratch
+    with pytest.raises(ValidationError, match="staging_dir is the deprecated name of scratch_dir: give scratch_dir only"):
+        CheckpointConfig(save_dir="s3://b/p", staging_dir=scratch, scratch_dir=scratch)
+    storage, said = _deprecations(
+        lambda: FsspecStorage("memory://deprecated", staging_dir=scratch, upload_mode="staged")  # type: ignore[arg-type]
+    )
+    assert (storage.scratch_root, storage.upload_mode, said) == (Path(scratch), "scratch", [renamed, staged])

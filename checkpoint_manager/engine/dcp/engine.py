@@ -284,7 +284,7 @@ class DCPEngine:
         direct = config.direct_io if config is not None else True
         open_output = ctx.open_output
         if ctx.streams and open_output is not None:  # straight into the object store
-            from checkpoint_manager.engine.dcp.stream import StreamingWriter
+            from checkpoint_manager.engine.dcp.stream_writer import StreamingWriter
 
             retry = ctx.retry if ctx.retry is not None else (lambda fn, what: fn())
             return StreamingWriter(directory, open_output, retry=retry)

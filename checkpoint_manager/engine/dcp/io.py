@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from checkpoint_manager.core.gcpause import paused_gc
 from checkpoint_manager.core.layout import METADATA_FILE
-from checkpoint_manager.core.safe_io import UnsafeFileError, inside, open_regular
+from checkpoint_manager.core.safe_io import UnsafeFileError, open_regular, path_inside
 from checkpoint_manager.errors import CheckpointCorruptError, UnsafeCheckpointError
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ def check_metadata(metadata: Metadata, file: Path) -> None:
             raise bad(f"record of {index.fqn!r} has transform descriptors {descriptors!r}")
         if rel not in checked:
             try:
-                inside(root, rel)
+                path_inside(root, rel)
             except UnsafeFileError as exc:
                 raise UnsafeCheckpointError(
                     f"{file}: record of {index.fqn!r} names data file {rel!r}, outside the checkpoint directory"
@@ -229,7 +229,7 @@ def check_data_files(metadata: Metadata, root: Path) -> None:
         if end > needed.get(info.relative_path, (0, ""))[0]:
             needed[info.relative_path] = (end, index.fqn)
     for rel, (end, last) in needed.items():
-        data = inside(root, rel)
+        data = path_inside(root, rel)
         try:
             fd = open_regular(data, root=root)
         except FileNotFoundError:

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from checkpoint_manager.core.safe_io import inside, open_regular
+from checkpoint_manager.core.safe_io import open_regular, path_inside
 from checkpoint_manager.engine.dcp.direct_io import BLOCK, AlignedFileReader, cached_fraction
 from checkpoint_manager.engine.dcp.envelope import envelope_for, locate_data
 from checkpoint_manager.engine.dcp.io import check_data_files, paused_gc, read_dcp_metadata
@@ -210,7 +210,7 @@ class CheckpointReader(FileSystemReader):
                 checked = []
                 with self._typed_errors():
                     for relative_path, jobs in per_file.items():
-                        records = files.enter_context(_RecordFile(inside(root, relative_path), root))
+                        records = files.enter_context(_RecordFile(path_inside(root, relative_path), root))
                         for job in jobs:
                             if job.offset + job.length > records.size:
                                 raise CheckpointCorruptError(
@@ -284,7 +284,7 @@ class CheckpointReader(FileSystemReader):
         root = Path(os.fspath(self.path))
         checked = []
         for relative_path, items in per_file.items():
-            records = files.enter_context(_RecordFile(inside(root, relative_path), root))
+            records = files.enter_context(_RecordFile(path_inside(root, relative_path), root))
             jobs = [self._job(req, sinfo, planner, metadata, records) for req, sinfo in items]
             jobs.sort(key=_offset_of)  # one forward pass over the file
             records.locate([job for job in jobs if job.nbytes])

@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from checkpoint_manager.engine.base import EngineContext, TensorInfo
+from checkpoint_manager.engine.base import Engine, EngineContext, TensorInfo
 from checkpoint_manager.engine.dcp.io import check_data_files, read_dcp_metadata
 
 if TYPE_CHECKING:
     from checkpoint_manager.core.integrity import VerifyLevel
-    from checkpoint_manager.engine.dcp.engine import DCPEngine
 
 __all__ = ["METADATA_KEY", "DCPTensorReader"]
 
@@ -32,7 +31,7 @@ METADATA_KEY = "dcp.metadata"
 class DCPTensorReader:
     """:class:`~checkpoint_manager.engine.base.TensorReader` of one DCP checkpoint, for one process."""
 
-    def __init__(self, engine: DCPEngine, directory: Path, ctx: EngineContext, level: VerifyLevel) -> None:
+    def __init__(self, engine: Engine, directory: Path, ctx: EngineContext, level: VerifyLevel) -> None:
         self._engine = engine
         self._directory = directory
         self._level = level

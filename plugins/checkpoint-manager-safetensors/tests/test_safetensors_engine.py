@@ -19,7 +19,7 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-from cm_safetensors import FORMAT, SafetensorsConfig, SafetensorsEngine, SafetensorsManager
+from cm_safetensors import FORMAT, SafetensorsConfig, SafetensorsEngine
 from pydantic import ValidationError
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -31,6 +31,7 @@ from checkpoint_manager import (
     CheckpointCorruptError,
     CheckpointManager,
     CheckpointMismatchError,
+    DefaultCheckpointManager,
     Engine,
     EngineContext,
     EngineState,
@@ -225,7 +226,7 @@ def test_config_registration_and_public_imports(tmp_path: Path) -> None:
     assert SafetensorsConfig.from_file(file).filename == "w_{rank}.safetensors"
     pyproject = (PLUGIN / "pyproject.toml").read_text()
     assert '[project.entry-points."checkpoint_manager.engines"]\nsafetensors = "cm_safetensors:SafetensorsEngine"\n' in pyproject
-    assert '[project.entry-points."checkpoint_manager.managers"]\nsafetensors = "cm_safetensors:SafetensorsManager"\n' in pyproject
+    assert "checkpoint_manager.managers" not in pyproject  # registered once: as the engine it is
     for source in (PLUGIN / "src" / "cm_safetensors").glob("*.py"):
         text = source.read_text()
         assert "from checkpoint_manager." not in text and "import checkpoint_manager." not in text, source
@@ -234,16 +235,21 @@ def test_config_registration_and_public_imports(tmp_path: Path) -> None:
             assert {n.strip() for n in imported if n.strip()} <= set(checkpoint_manager.__all__), source
 
 
-def test_the_manager_name_is_found_and_takes_this_config(tmp_path: Path) -> None:
-    assert resolve_manager_class("safetensors") is SafetensorsManager
-    assert resolve_manager_class("safetensors", allowed_import_prefixes=("cm_safetensors",)) is SafetensorsManager
-    with pytest.raises(PermissionError, match=r"manager='safetensors' is the entry point 'cm_safetensors:"):
-        resolve_manager_class("safetensors", allowed_import_prefixes=("checkpoint_manager",))
-    manager = create_checkpoint_manager(CheckpointConfig(save_dir=str(tmp_path), manager="safetensors"))
-    assert type(manager) is SafetensorsManager and isinstance(manager, CheckpointManager)
-    assert type(manager.config) is SafetensorsConfig
+def test_the_deprecated_manager_name_is_the_default_manager_with_this_engine(tmp_path: Path) -> None:
+    """``manager="safetensors"`` and ``SafetensorsManager`` name no manager of their own: the default
+    manager with this engine, each with a DeprecationWarning that names the spelling to use."""
+    with pytest.raises(ValueError, match=r"nor a dotted path .*; 'safetensors' names an engine: give engine='safetensors'$"):
+        resolve_manager_class("safetensors")
+    with pytest.warns(DeprecationWarning, match=r"manager='safetensors' is deprecated: it names the engine 'safetensors'"):
+        manager = create_checkpoint_manager(CheckpointConfig(save_dir=str(tmp_path), manager="safetensors"))
+    assert type(manager) is DefaultCheckpointManager and isinstance(manager, CheckpointManager)
+    assert type(manager.config) is SafetensorsConfig and manager.config.manager is None
     assert (manager.config.engine, manager.config.filename) == ("safetensors", "state_{rank}.safetensors")
     manager.finalize_async_saves(terminate=True)
+    with pytest.warns(DeprecationWarning, match=r"SafetensorsManager is deprecated: use DefaultCheckpointManager"):
+        from cm_safetensors import SafetensorsManager
+    with SafetensorsManager(SafetensorsConfig(save_dir=str(tmp_path / "old"))) as old:
+        assert isinstance(old, DefaultCheckpointManager) and old.config.engine == "safetensors"
 
 
 # ---- the whole path: the lifecycle with this engine -----------------------------------------------
@@ -364,10 +370,12 @@ def test_full_round_trip_through_the_lifecycle(tmp_path: Path, async_save: bool)
     assert_same(resumed.snapshot(), after_one_more)
 
 
-def test_the_manager_name_saves_with_this_engine(tmp_path: Path) -> None:
+def test_the_deprecated_manager_name_saves_with_this_engine(tmp_path: Path) -> None:
     run = Run(seed=0)
     run.step()
-    with create_checkpoint_manager({"save_dir": str(tmp_path), "manager": "safetensors", "fsync": False}) as manager:
+    with pytest.warns(DeprecationWarning, match=r"manager='safetensors' is deprecated"):
+        manager = create_checkpoint_manager({"save_dir": str(tmp_path), "manager": "safetensors", "fsync": False})
+    with manager:
         result = manager.save(SaveContext(**run.ctx_kwargs(), force=True))
     assert result is not None and "state_0.safetensors" in os.listdir(result.path)
 

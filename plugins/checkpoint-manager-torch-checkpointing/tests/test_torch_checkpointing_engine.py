@@ -28,7 +28,6 @@ from cm_torch_checkpointing import (
     FORMAT,
     TorchCheckpointingConfig,
     TorchCheckpointingEngine,
-    TorchCheckpointingManager,
     dtypes_file,
     tensor_file,
 )
@@ -40,6 +39,7 @@ from checkpoint_manager import (
     CheckpointConfig,
     CheckpointCorruptError,
     CheckpointMismatchError,
+    DefaultCheckpointManager,
     Engine,
     EngineContext,
     EngineState,
@@ -271,7 +271,7 @@ def test_one_file_per_rank_and_no_resharding(tmp_path: Path) -> None:
 
 
 def test_streaming_to_an_object_store_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"cannot stream to an object store; use upload_mode='staged'"):
+    with pytest.raises(ValueError, match=r"cannot stream to an object store; use upload_mode='scratch'"):
         TorchCheckpointingEngine().save(EngineState({"w": torch.ones(1)}), tmp_path, ctx(streams=True))
     assert list(tmp_path.iterdir()) == []
 
@@ -281,7 +281,6 @@ def test_config_registration_and_public_imports() -> None:
     assert engine._direct_io is True and TorchCheckpointingEngine(None)._timeout_s == 600
     assert TorchCheckpointingEngine.name == "torch_checkpointing"
     assert TorchCheckpointingEngine.config_class is TorchCheckpointingConfig
-    assert TorchCheckpointingManager.config_class is TorchCheckpointingConfig
     assert TorchCheckpointingConfig(save_dir="x").engine == "torch_checkpointing"
     with pytest.raises(ValueError, match=r"engine_timeout_s\n  Input should be greater than or equal to 1"):
         TorchCheckpointingConfig(save_dir="x", engine_timeout_s=0)
@@ -290,8 +289,7 @@ def test_config_registration_and_public_imports() -> None:
     pyproject = (PLUGIN / "pyproject.toml").read_text()
     assert '[project.entry-points."checkpoint_manager.engines"]\ntorch_checkpointing = ' \
         '"cm_torch_checkpointing:TorchCheckpointingEngine"\n' in pyproject
-    assert '[project.entry-points."checkpoint_manager.managers"]\ntorch-checkpointing = ' \
-        '"cm_torch_checkpointing:TorchCheckpointingManager"\n' in pyproject
+    assert "checkpoint_manager.managers" not in pyproject  # registered once: as the engine it is
     # The plugin imports only what checkpoint_manager exports.
     for file in (PLUGIN / "src" / "cm_torch_checkpointing").glob("*.py"):
         for line in file.read_text().splitlines():
@@ -480,15 +478,20 @@ def test_a_damaged_newest_checkpoint_falls_back(tmp_path: Path) -> None:
     assert_same(rig.snapshot(), replay(4))
 
 
-def test_the_old_manager_name_is_the_lifecycle_with_this_engine(tmp_path: Path) -> None:
-    manager = create_checkpoint_manager(CheckpointConfig(save_dir=str(tmp_path), manager="torch-checkpointing"))
-    assert type(manager) is TorchCheckpointingManager
-    assert isinstance(manager.config, TorchCheckpointingConfig)
+def test_the_deprecated_manager_name_is_the_lifecycle_with_this_engine(tmp_path: Path) -> None:
+    with pytest.warns(DeprecationWarning, match=r"manager='torch-checkpointing' is deprecated: it names the engine "
+                      r"'torch_checkpointing', not a manager; give engine='torch_checkpointing'"):
+        manager = create_checkpoint_manager(CheckpointConfig(save_dir=str(tmp_path), manager="torch-checkpointing"))
+    assert type(manager) is DefaultCheckpointManager
+    assert isinstance(manager.config, TorchCheckpointingConfig) and manager.config.engine == "torch_checkpointing"
     rig = Rig(seed=0)
     rig.step()
     with manager:
         result = manager.save(SaveContext(**rig.kwargs(), force=True))
     assert result is not None and tensor_file(0) in os.listdir(result.path)
+    with pytest.warns(DeprecationWarning, match=r"TorchCheckpointingManager is deprecated: use DefaultCheckpointManager"):
+        from cm_torch_checkpointing import TorchCheckpointingManager
+    assert TorchCheckpointingManager.config_class is TorchCheckpointingConfig
 
 
 def test_engine_conformance(tmp_path: Path) -> None:

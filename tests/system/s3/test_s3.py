@@ -114,7 +114,7 @@ def s3_config(url: str, endpoint: str, staging: str | Path, **kw: Any) -> Checkp
     return CheckpointConfig(
         save_dir=url,
         storage_options=storage_options(endpoint, botocore_retries=False),
-        staging_dir=str(staging),
+        scratch_dir=str(staging),
         storage_retry_backoff_s=0.01,
         **kw,
     )
@@ -143,7 +143,7 @@ def objects(storage: FsspecStorage) -> list[str]:
 
 # -- the full cycle -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("async_save", "upload_mode"), [(False, "staged"), (False, "stream"), (True, "staged"), (True, "stream")]
+    ("async_save", "upload_mode"), [(False, "scratch"), (False, "stream"), (True, "scratch"), (True, "stream")]
 )
 def test_save_load_resume_retention(
     async_save: bool, upload_mode: str, s3: MotoS3, url: str, tmp_path: Path
@@ -288,7 +288,7 @@ def test_writer_lock_on_the_store(s3: MotoS3, url: str, tmp_path: Path, caplog: 
 
 
 # -- crashes and failures -------------------------------------------------------------------------------
-@pytest.mark.parametrize("upload_mode", ["staged"])
+@pytest.mark.parametrize("upload_mode", ["scratch"])
 def test_kill_during_upload_is_never_listed(
     upload_mode: str, s3: MotoS3, proxy: FaultProxy, url: str, tmp_path: Path
 ) -> None:
@@ -378,7 +378,7 @@ def test_two_ranks_each_upload_their_shard(s3: MotoS3, url: str, tmp_path: Path)
     assert all("crc32" in entry for entry in meta["files"].values())
 
 
-@pytest.mark.parametrize(("async_save", "upload_mode"), [(False, "staged"), (True, "stream")])
+@pytest.mark.parametrize(("async_save", "upload_mode"), [(False, "scratch"), (True, "stream")])
 def test_transient_failures_are_retried(
     async_save: bool, upload_mode: str, s3: MotoS3, proxy: FaultProxy, url: str, tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
@@ -409,7 +409,7 @@ def test_transient_failures_are_retried(
     assert storage.list_names() == ["step_00000003"]
 
 
-@pytest.mark.parametrize(("async_save", "upload_mode"), [(False, "staged"), (True, "staged"), (True, "stream")])
+@pytest.mark.parametrize(("async_save", "upload_mode"), [(False, "scratch"), (True, "scratch"), (True, "stream")])
 def test_permanent_failure_surfaces_and_commits_nothing(
     async_save: bool, upload_mode: str, s3: MotoS3, proxy: FaultProxy, url: str, tmp_path: Path
 ) -> None:
@@ -495,8 +495,8 @@ def test_config_fields_validate_and_hide_credentials(tmp_path: Path) -> None:
     cfg = CheckpointConfig(save_dir="s3://b/p", storage_options={"secret": DUMMY_SECRET})
     assert DUMMY_SECRET not in repr(cfg) and cfg.storage_options == {"secret": DUMMY_SECRET}
     assert "storage_options" not in cfg.model_dump() and DUMMY_SECRET not in cfg.model_dump_json()
-    assert (cfg.upload_mode, cfg.storage_retries, cfg.storage_retry_backoff_s, cfg.staging_dir) == (
-        "staged", 4, 0.5, None,
+    assert (cfg.upload_mode, cfg.storage_retries, cfg.storage_retry_backoff_s, cfg.scratch_dir) == (
+        "scratch", 4, 0.5, None,
     )
     with pytest.raises(ValidationError, match="upload_mode"):
         CheckpointConfig(save_dir="s3://b/p", upload_mode="fast")  # type: ignore[arg-type]
@@ -504,7 +504,7 @@ def test_config_fields_validate_and_hide_credentials(tmp_path: Path) -> None:
         CheckpointConfig(save_dir="s3://b/p", storage_retries=-1)
     with pytest.raises(ValidationError, match="storage_retries must be an integer, not a boolean"):
         CheckpointConfig(save_dir="s3://b/p", storage_retries=True)
-    with pytest.raises(ValidationError, match="staging_dir must be a local directory"):
-        CheckpointConfig(save_dir="s3://b/p", staging_dir="s3://b/staging")
-    with pytest.raises(ValueError, match="upload_mode must be 'staged' or 'stream'"):
+    with pytest.raises(ValidationError, match="scratch_dir must be a local directory"):
+        CheckpointConfig(save_dir="s3://b/p", scratch_dir="s3://b/scratch")
+    with pytest.raises(ValueError, match="upload_mode must be 'scratch' or 'stream'"):
         FsspecStorage("memory://x", upload_mode="fast")  # type: ignore[arg-type]

@@ -283,7 +283,7 @@ def test_durable_tier_in_an_object_store_survives_a_lost_node(tmp_path: Path, mo
     durable = {
         "save_dir": url,
         "storage_options": storage_options(s3.endpoint),
-        "staging_dir": str(tmp_path / "staging"),
+        "scratch_dir": str(tmp_path / "staging"),
         "durable_every_n_steps": 2,
     }
     manager = create_checkpoint_manager(tiered_fields(tmp_path, **durable))

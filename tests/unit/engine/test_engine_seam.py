@@ -135,12 +135,12 @@ def test_async_save_with_an_engine_without_stage_snapshots_once(tmp_path: Path) 
             for p in model.parameters():
                 p.add_(1.0)
         mgr.finalize_async_saves(blocking=True)
-        state_bytes = sum(t.nbytes for t in mgr._staging._buffers.values())
+        state_bytes = sum(t.nbytes for t in mgr._stager.buffers._buffers.values())
         assert state_bytes == staged.bytes  # one host copy of the whole state, reused by the next save
-        buffers = dict(mgr._staging._buffers)
+        buffers = dict(mgr._stager.buffers._buffers)
         _save(mgr, model, opt, 2)
         mgr.finalize_async_saves(blocking=True)
-        assert all(mgr._staging._buffers[k] is b for k, b in buffers.items())
+        assert all(mgr._stager.buffers._buffers[k] is b for k, b in buffers.items())
     fresh, fresh_opt = _net(5)
     _train(fresh, fresh_opt, 1)
     with _manager(tmp_path) as mgr:

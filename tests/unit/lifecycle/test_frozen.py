@@ -242,8 +242,8 @@ def s3_server(moto_s3: Any) -> Any:
     return moto_s3
 
 
-@pytest.mark.parametrize(("async_save", "upload_mode"), [(False, "staged"), (True, "stream")],
-                         ids=["sync-staged", "async-stream"])
+@pytest.mark.parametrize(("async_save", "upload_mode"), [(False, "scratch"), (True, "stream")],
+                         ids=["sync-scratch", "async-stream"])
 def test_s3_shares_the_base_by_server_side_copy_and_resumes_bit_exact(
     tmp_path: Path, s3_server: Any, reference: dict[str, torch.Tensor], async_save: bool, upload_mode: str
 ) -> None:
@@ -254,7 +254,7 @@ def test_s3_shares_the_base_by_server_side_copy_and_resumes_bit_exact(
     opts = storage_options(s3_server.endpoint)
 
     def s3_frozen_config(staging: str) -> CheckpointConfig:
-        return frozen_config(url, storage_options=opts, staging_dir=str(tmp_path / staging), async_save=async_save,
+        return frozen_config(url, storage_options=opts, scratch_dir=str(tmp_path / staging), async_save=async_save,
                              upload_mode=upload_mode)
 
     run = Run(0)

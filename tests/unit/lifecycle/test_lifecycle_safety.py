@@ -168,7 +168,7 @@ def test_a_second_manager_in_the_same_process_never_sweeps_the_first_ones_saves_
     first = DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir), fsync=False))
     save(first, 1)
     # the directory a save of `first` is writing right now (made as every save makes it)
-    writing = first._storage.new_pending("step_00000002")
+    writing = first._roots.save.new_pending("step_00000002")
     (writing / "__0_0.distcp").write_bytes(b"being written")
     crashed = save_dir / ".pending" / "step_00000003.0123456789ab"  # left by a run that died
     crashed.mkdir()
@@ -180,7 +180,7 @@ def test_a_second_manager_in_the_same_process_never_sweeps_the_first_ones_saves_
     assert pointer_update.exists()
     assert not crashed.exists()  # sharing the lock, it still sweeps what no live save writes
     unmark_in_flight(pointer_update)  # (as if that update had been cut short)
-    first._storage.remove_tree(writing)  # that save failed and was cleaned up; a later sweep may
+    first._roots.save.remove_tree(writing)  # that save failed and was cleaned up; a later sweep may
     (save_dir / ".pending" / writing.name).mkdir()  # ... remove what then sits under its name
     DefaultCheckpointManager(CheckpointConfig(save_dir=str(save_dir), fsync=False)).finalize_async_saves(
         terminate=True)
@@ -272,7 +272,7 @@ def test_a_forked_child_holds_no_lock_and_touches_nothing(tmp_path: Path) -> Non
                 outcome["inherited"] = "saved"
             except CheckpointLockError as exc:
                 outcome["inherited"] = str(exc)
-            lock = parent._writer_lock
+            lock = parent._lock.lock
             outcome["held"] = str(lock is not None and lock.held)
             if lock is not None:
                 lock.release()  # a copy's release must not remove the parent's lock
@@ -525,10 +525,10 @@ def test_an_object_store_sweep_skips_this_process_uploads_and_refuses_a_linked_s
     fs = fsspec.filesystem("memory")
     root = url.removeprefix("memory://")
     staging = tmp_path / "staging"
-    cfg = CheckpointConfig(save_dir=url, staging_dir=str(staging))
+    cfg = CheckpointConfig(save_dir=url, scratch_dir=str(staging))
     first = DefaultCheckpointManager(cfg)
     save(first, 1)
-    writing = first._storage.new_pending("step_00000002")  # a save of `first`, uploading
+    writing = first._roots.save.new_pending("step_00000002")  # a save of `first`, uploading
     fs.pipe_file(f"{root}/step_00000002/__0_0.distcp", b"uploaded part")
     fs.pipe_file(f"{root}/step_00000003/__0_0.distcp", b"left by a dead run")
     second = DefaultCheckpointManager(cfg)  # shares the lock, sweeps
@@ -536,7 +536,7 @@ def test_an_object_store_sweep_skips_this_process_uploads_and_refuses_a_linked_s
     assert writing.is_dir()
     assert not fs.exists(f"{root}/step_00000003")
     second.finalize_async_saves(terminate=True)
-    first._storage.remove_tree(writing)
+    first._roots.save.remove_tree(writing)
     first.finalize_async_saves(terminate=True)
     assert not fs.exists(f"{root}/step_00000002")
 

@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from checkpoint_manager.core.codec import encode
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, FORMAT_NAME, FORMAT_VERSION, CheckpointInfo
-from checkpoint_manager.lifecycle.pointers import BEST_LINK, BEST_POINTER, LATEST_LINK, read_pointer
+from checkpoint_manager.lifecycle.pointers import BEST_LINK, BEST_POINTER, LATEST_LINK, Pointers, read_pointer
 from checkpoint_manager.lifecycle.retention import (
     KeepAll,
     KeepAny,
@@ -31,6 +31,7 @@ from checkpoint_manager.lifecycle.retention import (
     KeepLast,
     KeepUnranked,
     Pruner,
+    RetentionPlan,
     build_retention_policy,
     plan_retention,
     prune,
@@ -150,10 +151,20 @@ def make_dir(tmp_path: Path, losses: list[float | None]) -> LocalStorage:
     return storage
 
 
-def test_pruner_keeps_last_and_best_and_writes_the_best_pointer(tmp_path: Path) -> None:
+def after_commit(
+    storage: LocalStorage, pruner: Pruner, *, symlinks: bool = False, protected: set[str] | None = None
+) -> RetentionPlan:
+    """A run's pass after a commit: the pointers move first (:class:`Pointers`), then retention
+    deletes (the pruner, which never moves them), from one listing."""
+    infos = pruner.scan()
+    Pointers(storage, monitor=pruner.monitor, mode=pruner.mode, symlinks=symlinks).refresh(infos)
+    return pruner.after_commit(protected or (), infos=infos)
+
+
+def test_pruner_keeps_last_and_best_and_the_pass_writes_the_best_pointer(tmp_path: Path) -> None:
     storage = make_dir(tmp_path, [0.9, 0.2, 0.8, math.nan, 0.7, 0.6])
     pruner = Pruner(storage, build_retention_policy(keep_last=2, keep_best=1, monitor="loss"), monitor="loss")
-    plan = pruner.after_commit()
+    plan = after_commit(storage, pruner)
     assert names(plan.delete) == ["step_00000010", "step_00000030", "step_00000040"]
     assert listed(storage.root) == ["step_00000020", "step_00000050", "step_00000060"]
     assert read_pointer(storage.root, BEST_POINTER) == {
@@ -164,17 +175,17 @@ def test_pruner_keeps_last_and_best_and_writes_the_best_pointer(tmp_path: Path) 
 
 def test_rankings_come_from_disk_after_a_resume_and_a_config_change(tmp_path: Path) -> None:
     storage = make_dir(tmp_path, [0.5, 0.1, 0.4, 0.3, 0.9])
-    Pruner(storage, build_retention_policy(keep_last=1, keep_best=3, monitor="loss"), monitor="loss").after_commit()
+    after_commit(storage, Pruner(storage, build_retention_policy(keep_last=1, keep_best=3, monitor="loss"), monitor="loss"))
     assert listed(storage.root) == ["step_00000020", "step_00000030", "step_00000040", "step_00000050"]
     # a new run (no memory) with a stricter config, after two more saves
     commit(storage, 60, {"loss": 0.2})
     commit(storage, 70, {"loss": 0.8})
     resumed = Pruner(storage, build_retention_policy(keep_last=1, keep_best=2, monitor="loss"), monitor="loss")
-    resumed.after_commit()
+    after_commit(storage, resumed)
     assert listed(storage.root) == ["step_00000020", "step_00000060", "step_00000070"]
     # switching to mode=max re-ranks what is on disk
     flipped = Pruner(storage, build_retention_policy(keep_best=1, monitor="loss", mode="max"), monitor="loss", mode="max")
-    flipped.after_commit()
+    after_commit(storage, flipped)
     assert listed(storage.root) == ["step_00000070"]
     assert read_pointer(storage.root, BEST_POINTER)["name"] == "step_00000070"  # type: ignore[index]
 
@@ -196,15 +207,34 @@ def test_pointer_targets_are_protected(tmp_path: Path) -> None:
 
 def test_symlinks_are_relative_and_follow_latest_and_best(tmp_path: Path) -> None:
     storage = make_dir(tmp_path, [0.3, 0.1, 0.2])
-    pruner = Pruner(storage, KeepLast(5), monitor="loss", pointer_symlinks=True)
-    pruner.after_commit()
+    pruner = Pruner(storage, KeepLast(5), monitor="loss")
+    after_commit(storage, pruner, symlinks=True)
     assert os.readlink(storage.root / LATEST_LINK) == "step_00000030"
     assert os.readlink(storage.root / BEST_LINK) == "step_00000020"
     assert (storage.root / BEST_LINK / CHECKPOINT_JSON).is_file()
     commit(storage, 40, {"loss": 0.05})
-    pruner.after_commit()
+    after_commit(storage, pruner, symlinks=True)
     assert os.readlink(storage.root / LATEST_LINK) == os.readlink(storage.root / BEST_LINK) == "step_00000040"
     assert listed(storage.root) == ["step_00000010", "step_00000020", "step_00000030", "step_00000040"]
+
+
+def test_retention_only_deletes_it_never_moves_a_pointer(tmp_path: Path) -> None:
+    """The pointers move in one place (:class:`Pointers`); a pruner reads them (their targets stay)
+    but writes none: no ``best``, no symlink, ``latest`` as it was."""
+    storage = make_dir(tmp_path, [0.3, 0.1, 0.2])
+    storage.write_pointer("latest", {"name": "step_00000020", "step": 20})
+    plan = Pruner(storage, KeepLast(1), monitor="loss").after_commit()
+    assert names(plan.delete) == ["step_00000010"]
+    assert listed(storage.root) == ["step_00000020", "step_00000030"]  # latest's target is kept
+    assert read_pointer(storage.root, BEST_POINTER) is None
+    assert read_pointer(storage.root, "latest") == {"name": "step_00000020", "step": 20}
+    assert not (storage.root / LATEST_LINK).is_symlink() and not (storage.root / BEST_LINK).is_symlink()
+    with pytest.raises(TypeError, match="pointer_symlinks"):
+        Pruner(storage, KeepLast(1), pointer_symlinks=True)  # type: ignore[call-arg]
+    with pytest.warns(DeprecationWarning, match=r"Pruner\(owns_pointers=False\) is deprecated: a pruner never moves "
+                      r"pointers; pass outside_run=True"):
+        outside = Pruner(storage, KeepLast(1), owns_pointers=False)
+    assert outside.outside_run
 
 
 def test_background_deletion_hides_at_once_and_frees_the_disk_later(tmp_path: Path) -> None:
@@ -424,7 +454,11 @@ class RetentionHistory(RuleBasedStateMachine):
         before = self.scan()
         protected = {n for n in (just_committed, self.resumed_from) if n}
         expected = oracle_keep(before, self.cfg, protected)
-        plan = self.pruner.after_commit(protected=protected) if just_committed else self.pruner.prune(protected)
+        infos = self.pruner.scan()  # a run's pass: the pointers move first, then retention deletes
+        Pointers(self.storage, monitor="loss", mode=self.cfg["mode"], symlinks=False).refresh(infos)
+        plan = (
+            self.pruner.after_commit(protected, infos=infos) if just_committed else self.pruner.prune(protected, infos=infos)
+        )
         self.pointer_fresh = True  # every real pass refreshes the pointers first
         self.pruner.wait()
         after = {i.name for i in self.scan()}

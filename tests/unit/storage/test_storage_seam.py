@@ -23,7 +23,8 @@ import torch.distributed.checkpoint as dcp
 from checkpoint_manager.core.integrity import verify
 from checkpoint_manager.core.layout import CHECKPOINT_JSON, FORMAT_NAME, FORMAT_VERSION, PENDING_DIR
 from checkpoint_manager.core.naming import LATEST_LINK
-from checkpoint_manager.engine.dcp.stream import StreamingWriter
+from checkpoint_manager.engine.dcp.stream_writer import StreamingWriter
+from checkpoint_manager.lifecycle.pointers import Pointers
 from checkpoint_manager.lifecycle.retention import KeepLast, Pruner
 from checkpoint_manager.storage import FsspecStorage, LocalStorage, Storage, open_storage
 from checkpoint_manager.storage.base import DELETING, deleted_name, is_deleting
@@ -70,8 +71,10 @@ def test_a_storage_of_another_kind_gets_retention_pointers_and_the_lock(tmp_path
     assert isinstance(storage, Storage) and not isinstance(storage, LocalStorage | FsspecStorage)
     for step in (1, 2, 3):
         commit(storage, step)
-    pruner = Pruner(storage, KeepLast(1), pointer_symlinks=True)
-    plan = pruner.after_commit()
+    pruner = Pruner(storage, KeepLast(1))
+    infos = pruner.scan()
+    Pointers(storage, monitor=None, mode="min", symlinks=True).refresh(infos)
+    plan = pruner.after_commit(infos=infos)
     assert [c.name for c in plan.delete] == ["step_00000001", "step_00000002"] and plan.failed == []
     # no metric is monitored: no best, so no best symlink
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".pending", LATEST_LINK, "step_00000003"]
@@ -188,9 +191,9 @@ def s3(moto_s3: MotoS3) -> MotoS3:
 def test_stream_open_output_uploads_on_close_and_discards_on_error(s3: MotoS3, tmp_path: Path) -> None:
     url = f"s3://{s3.make_bucket()}/run"
     options = storage_options(s3.endpoint)
-    storage = open_storage(url, options, staging_dir=tmp_path / "staging", upload_mode="stream")
+    storage = open_storage(url, options, scratch_dir=tmp_path / "staging", upload_mode="stream")
     assert storage.streams is True
-    assert open_storage(url, options, staging_dir=tmp_path / "staging2").streams is False  # "staged"
+    assert open_storage(url, options, scratch_dir=tmp_path / "staging2").streams is False  # "scratch"
     pending = storage.new_pending("step_00000001")
     with storage.open_output(pending, "__0_0.distcp") as out:
         out.write(b"tensor bytes")
@@ -261,7 +264,7 @@ def test_the_public_verify_takes_paths_and_urls(tmp_path: Path) -> None:
     name = commit(storage, 1)
     assert public_verify(tmp_path / "run" / name) == [] == verify(tmp_path / "run" / name)
     url = f"memory://seam-{os.getpid()}-{next(_clock)}/run"
-    remote = open_storage(url, staging_dir=tmp_path / "staging")
+    remote = open_storage(url, scratch_dir=tmp_path / "staging")
     remote_name = commit(remote, 1)
     assert public_verify(f"{url}/{remote_name}", "full") == []
     assert public_verify(f"{url}/step_00000009") == [f"{url}/step_00000009/{CHECKPOINT_JSON}: missing (not a committed checkpoint)"]

@@ -17,6 +17,7 @@ import pytest
 from checkpoint_manager import (
     CheckpointManager,
     CheckpointNotFoundError,
+    DefaultCheckpointManager,
     LoadContext,
     LoadResult,
     SaveContext,
@@ -37,7 +38,7 @@ CHECKS = list(CONFORMANCE_CHECKS)
 # fsync off: these checks test behaviour, and fsync only slows them down on CI disks.
 default_maker = manager_maker({"fsync": False})
 async_maker = manager_maker({"fsync": False, "async_save": True})
-safetensors_maker = manager_maker({"manager": "safetensors", "fsync": False, "keep_last": 10})
+safetensors_maker = manager_maker({"engine": "safetensors", "fsync": False, "keep_last": 10})
 
 
 def test_every_documented_check_is_registered() -> None:
@@ -86,10 +87,10 @@ def test_safetensors_plugin_conforms(check: str, tmp_path: Path) -> None:
 
 
 def test_direct_construction_with_a_config_object(tmp_path: Path) -> None:
-    from cm_safetensors import SafetensorsConfig, SafetensorsManager
+    from cm_safetensors import SafetensorsConfig
 
     def make(save_dir: Path, overrides: dict[str, Any]) -> CheckpointManager:
-        return SafetensorsManager(SafetensorsConfig(save_dir=str(save_dir), fsync=False, **overrides))
+        return DefaultCheckpointManager(SafetensorsConfig(save_dir=str(save_dir), fsync=False, **overrides))
 
     run_conformance_suite(make, tmp_path, checks=["round_trip"])
     assert [p.name for p in tmp_path.iterdir()] == ["round_trip"]

@@ -29,16 +29,16 @@ from checkpoint_manager import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     DefaultCheckpointManager,
+    FinalizeOnExit,
     LoadContext,
     LoadResult,
     ManagerClosedError,
     SaveContext,
     SaveResult,
+    fields_set,
 )
-from checkpoint_manager.factory import fields_set
-from checkpoint_manager.protocol import FinalizeOnExit
 from cm_tiered.config import LOCAL_POLICY_FIELDS, SHARED_FIELDS, TieredConfig
-from cm_tiered.replicas import NodeLocalManager, ReplicationStats, Replicator, Resumer
+from cm_tiered.replicas import NodePending, ReplicationStats, Replicator, Resumer
 
 __all__ = ["TieredCheckpointManager", "tier_configs"]
 
@@ -89,14 +89,16 @@ class TieredCheckpointManager(FinalizeOnExit):
             config = TieredConfig.model_validate(fields_set(config))
         self.config: TieredConfig = config
         local_cfg, durable_cfg = tier_configs(config)
-        self.local = NodeLocalManager(local_cfg) if config.replicas else DefaultCheckpointManager(local_cfg)
+        pending = NodePending() if config.replicas else None
+        self.local = DefaultCheckpointManager(local_cfg, pending=pending)
         self._replicator: Replicator | None = None
         self._committed: list[SaveResult] = []  # local commits waiting to be replicated
         try:
             self.durable = DefaultCheckpointManager(durable_cfg)
             if config.replicas:
+                assert pending is not None
                 self._replicator = Replicator(
-                    self.local,  # type: ignore[arg-type]
+                    pending,
                     config.local_dir,
                     config.replicas,
                     config.local_keep_last,
@@ -306,7 +308,7 @@ class TieredCheckpointManager(FinalizeOnExit):
         if ctx.path is not None:
             tier = self._tier_for_path(str(ctx.path))
             result = tier.load(ctx)
-            if tier is self.durable and not self.durable._in_save_dir(str(ctx.path)):
+            if tier is self.durable and not self.durable.in_save_dir(str(ctx.path)):
                 return result, None  # a checkpoint of neither tier: nothing of the run's lines moves
             return result, "local" if tier is self.local else "durable"
         if self._replicator is not None:

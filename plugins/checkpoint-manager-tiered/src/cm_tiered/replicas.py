@@ -52,29 +52,28 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_manager import (
+    CHECKPOINT_JSON,
     CheckpointCorruptError,
     CheckpointError,
-    DefaultCheckpointManager,
-    KeepLast,
-    Pruner,
-)
-from checkpoint_manager.core.checksum import crc32
-from checkpoint_manager.core.dist import DistContext
-from checkpoint_manager.core.layout import (
-    CHECKPOINT_JSON,
     CheckpointInfo,
+    DistContext,
+    KeepLast,
+    PendingDirectories,
+    Pruner,
+    crc32,
+    open_regular,
     order_checkpoints,
+    read_json,
     seal_checkpoint_json,
+    set_aside_names,
 )
-from checkpoint_manager.core.safe_io import open_regular, read_json
-from checkpoint_manager.storage.base import set_aside_names
 from cm_tiered.untrusted import marker_problem, regular_files, share_rank
 
 if TYPE_CHECKING:
-    from checkpoint_manager.core.integrity import VerifyLevel
+    from checkpoint_manager import VerifyLevel
 
 __all__ = [
-    "NodeLocalManager",
+    "NodePending",
     "NodeTopology",
     "ReplicaStore",
     "ReplicationError",
@@ -170,26 +169,21 @@ class NodeTopology:
 # ---- the local tier's writer: each node writes into its own disk ---------------------------------
 
 
-class NodeLocalManager(DefaultCheckpointManager):
-    """The local tier when every node has its own ``local_dir``.
+class NodePending(PendingDirectories):
+    """The local tier's pending directories when every node has its own ``local_dir``.
 
-    The default manager names a save's pending directory on rank 0 and every rank writes into it,
-    which needs a directory shared by all ranks. Here every rank creates the same pending directory
-    on its own node's disk (overriding the private hook ``_new_pending``, the one place that
-    assumes a shared directory), so each node's disk holds what its ranks wrote. Rank 0's node
-    commits as usual; the other nodes' parts are moved into the replica store by
-    :class:`Replicator`.
+    The default manager names a save's pending directory on rank 0 and every rank writes into it;
+    here (``per_node``) every rank creates that same directory on its own node's disk, so each node's
+    disk holds what its ranks wrote, and this records where, by step. Rank 0's node commits as usual;
+    the other nodes' parts are moved into the replica store by :class:`Replicator`.
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self) -> None:
+        super().__init__(per_node=True)
         self.written: dict[int, Path] = {}  # step -> this node's pending directory of that save
-        super().__init__(config)
 
-    def _new_pending(self, dist: DistContext, name: str, step: int) -> Path:
-        path: Path = super()._new_pending(dist, name, step)
-        path.mkdir(parents=True, exist_ok=True)  # on rank 0's node it exists; elsewhere it is ours
+    def created(self, path: Path, step: int) -> None:
         self.written[step] = path
-        return path
 
 
 # ---- one node's store of shares ------------------------------------------------------------------
@@ -294,7 +288,7 @@ class ReplicaStore:
         (:class:`~checkpoint_manager.Pruner`: what it keeps is checked first, superseded steps stay).
         Unfinished ones are left alone: one may be the replication this node's other ranks are placing
         now (they go at the next resume)."""
-        Pruner(self, KeepLast(keep), owns_pointers=False, verify=verify).prune()
+        Pruner(self, KeepLast(keep), outside_run=True, verify=verify).prune()
 
     # -- what the library's Pruner needs of a store (checkpoint_manager.Prunable) -------------------
     @property
@@ -656,7 +650,7 @@ class Replicator:
 
     def __init__(
         self,
-        local: NodeLocalManager,
+        pending: NodePending,
         local_dir: str,
         k: int,
         keep: int,
@@ -665,7 +659,7 @@ class Replicator:
         fsync: bool = True,
         verify: VerifyLevel = "sizes",
     ) -> None:
-        self.local, self.k, self.keep, self.fsync, self.verify = local, k, keep, fsync, verify
+        self.pending, self.k, self.keep, self.fsync, self.verify = pending, k, keep, fsync, verify
         self.store = ReplicaStore(local_dir, fsync=fsync)
         self.local_dir = Path(local_dir)
         self.ctl = DistContext(timeout_s)  # the training thread's collectives (decisions, resume)
@@ -729,7 +723,7 @@ class Replicator:
         topo, io = self.topo, self.io
         rank = io.rank
         on_coord_node = topo.node == topo.nodes[0]
-        pending = self.local.written.pop(step, None)
+        pending = self.pending.written.pop(step, None)
         written = Path(committed_path) if on_coord_node else pending
         failure: BaseException | None = None
         manifest: dict[str, dict[str, int]] = {}

@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from checkpoint_manager.core.safe_io import UnsafeFileError, inside
+from checkpoint_manager import UnsafeFileError, path_inside
 
 __all__ = ["SHARE_DIR", "marker_problem", "regular_files", "share_rank"]
 
@@ -68,7 +68,7 @@ def marker_problem(data: Any) -> str | None:
             ):
                 return f"the manifest of rank {rank} records {rel!r} as {entry!r}, not {{size, crc32}}"
             try:
-                inside(".", rel)
+                path_inside(".", rel)
             except UnsafeFileError:
                 return f"the manifest of rank {rank} names {rel!r}, outside the share"
     return None

@@ -113,7 +113,7 @@ class TorchCheckpointingEngine:
         if ctx.streams:
             raise ValueError(
                 "the torch_checkpointing engine writes local files and cannot stream to an object store; "
-                "use upload_mode='staged' (or the dcp engine)"
+                "use upload_mode='scratch' (or the dcp engine)"
             )
         tensors = _unshare(_storable(state.tensors))
         raw = {k: [str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items() if t.dtype not in _STORABLE}

@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from checkpoint_manager import CheckpointMismatchError, CheckpointNotFoundError, UnsafeCheckpointError
 
-# The library's vetted reader of DCP ``.metadata`` (an allow-list of DCP's own classes): the one
-# piece of it this plugin uses beyond the public API, so that no pickle is read twice over.
-from checkpoint_manager.engine.dcp.io import read_dcp_metadata
+# The DCP engine's public reader of ``.metadata`` (an allow-list of DCP's own classes), so that no
+# pickle is read here.
+from checkpoint_manager.engine.dcp import read_dcp_metadata
 from cm_torchtitan.loader import LoaderState
 
 __all__ = [

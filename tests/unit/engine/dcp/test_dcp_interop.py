@@ -421,16 +421,16 @@ def test_gather_renders_no_entry_per_tensor() -> None:
     assert len(gathered.tensors) == 100 and gathered.objects == {}
 
 
-@pytest.mark.parametrize("upload_mode", ["stream", "staged"])
+@pytest.mark.parametrize("upload_mode", ["stream", "scratch"])
 def test_s3_upload_holds_the_entries(tmp_path: Path, upload_mode: str, moto_s3: MotoS3) -> None:
-    """Saved to S3 (moto on loopback), streamed from memory or staged: the downloaded checkpoint
+    """Saved to S3 (moto on loopback), streamed from memory or written to scratch first: the downloaded checkpoint
     loads through the plain recipe."""
     model, opt, sched = build("adamw")
     train(model, opt, sched, 2)
     s3 = moto_s3
     url = f"s3://{s3.make_bucket()}/runs"
     options = storage_options(s3.endpoint)
-    config = CheckpointConfig(save_dir=url, storage_options=options, staging_dir=str(tmp_path / "staging"),
+    config = CheckpointConfig(save_dir=url, storage_options=options, scratch_dir=str(tmp_path / "staging"),
                               upload_mode=upload_mode, fsync=False)
     with DefaultCheckpointManager(config) as mgr:
         remote = mgr.save(SaveContext(model=model, optimizer=opt, scheduler=sched,
