@@ -86,7 +86,7 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def moto_s3() -> Iterator[MotoS3]:
-    """moto's S3 server on loopback, in its own process, once per session (per xdist worker): each
+    """moto's S3 server on loopback, in its own process, once per test session: each
     test makes its own bucket (``make_bucket``), so nothing leaks between tests."""
     with MotoS3(process=True) as server:
         yield server
