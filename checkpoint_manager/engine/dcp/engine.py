@@ -259,7 +259,7 @@ class DCPEngine:
                 # several ranks: each plans and writes alone (multirank); a tensor group in files of its
                 # own (save_frozen="once") or a streamed upload goes through dcp.save
                 if ctx.world_size > 1 and type(writer) is CheckpointWriter and not ctx.group:
-                    written = save_ranks(self.ranks, state.tensors, directory, ctx, writer, records)
+                    written = save_ranks(self.ranks, state.tensors, directory, ctx, writer)
                     if written is not None:
                         return written
                     writer = self._writer(directory, ctx)  # the ranks hold different tensors: dcp.save

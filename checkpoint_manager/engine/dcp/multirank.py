@@ -255,11 +255,11 @@ def save_ranks(
     directory: Path,
     ctx: EngineContext,
     writer: CheckpointWriter,
-    objects: dict[str, bytes],
 ) -> dict[str, FileRecord] | None:
-    """This rank's part of a multi-rank save (see the module docstring), into ``directory``; returns
-    the records of the files it wrote, or None when the ranks must save through ``dcp.save`` (their
-    tensors differ, or a DTensor is placed otherwise). Collective over ``ctx.process_group``."""
+    """This rank's part of a multi-rank save (see the module docstring), into ``directory`` through
+    ``writer`` (its ``objects`` already set); returns the records of the files it wrote, or None when
+    the ranks must save through ``dcp.save`` (their tensors differ, or a DTensor is placed otherwise).
+    Collective over ``ctx.process_group``."""
     rank, world, group = ctx.rank, ctx.world_size, ctx.process_group
     coordinator = rank == 0
     t0 = time.perf_counter()
@@ -272,7 +272,6 @@ def save_ranks(
     layout: list[tuple[int, int]] | None = None
     if keys is not None:
         try:
-            writer.objects = objects
             writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
             plan = SavePlan(plans.items, storage_data=_StoragePrefix(f"__{rank}_"), planner_data=plans.mappings)
             results = writer.write_data(plan, planner).value()
