@@ -66,7 +66,6 @@ def classify(exc: BaseException) -> ExitCode:
     exc = unwrap(exc)
     if isinstance(exc, CliError):
         return ExitCode.USAGE if exc.code == ExitCode.DIFFERENT else exc.code
-        return exc.code
     if isinstance(exc, KeyboardInterrupt):
         return ExitCode.INTERRUPTED
     if isinstance(exc, (CheckpointNotFoundError, FileNotFoundError, NotADirectoryError)):

@@ -103,19 +103,17 @@ def open_source(path: Path, *, section: str | None = None, meta: dict[str, Any] 
 
 def _checkpoint_source(path: Path, section: str | None, meta: dict[str, Any] | None) -> TensorSource:
     from checkpoint_manager.engine.reading import open_directory
+    from checkpoint_manager.errors import CheckpointNotFoundError
+    from checkpoint_manager.formats.tensor_groups import tensor_entries
 
     checkpoint = open_directory(path, meta=meta)
-    prefix = f"{section}." if section else ""
-    tensors: list[TensorInfo] = []
-    for key, info in checkpoint.index.items():
-        if not key.startswith(prefix):
-            continue
-        numel = 1
-        for d in info.shape:
-            numel *= d
-        tensors.append(TensorInfo(key[len(prefix) :], tuple(info.shape), _dtype_name(info.dtype), numel * info.dtype.itemsize))
-    if section and not tensors:
-        raise CliError(ExitCode.NOT_FOUND, f"{path}: no tensors under section {section!r}")
+    try:
+        entries = tensor_entries(checkpoint, section or None)
+    except CheckpointNotFoundError:
+        if section:
+            raise CliError(ExitCode.NOT_FOUND, f"{path}: no tensors under section {section!r}") from None
+        entries = []  # a checkpoint that holds no tensors: an empty listing
+    tensors = [TensorInfo(e.name, e.shape, _dtype_name(e.dtype), e.nbytes()) for e in entries]
     return TensorSource(path, "checkpoint", tensors, section, checkpoint)
 
 

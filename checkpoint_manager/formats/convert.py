@@ -31,7 +31,7 @@ from checkpoint_manager.core.layout import (
     seal_checkpoint_json,
 )
 from checkpoint_manager.core.plugins import ENGINE, check_plugin_class, find_plugin
-from checkpoint_manager.core.safe_io import parse_json, read_small
+from checkpoint_manager.core.safe_io import read_json
 from checkpoint_manager.engine.base import Engine, EngineContext, EngineState
 from checkpoint_manager.engine.reading import CheckpointTensors, plain_engine
 from checkpoint_manager.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
@@ -187,8 +187,7 @@ def _json_file(directory: Path, name: str) -> Any:
     file = directory / name
     if not file.exists():
         return None
-    limit = json_read_limit(name)
-    return parse_json(read_small(file, root=directory, limit=limit), file, limit=limit)
+    return read_json(file, root=directory, limit=json_read_limit(name))
 
 
 def _writing_engine(engine: str | Engine) -> Engine:

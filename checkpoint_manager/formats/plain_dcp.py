@@ -59,7 +59,6 @@ __all__ = [
     "plain_model_tensors",
     "plan_plain_import",
     "read_plain_import",
-    "read_plain_index",
 ]
 
 log = logging.getLogger("checkpoint_manager")
@@ -90,12 +89,6 @@ class PlainIndex:
     @property
     def sections(self) -> set[str]:
         return {k.split(".", 1)[0] for k in (*self.tensors, *self.objects)}
-
-
-def read_plain_index(path: Path, config: Any | None = None) -> PlainIndex:
-    """The index of the plain directory ``path``, read by the engine whose files it holds."""
-    opened = open_directory(path, config=config)
-    return PlainIndex(opened.index, tuple(opened.object_keys()))
 
 
 def model_entries(index: PlainIndex, model_key: str = "model") -> dict[str, str]:

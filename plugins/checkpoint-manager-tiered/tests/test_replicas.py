@@ -22,14 +22,19 @@ from replica_nodes import Job, can_isolate_nodes
 from safetensors.torch import load_file
 
 from checkpoint_manager import create_checkpoint_manager
+from tests.helpers.machine import missing_capability
 
 STEPS = 10
 JOB_TIMEOUT = 400  # seconds: four processes importing torch on a busy 2-core machine take a while
 
-pytestmark = [
-    pytest.mark.timeout(1500),
-    pytest.mark.skipif(not can_isolate_nodes(), reason="needs root and unshare (a mount namespace per node)"),
-]
+pytestmark = pytest.mark.timeout(1500)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def isolated_nodes() -> None:
+    """Skipped without root and unshare (a mount namespace per node); a failure under CI, which has them."""
+    if not can_isolate_nodes():
+        missing_capability("needs root and unshare (a mount namespace per node)")
 
 
 def outputs(out: Path) -> dict[int, dict[str, torch.Tensor]]:
