@@ -335,9 +335,12 @@ class DCPEngine:
             except CheckpointException as exc:
                 raise own_failure(exc, 0) from exc
             return
-        cached = ctx.extra.get(_METADATA)  # freed with the load's ctx, after the state is set
+        # freed with the load's ctx, after the state is set; its data files were checked when it was read
+        cached = ctx.extra.get(_METADATA)
         metadata: Metadata | None = cached[1] if cached is not None and cached[0] == directory else None
-        reader = CheckpointReader(directory, fast=fast, metadata=metadata, agree=agree, check=ctx.check)
+        reader = CheckpointReader(
+            directory, fast=fast, metadata=metadata, agree=agree, check=ctx.check, files_checked=metadata is not None
+        )
         into = wanted if fast else fresh_like(wanted)
         try:
             with quiet_single_process():

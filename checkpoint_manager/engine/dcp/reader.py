@@ -75,9 +75,11 @@ class CheckpointReader(FileSystemReader):
         metadata: Metadata | None = None,
         agree: Agree | None = None,
         check: Check | None = None,
+        files_checked: bool = False,
     ) -> None:
         """``metadata``: what :func:`read_dcp_metadata` already returned for ``path`` (unpickling it
-        again costs ~30 us per tensor). ``agree``: the ranks' vote between check and copy (several
+        again costs ~30 us per tensor); ``files_checked``: its data files already passed
+        :func:`check_data_files` (a pass over every record and an open per file, not done twice). ``agree``: the ranks' vote between check and copy (several
         ranks reading with ``fast``), so that no rank copies while another found damage. ``check``:
         called (``fast``) with every record's values, viewed in the file, before the first copy."""
         super().__init__(path)
@@ -85,7 +87,7 @@ class CheckpointReader(FileSystemReader):
         self.fast = fast
         self._agree = agree
         self._check = check
-        self._files_checked = False
+        self._files_checked = files_checked and metadata is not None
 
     def _check_files(self) -> None:
         """Every data file the metadata names is a regular file inside the checkpoint holding its

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["METADATA_KEY", "DCPTensorReader"]
 
-#: ``ctx.extra``: ``(directory, Metadata)`` already read, which ``DCPEngine.load`` reuses
+#: ``ctx.extra``: ``(directory, Metadata)`` already read, its data files checked, which ``DCPEngine.load`` reuses
 METADATA_KEY = "dcp.metadata"
 
 
@@ -43,7 +43,6 @@ class DCPTensorReader:
     def _read_metadata(self) -> Metadata:
         if self._metadata is None:
             self._metadata = read_dcp_metadata(self._directory, meta=dict(self._ctx.meta), level=self._level)
-            self._ctx.extra[METADATA_KEY] = (self._directory, self._metadata)
         return self._metadata
 
     def index(self) -> Mapping[str, TensorInfo]:
@@ -63,6 +62,7 @@ class DCPTensorReader:
         if not self._checked:  # before any target is allocated from the sizes the metadata claims
             check_data_files(metadata, self._directory)
             self._checked = True
+            self._ctx.extra[METADATA_KEY] = (self._directory, metadata)  # checked: load reuses both
         entries = metadata.state_dict_metadata
         targets: dict[str, torch.Tensor] = {}
         for key in keys:
