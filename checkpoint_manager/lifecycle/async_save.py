@@ -85,8 +85,7 @@ class AsyncSaves:
         def start_save(snapshot: EngineState) -> None:
             writer.submit_save(lambda: self.publish(job), step, final=job.final)
 
-        self.stager.snapshot(job, live, start_save)
-        if not writer.busy or writer.step != step:
+        if not self.stager.snapshot(job, live, start_save):  # else the engine started the write early
             start_save(job.engine_state)
         job.timings["stage"] = time.perf_counter() - t0
         stall = time.perf_counter() - job.started

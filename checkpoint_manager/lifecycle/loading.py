@@ -325,30 +325,35 @@ class Loader:
         loaded one is), or starts a line of its own; the names of the line's checkpoints past
         ``step``, which that save supersedes (the same on every rank). Collective."""
 
+        listed: list[CheckpointInfo] = []  # rank 0's one listing: the lineage is rank 0's to write
+
         def find() -> list[Any]:
-            line = [i for i in self.discovery.list_checkpoints() if not i.superseded]
+            listed[:] = self.discovery.list_checkpoints()
+            line = [i for i in listed if not i.superseded]
             before = [i.name for i in line if i.step <= step]
             return [before[-1] if before else None, [i.name for i in line if i.step > step]]
 
         name, newer = self.dist.on_coordinator(find, f"branch at step {step}")
-        parent = None
-        if name is not None and self.dist.is_coordinator:  # the lineage is rank 0's to write
-            parent = next((i for i in self.discovery.list_checkpoints() if i.name == name), None)
+        parent = next((i for i in listed if i.name == name), None) if name is not None else None
         cursor = self.cursor
         cursor.descend_from(parent)
         cursor.resumed_from = name
         cursor.saved(step)
         if parent is not None:
-            self.warn_going_back(parent)
+            self.warn_going_back(parent, infos=listed)
         return list(newer)
 
-    def warn_going_back(self, loaded: CheckpointInfo, skipped: Collection[str] = ()) -> None:
+    def warn_going_back(
+        self, loaded: CheckpointInfo, skipped: Collection[str] = (), *, infos: list[CheckpointInfo] | None = None
+    ) -> None:
         """Rank 0: a load of a checkpoint older than the newest of its line names what the next save
         supersedes (a run that goes on from here starts a new line), and what becomes of them; those
-        auto-resume skipped as unloadable were named already."""
+        auto-resume skipped as unloadable were named already. ``infos``: save_dir's listing, where the
+        caller just took it."""
         if self.dist.rank != 0:
             return
-        newer = [i for i in superseded_by(loaded, self.discovery.list_checkpoints()) if i.location not in skipped]
+        infos = self.discovery.list_checkpoints() if infos is None else infos
+        newer = [i for i in superseded_by(loaded, infos) if i.location not in skipped]
         if not newer:
             return
         fate = (

@@ -58,18 +58,18 @@ class Stager:
         self.buffers = StagingBuffers()  # async snapshots for an engine without stage()
         self.prepared = False  # the save path warmed up ahead of the first save (see warm_up)
 
-    def snapshot(self, job: SaveJob, live: frozenset[str], start_save: Callable[[EngineState], None]) -> None:
+    def snapshot(self, job: SaveJob, live: frozenset[str], start_save: Callable[[EngineState], None]) -> bool:
         """Copy the state ``job`` gathered into host memory: ``job.engine_state`` (and the tensors of
         ``job.state``) become the copies; the keys in ``live`` are left as they are (written from live
         memory). An engine with ``stage`` may hand the snapshot to ``start_save`` before its copy is
-        complete (``overlap``), so the write starts early."""
+        complete (``overlap``), so the write starts early; whether it did."""
         stage = getattr(self.engine, "stage", None)
         if stage is None:  # the lifecycle's own snapshot: one copy into reused host buffers
             tensors = job.state.tensors
             copies = self.buffers.stage({k: t for k, t in tensors.items() if k not in live} if live else tensors)
             job.state.tensors = {k: copies.get(k, t) for k, t in tensors.items()} if live else copies
             job.engine_state = EngineState(job.state.tensors, job.state.objects)
-            return
+            return False
         started: list[EngineState] = []
 
         def start(snapshot: EngineState) -> None:  # the engine starts the write early
@@ -87,9 +87,11 @@ class Stager:
         except BaseException:
             self.writer.abandon()  # the writer raised waiting for the copies: only the staging error counts
             raise
-        if not started:
-            job.engine_state = snapshot
-            job.state.tensors = snapshot.tensors
+        if started:
+            return True
+        job.engine_state = snapshot
+        job.state.tensors = snapshot.tensors
+        return False
 
     def warm_up(self, ctx: SaveContext, *, gathered: dict[str, torch.Tensor] | None = None) -> None:
         """Before the first save (a fresh run's ``should_load``, a skipped step, a resume): warm the
